@@ -1,0 +1,36 @@
+"""The ``kvtier`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvtier.errors import KvtierError
+from kvtier.runtime import ENV_VAR
+from kvtier.runtime import get as get_runtime
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvtier.cli import doctor
+
+    parser = argparse.ArgumentParser(prog="kvtier", description="hierarchical KV cache for LLM serving")
+    parser.add_argument("--runtime", help=f"cuda | emulated:split | emulated:unified (default: ${ENV_VAR}, else "
+                                          "cuda when a GPU is usable, else emulated:split)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    doctor_parser = commands.add_parser("doctor", help="report devices, host memory kinds, aliases and copy speed")
+    doctor.add_arguments(doctor_parser)
+    doctor_parser.set_defaults(run=doctor.command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(get_runtime(args.runtime), args))
+    except KvtierError as exc:
+        print(f"kvtier {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Every exception kvtier raises on purpose, in one place.
+
+Callers catch :class:`KvtierError` for anything kvtier refused; the subclasses say which rule was broken, so an
+engine can tell "this buffer is pageable" from "the driver failed" without parsing messages.
+"""
+
+from __future__ import annotations
+
+
+class KvtierError(Exception):
+    """Base class of kvtier's own errors."""
+
+
+class RuntimeUnavailable(KvtierError):
+    """The requested runtime cannot be used on this machine (no driver, no GPU, unknown name)."""
+
+
+class RuntimeCallError(KvtierError):
+    """A native runtime call failed; the message names the call and the error."""
+
+    def __init__(self, call: str, error: str, detail: str = "") -> None:
+        self.call, self.error = call, error
+        super().__init__(f"{call}: {error}" + (f" ({detail})" if detail else ""))
+
+
+class IllegalAddress(KvtierError):
+    """A device touched an address that is not mapped for it: the emulator's model of a GPU memory fault."""
+
+
+class AddressDomainError(KvtierError, TypeError):
+    """A CPU address and a device address were mixed, or a raw integer was offered where a typed one is needed."""
+
+
+class WrongDeviceError(KvtierError):
+    """Memory of one device was offered to another."""
+
+
+class NotDeviceAccessible(KvtierError):
+    """Host memory that no device can reach (pageable, or not registered) was offered to a device."""
+
+
+class RegistrationError(KvtierError):
+    """Registering host memory with the runtime failed or would overlap an existing registration."""
+
+
+class HugePagesUnavailable(KvtierError):
+    """The system has no free huge pages for a hugetlb buffer."""
+
+
+class BufferClosed(KvtierError):
+    """A buffer was used after close()."""
+
+
+class BufferInUse(KvtierError):
+    """close() was refused because views of the buffer are still alive."""
+
+
+class InvalidDevice(KvtierError, ValueError):
+    """A device index that this runtime does not have."""

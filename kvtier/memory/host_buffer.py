@@ -1,0 +1,217 @@
+"""Host buffers that devices can reach: pinned, registered anonymous mmap, registered shm, hugetlb — and pageable.
+
+A ``HostBuffer`` owns its memory and its registrations. It hands out the CPU address for CPU-side consumers and the
+device alias for kernels, and it outlives every torch view made of it: ``close()`` refuses while views are alive,
+because unmapping under a live tensor turns the next read into a crash.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import math
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier import osmem
+from kvtier.errors import BufferClosed, BufferInUse, KvtierError, NotDeviceAccessible, RegistrationError
+from kvtier.memory import host_memory
+from kvtier.memory.address import CpuAddress, DeviceAddress
+from kvtier.memory.registration import DEFAULT_REGISTER_CHUNK_BYTES, register_chunks, unregister_chunks
+from kvtier.runtime import Runtime
+from kvtier.runtime import get as get_runtime
+
+if TYPE_CHECKING:
+    import torch
+
+
+class HostKind(str, enum.Enum):
+    PINNED = "pinned"
+    REGISTERED = "registered"
+    SHM = "shm"
+    HUGETLB = "hugetlb"
+    PAGEABLE = "pageable"
+
+
+class _Resources:
+    """What a buffer must give back; shared with the finalizer, so it holds no reference to the buffer."""
+
+    def __init__(self, runtime: Runtime, memory: host_memory.HostMemory) -> None:
+        self.runtime, self.memory = runtime, memory
+        self.chunks: list[tuple[int, int]] = []
+        self.released = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        try:
+            unregister_chunks(self.runtime, self.chunks)
+        finally:
+            self.memory.release()
+
+
+@dataclass(frozen=True)
+class HostRegion:
+    """An offset view of a host buffer: what a page or a layer slice of a pool is."""
+
+    buffer: "HostBuffer"
+    offset: int
+    nbytes: int
+
+    @property
+    def cpu_address(self) -> CpuAddress:
+        return self.buffer.cpu_address + self.offset
+
+    def device_address(self, device: int) -> DeviceAddress:
+        return self.buffer.device_address(device, self.offset, self.nbytes)
+
+
+class HostBuffer:
+    """Use :meth:`allocate` or :meth:`attach_shm`; close with :meth:`close` or a ``with`` block."""
+
+    def __init__(self, runtime: Runtime, kind: HostKind, memory: host_memory.HostMemory, name: str | None) -> None:
+        self.runtime, self.kind, self.name = runtime, kind, name
+        self._resources = _Resources(runtime, memory)
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        anchor_type = type("HostBufferBytes", (ctypes.c_uint8 * memory.nbytes,), {})
+        self._anchor = anchor_type.from_address(memory.address)
+        self._anchor.owner = self
+        self._baseline_refs = sys.getrefcount(self._anchor)
+        self.register_seconds = 0.0
+
+    @classmethod
+    def allocate(cls, nbytes: int, kind: HostKind | str = HostKind.REGISTERED, *, runtime: Runtime | None = None,
+                 granularity: int = 1, register_chunk_bytes: int = DEFAULT_REGISTER_CHUNK_BYTES,
+                 name: str | None = None) -> HostBuffer:
+        """``granularity`` is the KV page size in bytes: no registration chunk boundary falls inside a page."""
+        kind = HostKind(kind)
+        runtime = runtime or get_runtime()
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise KvtierError(f"HostBuffer size must be a positive int, got {nbytes!r}")
+        if name is not None and kind is not HostKind.SHM:
+            raise KvtierError(f"only shm buffers have names (kind={kind.value})")
+        if kind is HostKind.PINNED:
+            memory = host_memory.pinned(runtime, nbytes)
+        elif kind is HostKind.SHM:
+            name = name or host_memory.new_shm_name()
+            memory = host_memory.shm_create(name, nbytes)
+        elif kind is HostKind.HUGETLB:
+            memory = host_memory.hugetlb(nbytes)
+        else:
+            memory = host_memory.anonymous(nbytes)
+        buffer = cls(runtime, kind, memory, name)
+        if kind not in (HostKind.PINNED, HostKind.PAGEABLE):
+            buffer._register(granularity, register_chunk_bytes)
+        return buffer
+
+    @classmethod
+    def attach_shm(cls, name: str, *, runtime: Runtime | None = None, granularity: int = 1,
+                   register_chunk_bytes: int = DEFAULT_REGISTER_CHUNK_BYTES) -> HostBuffer:
+        """Map and register, in this process, an shm buffer another process created; the creator removes it."""
+        runtime = runtime or get_runtime()
+        buffer = cls(runtime, HostKind.SHM, host_memory.shm_attach(name), name)
+        buffer._register(granularity, register_chunk_bytes)
+        return buffer
+
+    def _register(self, granularity: int, chunk_bytes: int) -> None:
+        memory = self._resources.memory
+        page = host_memory.huge_page_size() if self.kind is HostKind.HUGETLB else osmem.PAGE_SIZE
+        started = time.perf_counter()
+        try:
+            self._resources.chunks = register_chunks(self.runtime, memory.address, memory.nbytes,
+                                                     chunk_bytes=chunk_bytes, granularity=math.lcm(granularity, page))
+        except BaseException:
+            self._finalizer()
+            raise
+        self.register_seconds = time.perf_counter() - started
+
+    # -- what it is ----------------------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return self._resources.memory.nbytes
+
+    @property
+    def closed(self) -> bool:
+        return self._resources.released
+
+    @property
+    def path(self) -> str | None:
+        return self._resources.memory.path
+
+    @property
+    def cpu_address(self) -> CpuAddress:
+        self._check_open()
+        return CpuAddress(self._resources.memory.address)
+
+    @property
+    def chunks(self) -> tuple[tuple[CpuAddress, int], ...]:
+        return tuple((CpuAddress(start), size) for start, size in self._resources.chunks)
+
+    @property
+    def device_accessible(self) -> bool:
+        return self.kind is not HostKind.PAGEABLE
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"0x{self._resources.memory.address:x}"
+        return f"<HostBuffer {self.kind.value} {self.nbytes} bytes {state} on {self.runtime.name}>"
+
+    # -- addresses and views ---------------------------------------------------------------------------------------
+    def device_address(self, device: int, offset: int = 0, nbytes: int = 1) -> DeviceAddress:
+        """The address kernels on ``device`` use for [offset, offset + nbytes) of this buffer."""
+        self._check_open()
+        if offset < 0 or nbytes < 0 or offset + max(nbytes, 1) > self.nbytes:
+            raise KvtierError(f"[{offset}, +{nbytes}) is outside {self!r}")
+        address = self._resources.memory.address + offset
+        if self.kind is HostKind.PAGEABLE:
+            if self.runtime.device_attributes(self.runtime.check_device(device)).pageable_memory_access:
+                return DeviceAddress(address, device)
+            raise NotDeviceAccessible(
+                f"{self!r} is pageable host memory, which device {device} cannot access; allocate kind "
+                f"'registered', 'pinned' or 'shm' for anything a kernel reads or writes")
+        if self.kind is not HostKind.PINNED and self.runtime.host_range(address, max(nbytes, 1)) is None:
+            raise RegistrationError(f"[{offset}, +{nbytes}) of {self!r} spans two registration chunks; resolve "
+                                    f"each page on its own (chunk boundaries follow the buffer's granularity)")
+        return DeviceAddress(self.runtime.host_get_device_pointer(address, device), device)
+
+    def region(self, offset: int, nbytes: int) -> HostRegion:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise KvtierError(f"region [{offset}, +{nbytes}) is outside {self!r}")
+        return HostRegion(self, offset, nbytes)
+
+    def as_tensor(self, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
+        """A flat CPU tensor over the buffer's bytes; it keeps the buffer from closing while it lives."""
+        import torch
+
+        self._check_open()
+        dtype = dtype or torch.uint8
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if self.nbytes % itemsize:
+            raise KvtierError(f"{self.nbytes} bytes is not a whole number of {dtype} elements")
+        return torch.frombuffer(self._anchor, dtype=dtype)
+
+    def live_views(self) -> int:
+        """How many tensor storages still view this buffer."""
+        return sys.getrefcount(self._anchor) - self._baseline_refs
+
+    # -- lifetime --------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unregister every chunk by its CPU address, unmap, and (shm owner) remove the file. Idempotent."""
+        if self.closed:
+            return
+        if self.live_views() > 0:
+            raise BufferInUse(f"{self!r} still has {self.live_views()} tensor view(s) alive; delete them first")
+        self._finalizer()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise BufferClosed(f"{self!r} is closed")
+
+    def __enter__(self) -> HostBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

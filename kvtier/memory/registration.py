@@ -1,0 +1,63 @@
+"""Chunked registration of host memory, all-or-nothing.
+
+Drivers have failed single registrations of 96–512 GiB, so large buffers are registered in chunks. A chunk boundary
+never splits a KV page (``granularity``), because separately registered neighbours can get non-adjacent device
+aliases: a page that straddled them would have no single device address.
+"""
+
+from __future__ import annotations
+
+from kvtier.errors import RegistrationError
+from kvtier.runtime import Runtime
+
+DEFAULT_REGISTER_CHUNK_BYTES = 64 << 30
+
+
+def plan_chunks(nbytes: int, chunk_bytes: int, granularity: int) -> list[tuple[int, int]]:
+    """(offset, size) chunks covering ``nbytes``; every boundary is a multiple of ``granularity``."""
+    if nbytes <= 0:
+        raise RegistrationError(f"cannot register {nbytes} bytes")
+    if granularity <= 0:
+        raise RegistrationError(f"registration granularity must be positive, got {granularity}")
+    if chunk_bytes < granularity:
+        raise RegistrationError(
+            f"register_chunk_bytes={chunk_bytes} is smaller than the granularity {granularity}: a page would span "
+            f"two registrations")
+    step = chunk_bytes - chunk_bytes % granularity
+    return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
+
+
+def register_chunks(runtime: Runtime, address: int, nbytes: int, *, chunk_bytes: int = DEFAULT_REGISTER_CHUNK_BYTES,
+                    granularity: int = 1) -> list[tuple[int, int]]:
+    """Register [address, +nbytes) chunk by chunk; on a failure, unregister what was done and raise.
+
+    Returns the (CPU address, size) of each registered chunk, which is also what unregistering needs.
+    """
+    plan = plan_chunks(nbytes, chunk_bytes, granularity)
+    clash = runtime.host_overlap(address, nbytes)
+    if clash is not None:
+        raise RegistrationError(f"0x{address:x} (+{nbytes}) is already registered (range at 0x{clash.start:x})")
+    done: list[tuple[int, int]] = []
+    for index, (offset, size) in enumerate(plan):
+        try:
+            runtime.host_register(address + offset, size)
+        except Exception as exc:
+            unregister_chunks(runtime, done)
+            raise RegistrationError(
+                f"registering chunk {index} of {len(plan)} ({size} bytes at offset {offset}) failed: {exc}; "
+                f"the {len(done)} chunk(s) before it were unregistered") from exc
+        done.append((address + offset, size))
+    return done
+
+
+def unregister_chunks(runtime: Runtime, chunks: list[tuple[int, int]]) -> None:
+    """Unregister each chunk by its own CPU address, last first; keeps going past failures and reports them."""
+    failures = []
+    while chunks:
+        start, _ = chunks.pop()
+        try:
+            runtime.host_unregister(start)
+        except Exception as exc:
+            failures.append(f"0x{start:x}: {exc}")
+    if failures:
+        raise RegistrationError("unregistering failed for " + "; ".join(failures))

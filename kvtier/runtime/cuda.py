@@ -1,0 +1,196 @@
+"""NVIDIA CUDA through NVIDIA's ``cuda-bindings`` runtime API.
+
+Every call goes through :func:`check`, which turns a non-success status into a :class:`RuntimeCallError` naming the
+call and the error, so no raw status code leaves this module. The runtime shares the driver's per-thread current
+context with PyTorch, so ``set_device`` here and ``torch.cuda.set_device`` see the same device, and torch streams can
+be wrapped with :meth:`CudaRuntime.wrap_stream`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from kvtier.errors import RuntimeCallError, RuntimeUnavailable
+from kvtier.runtime.base import DeviceAttributes, Event, MemoryType, PointerAttributes, Runtime, Stream
+
+
+def _bindings() -> Any:
+    try:
+        from cuda.bindings import runtime
+    except ImportError as exc:
+        raise RuntimeUnavailable(f"cuda runtime needs NVIDIA's cuda-bindings package ({exc})") from exc
+    return runtime
+
+
+def check(result: Any, call: str) -> Any:
+    """Unpack a cuda-bindings ``(status, *values)`` tuple, raising on failure; returns the value(s)."""
+    cudart = _bindings()
+    status, values = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+    if status != cudart.cudaError_t.cudaSuccess:
+        _, name = cudart.cudaGetErrorName(status)
+        _, text = cudart.cudaGetErrorString(status)
+        raise RuntimeCallError(call, name.decode(), text.decode())
+    return values[0] if len(values) == 1 else values
+
+
+class CudaStream(Stream):
+    def __init__(self, cudart: Any, device: int, handle: Any, owned: bool) -> None:
+        self._cudart, self.device, self._handle, self._owned = cudart, device, handle, owned
+        self.handle = int(handle)
+        self._finalizer = weakref.finalize(self, _destroy, cudart.cudaStreamDestroy, handle) if owned else None
+
+    @property
+    def native(self) -> Any:
+        return self._handle
+
+    def synchronize(self) -> None:
+        check(self._cudart.cudaStreamSynchronize(self._handle), "cudaStreamSynchronize")
+
+    def wait(self, event: Event) -> None:
+        if not isinstance(event, CudaEvent):
+            raise TypeError(f"a CUDA stream can only wait on a CUDA event, not {event!r}")
+        check(self._cudart.cudaStreamWaitEvent(self._handle, event.native, 0), "cudaStreamWaitEvent")
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+class CudaEvent(Event):
+    def __init__(self, cudart: Any, device: int) -> None:
+        self._cudart, self.device = cudart, device
+        self.native = check(cudart.cudaEventCreate(), "cudaEventCreate")
+        self._finalizer = weakref.finalize(self, _destroy, cudart.cudaEventDestroy, self.native)
+
+    def record(self, stream: Stream) -> None:
+        if not isinstance(stream, CudaStream):
+            raise TypeError(f"a CUDA event can only be recorded on a CUDA stream, not {stream!r}")
+        check(self._cudart.cudaEventRecord(self.native, stream.native), "cudaEventRecord")
+
+    def query(self) -> bool:
+        status = self._cudart.cudaEventQuery(self.native)[0]
+        if status == self._cudart.cudaError_t.cudaErrorNotReady:
+            return False
+        check((status,), "cudaEventQuery")
+        return True
+
+    def synchronize(self) -> None:
+        check(self._cudart.cudaEventSynchronize(self.native), "cudaEventSynchronize")
+
+    def elapsed_ms(self, end: Event) -> float:
+        if not isinstance(end, CudaEvent):
+            raise TypeError("elapsed_ms needs two CUDA events")
+        return float(check(self._cudart.cudaEventElapsedTime(self.native, end.native), "cudaEventElapsedTime"))
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _destroy(destroy: Any, handle: Any) -> None:
+    destroy(handle)
+
+
+class CudaRuntime(Runtime):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cudart = cudart = _bindings()
+        status, count = cudart.cudaGetDeviceCount()
+        if status != cudart.cudaError_t.cudaSuccess or count == 0:
+            reason = "no CUDA device" if status == cudart.cudaError_t.cudaSuccess else cudart.cudaGetErrorName(status)[1].decode()
+            raise RuntimeUnavailable(f"cuda runtime unusable on this machine: {reason}")
+        self._count = count
+        self._memcpy_default = cudart.cudaMemcpyKind.cudaMemcpyDefault
+
+    def device_count(self) -> int:
+        return self._count
+
+    def current_device(self) -> int:
+        return int(check(self._cudart.cudaGetDevice(), "cudaGetDevice"))
+
+    def set_device(self, device: int) -> None:
+        check(self._cudart.cudaSetDevice(self.check_device(device)), "cudaSetDevice")
+
+    def device_attributes(self, device: int) -> DeviceAttributes:
+        cudart = self._cudart
+        attr = cudart.cudaDeviceAttr
+        prop = check(cudart.cudaGetDeviceProperties(self.check_device(device)), "cudaGetDeviceProperties")
+
+        def flag(name: str) -> bool:
+            return bool(check(cudart.cudaDeviceGetAttribute(getattr(attr, name), device), "cudaDeviceGetAttribute"))
+
+        return DeviceAttributes(
+            name=prop.name.decode(errors="replace").rstrip("\0"), compute_capability=(prop.major, prop.minor),
+            total_memory=int(prop.totalGlobalMem), multiprocessors=int(prop.multiProcessorCount),
+            can_use_host_pointer_for_registered_mem=flag("cudaDevAttrCanUseHostPointerForRegisteredMem"),
+            unified_addressing=flag("cudaDevAttrUnifiedAddressing"),
+            can_map_host_memory=flag("cudaDevAttrCanMapHostMemory"),
+            pageable_memory_access=flag("cudaDevAttrPageableMemoryAccess"),
+            host_register_supported=flag("cudaDevAttrHostRegisterSupported"))
+
+    def synchronize(self, device: int | None = None) -> None:
+        with self.using_device(self.current_device() if device is None else device):
+            check(self._cudart.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+    def _host_alloc(self, nbytes: int) -> int:
+        flags = self._cudart.cudaHostAllocPortable | self._cudart.cudaHostAllocMapped
+        return int(check(self._cudart.cudaHostAlloc(nbytes, flags), "cudaHostAlloc"))
+
+    def _host_free(self, address: int) -> None:
+        check(self._cudart.cudaFreeHost(address), "cudaFreeHost")
+
+    def _host_register(self, address: int, nbytes: int) -> None:
+        flags = self._cudart.cudaHostRegisterPortable | self._cudart.cudaHostRegisterMapped
+        check(self._cudart.cudaHostRegister(address, nbytes, flags), "cudaHostRegister")
+
+    def _host_unregister(self, address: int) -> None:
+        check(self._cudart.cudaHostUnregister(address), "cudaHostUnregister")
+
+    def _host_get_device_pointer(self, address: int) -> int:
+        return int(check(self._cudart.cudaHostGetDevicePointer(address, 0), "cudaHostGetDevicePointer"))
+
+    def pointer_attributes(self, address: int) -> PointerAttributes:
+        attrs = check(self._cudart.cudaPointerGetAttributes(address), "cudaPointerGetAttributes")
+        kinds = self._cudart.cudaMemoryType
+        kind = {kinds.cudaMemoryTypeHost: MemoryType.HOST, kinds.cudaMemoryTypeDevice: MemoryType.DEVICE,
+                kinds.cudaMemoryTypeManaged: MemoryType.MANAGED}.get(attrs.type, MemoryType.UNREGISTERED)
+        if kind is MemoryType.UNREGISTERED:
+            return PointerAttributes(kind, None, None, None)
+        return PointerAttributes(kind, int(attrs.device), int(attrs.devicePointer) or None,
+                                 int(attrs.hostPointer) or None)
+
+    def device_alloc(self, nbytes: int, device: int) -> int:
+        with self.using_device(device):
+            return int(check(self._cudart.cudaMalloc(nbytes), "cudaMalloc"))
+
+    def device_free(self, address: int) -> None:
+        check(self._cudart.cudaFree(address), "cudaFree")
+
+    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
+        if nbytes:
+            check(self._cudart.cudaMemcpy(dst, src, nbytes, self._memcpy_default), "cudaMemcpy")
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, *, stream: Stream) -> None:
+        if not isinstance(stream, CudaStream):
+            raise TypeError(f"cuda runtime needs a CUDA stream, got {stream!r}")
+        if nbytes:
+            check(self._cudart.cudaMemcpyAsync(dst, src, nbytes, self._memcpy_default, stream.native),
+                  "cudaMemcpyAsync")
+
+    def create_stream(self, device: int | None = None) -> CudaStream:
+        device = self.current_device() if device is None else device
+        with self.using_device(device):
+            handle = check(self._cudart.cudaStreamCreateWithFlags(self._cudart.cudaStreamNonBlocking),
+                           "cudaStreamCreateWithFlags")
+        return CudaStream(self._cudart, device, handle, owned=True)
+
+    def wrap_stream(self, handle: int, device: int) -> CudaStream:
+        """Borrow a stream someone else owns (``torch.cuda.Stream.cuda_stream``); closing it does not destroy it."""
+        return CudaStream(self._cudart, self.check_device(device), self._cudart.cudaStream_t(handle), owned=False)
+
+    def create_event(self, device: int | None = None) -> CudaEvent:
+        device = self.current_device() if device is None else device
+        with self.using_device(device):
+            return CudaEvent(self._cudart, device)

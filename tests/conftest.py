@@ -1,0 +1,44 @@
+"""One suite for every runtime: each test that takes ``runtime`` runs on emulated:split, emulated:unified and, on a
+machine with a usable GPU, cuda (marked ``gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.errors import RuntimeUnavailable
+from kvtier.runtime import Runtime, create, get
+
+RUNTIMES = ["emulated:split", "emulated:unified", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def cuda_runtime() -> Runtime | None:
+    try:
+        return get("cuda")
+    except RuntimeUnavailable:
+        return None
+
+
+@pytest.fixture(params=RUNTIMES)
+def runtime(request: pytest.FixtureRequest) -> Runtime:
+    if request.param == "cuda":
+        rt = cuda_runtime()
+        if rt is None:
+            pytest.skip("no usable CUDA GPU")
+        return rt
+    return create(request.param)
+
+
+@pytest.fixture
+def split() -> Runtime:
+    return create("emulated:split")
+
+
+@pytest.fixture
+def two_devices(runtime: Runtime) -> Runtime:
+    if runtime.device_count() < 2:
+        pytest.skip("needs two devices")
+    return runtime
+
+
+def is_split(runtime: Runtime) -> bool:
+    return not runtime.device_attributes(0).can_use_host_pointer_for_registered_mem

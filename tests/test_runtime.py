@@ -1,0 +1,96 @@
+"""Runtime contracts every backend keeps: devices, copies, streams and events, registration bookkeeping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from device_kernels import random_bytes
+from kvtier.errors import RegistrationError, RuntimeCallError
+from kvtier.memory import DeviceBuffer, HostBuffer, HostKind
+from kvtier.runtime import MemoryType
+
+
+def test_device_attributes(runtime):
+    assert runtime.device_count() >= 1
+    attrs = runtime.device_attributes(0)
+    assert attrs.unified_addressing and attrs.can_map_host_memory and attrs.host_register_supported
+    assert attrs.total_memory > 0 and attrs.multiprocessors >= 1
+
+
+def test_async_copies_complete_in_stream_order(runtime):
+    n = 1 << 20
+    data = random_bytes(n)
+    with HostBuffer.allocate(2 * n, HostKind.PINNED, runtime=runtime) as host, \
+            DeviceBuffer(n, 0, runtime=runtime) as dev:
+        view = host.as_tensor().numpy()
+        view[:n], view[n:] = data, 0x3C
+        stream, done = runtime.create_stream(0), runtime.create_event(0)
+        start = runtime.create_event(0)
+        start.record(stream)
+        runtime.memcpy_async(dev.address.value, host.cpu_address.value, n, stream=stream)
+        runtime.memcpy_async(host.cpu_address.value + n, dev.address.value, n, stream=stream)
+        done.record(stream)
+        done.synchronize()
+        assert done.query()
+        assert start.elapsed_ms(done) >= 0
+        np.testing.assert_array_equal(view[n:], data)
+        for handle in (stream, done, start):
+            handle.close()
+        del view
+
+
+def test_stream_waits_on_an_event_of_another_stream(runtime):
+    n = 1 << 16
+    data = random_bytes(n)
+    with HostBuffer.allocate(2 * n, HostKind.PINNED, runtime=runtime) as host, \
+            DeviceBuffer(n, 0, runtime=runtime) as dev:
+        view = host.as_tensor().numpy()
+        view[:n], view[n:] = data, 0x77
+        upload, download, uploaded = runtime.create_stream(0), runtime.create_stream(0), runtime.create_event(0)
+        runtime.memcpy_async(dev.address.value, host.cpu_address.value, n, stream=upload)
+        uploaded.record(upload)
+        download.wait(uploaded)
+        runtime.memcpy_async(host.cpu_address.value + n, dev.address.value, n, stream=download)
+        download.synchronize()
+        np.testing.assert_array_equal(view[n:], data)
+        del view
+
+
+def test_pointer_attributes(runtime):
+    with HostBuffer.allocate(4096, runtime=runtime) as reg, DeviceBuffer(4096, 0, runtime=runtime) as dev, \
+            HostBuffer.allocate(4096, HostKind.PAGEABLE, runtime=runtime) as page:
+        host = runtime.pointer_attributes(reg.cpu_address.value)
+        assert host.type is MemoryType.HOST and host.host_pointer == reg.cpu_address.value
+        assert host.device_pointer == reg.device_address(runtime.current_device()).value
+        device = runtime.pointer_attributes(dev.address.value)
+        assert device.type is MemoryType.DEVICE and device.device == 0
+        assert runtime.pointer_attributes(page.cpu_address.value).type is MemoryType.UNREGISTERED
+
+
+def test_double_registration_is_refused_and_changes_nothing(runtime):
+    with HostBuffer.allocate(1 << 16, runtime=runtime) as buf:
+        before = buf.device_address(0)
+        for start, size in [(0, 4096), (8192, 4096), (0, 1 << 16)]:
+            with pytest.raises(RegistrationError, match="already registered"):
+                runtime.host_register(buf.cpu_address.value + start, size)
+        assert buf.device_address(0) == before
+        assert runtime.host_range(buf.cpu_address.value).nbytes == 1 << 16
+
+
+def test_unregister_needs_the_cpu_address_it_was_registered_with(runtime):
+    with HostBuffer.allocate(1 << 16, runtime=runtime) as buf:
+        alias = buf.device_address(0).value
+        with pytest.raises(RegistrationError, match="inside"):
+            runtime.host_unregister(buf.cpu_address.value + 4096)
+        if alias != buf.cpu_address.value:
+            with pytest.raises(RegistrationError, match="not a range kvtier knows"):
+                runtime.host_unregister(alias)
+        assert runtime.host_range(buf.cpu_address.value) is not None
+    assert runtime.host_range(buf.chunks[0][0].value) is None if buf.chunks else True
+
+
+def test_device_free_of_unknown_address_is_an_error(runtime):
+    with DeviceBuffer(4096, 0, runtime=runtime) as dev:
+        with pytest.raises(RuntimeCallError):
+            runtime.device_free(dev.address.value + 4096 * 1024 * 1024)
