@@ -29,6 +29,15 @@ def runtime(request: pytest.FixtureRequest) -> Runtime:
 
 
 @pytest.fixture
+def cuda() -> Runtime:
+    """The real CUDA runtime, for tests that only mean something there (mark them ``gpu``)."""
+    rt = cuda_runtime()
+    if rt is None:
+        pytest.skip("no usable CUDA GPU")
+    return rt
+
+
+@pytest.fixture
 def split() -> Runtime:
     return create("emulated:split")
 

@@ -114,9 +114,8 @@ def test_tensor_running_past_its_registration_is_refused(runtime):
 
 
 @pytest.mark.gpu
-def test_torch_tensors_on_cuda(runtime):
-    if runtime.name != "cuda":
-        pytest.skip("cuda only")
+def test_torch_tensors_on_cuda(cuda):
+    runtime = cuda
     on_device = torch.randint(1, 255, (4096,), dtype=torch.uint8, device="cuda:0")
     assert get_device_accessible_ptr(on_device[16:], 0, runtime=runtime) == DeviceAddress(on_device.data_ptr() + 16, 0)
     pinned = torch.empty(4096, dtype=torch.uint8).pin_memory()

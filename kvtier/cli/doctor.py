@@ -49,7 +49,7 @@ def _cell(key: str, value: Any) -> str:
     if key == "total_memory":
         return f"{value / (1 << 30):.0f} GiB"
     if key == "compute_capability":
-        return "%d.%d" % tuple(value)
+        return f"{value[0]}.{value[1]}"
     return _yes(value) if isinstance(value, bool) else str(value)
 
 

@@ -59,7 +59,7 @@ def _timed_copies(runtime: Runtime, copies: list[tuple[int, int]], nbytes: int, 
     rates = []
     for _ in range(repeats + 1):
         start.record(streams[0])
-        for stream, end, (dst, src) in zip(streams, ends, copies):
+        for stream, end, (dst, src) in zip(streams, ends, copies, strict=True):
             stream.wait(start)
             runtime.memcpy_async(dst, src, nbytes, stream=stream)
             end.record(stream)
@@ -68,8 +68,10 @@ def _timed_copies(runtime: Runtime, copies: list[tuple[int, int]], nbytes: int, 
         stop.record(streams[0])
         stop.synchronize()
         rates.append(len(copies) * nbytes / (start.elapsed_ms(stop) * 1e-3) / 1e9)
-    for handle in (*streams, start, stop, *ends):
-        handle.close()
+    for stream in streams:
+        stream.close()
+    for event in (start, stop, *ends):
+        event.close()
     return statistics.median(rates[1:])
 
 

@@ -14,7 +14,7 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier import osmem
 from kvtier.errors import BufferClosed, BufferInUse, KvtierError, NotDeviceAccessible, RegistrationError
@@ -77,7 +77,7 @@ class HostBuffer:
         self.runtime, self.kind, self.name = runtime, kind, name
         self._resources = _Resources(runtime, memory)
         self._finalizer = weakref.finalize(self, self._resources.release)
-        anchor_type = type("HostBufferBytes", (ctypes.c_uint8 * memory.nbytes,), {})
+        anchor_type: Any = type("HostBufferBytes", (ctypes.c_uint8 * memory.nbytes,), {})
         self._anchor = anchor_type.from_address(memory.address)
         self._anchor.owner = self
         self._baseline_refs = sys.getrefcount(self._anchor)

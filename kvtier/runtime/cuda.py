@@ -99,8 +99,10 @@ class CudaRuntime(Runtime):
         self._cudart = cudart = _bindings()
         status, count = cudart.cudaGetDeviceCount()
         if status != cudart.cudaError_t.cudaSuccess or count == 0:
-            reason = "no CUDA device" if status == cudart.cudaError_t.cudaSuccess else cudart.cudaGetErrorName(status)[1].decode()
-            raise RuntimeUnavailable(f"cuda runtime unusable on this machine: {reason}")
+            reason = "no CUDA device" if status == cudart.cudaError_t.cudaSuccess else (
+                f"{cudart.cudaGetErrorName(status)[1].decode()}: {cudart.cudaGetErrorString(status)[1].decode()}")
+            raise RuntimeUnavailable(f"cuda runtime unusable on this machine ({reason}); the emulated runtime "
+                                     f"(KVTIER_RUNTIME=emulated:split) needs no GPU")
         self._count = count
         self._memcpy_default = cudart.cudaMemcpyKind.cudaMemcpyDefault
 

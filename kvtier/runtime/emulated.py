@@ -16,8 +16,7 @@ from typing import Any, Callable
 from kvtier import osmem
 from kvtier.errors import IllegalAddress, RegistrationError, RuntimeCallError
 from kvtier.runtime.base import DeviceAttributes, MemoryType, PointerAttributes, Runtime, Stream
-from kvtier.runtime.emulated_device import (AddressMap, DeviceMemory, EmulatedEvent, EmulatedStream, Mapping,
-                                            MappingKind)
+from kvtier.runtime.emulated_device import AddressMap, DeviceMemory, EmulatedEvent, EmulatedStream, Mapping, MappingKind
 
 MODES = ("split", "unified")
 EMULATED_SPACE = 0x1000_0000_0000_0000
@@ -124,7 +123,7 @@ class EmulatedRuntime(Runtime):
         entry = self.host_range(address)
         if entry is None or entry.start not in self._host_aliases:
             raise RegistrationError(f"emulated: 0x{address:x} is not registered host memory")
-        for address_map, alias in zip(self._maps, self._host_aliases.pop(entry.start)):
+        for address_map, alias in zip(self._maps, self._host_aliases.pop(entry.start), strict=True):
             address_map.ranges.pop(alias)
         self._pinned_bytes -= entry.nbytes
         return entry.nbytes
