@@ -40,11 +40,11 @@ def test_failure_in_chunk_k_unregisters_everything(runtime, monkeypatch, failing
     calls = []
     real = runtime._host_register
 
-    def flaky(address, nbytes):
+    def flaky(address, nbytes, flags):
         calls.append(address)
         if len(calls) == failing_chunk + 1:
             raise RuntimeCallError("cudaHostRegister", "cudaErrorMemoryAllocation", "injected")
-        real(address, nbytes)
+        real(address, nbytes, flags)
 
     monkeypatch.setattr(runtime, "_host_register", flaky)
     with pytest.raises(RegistrationError, match=f"chunk {failing_chunk} of 4"):

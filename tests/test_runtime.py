@@ -94,3 +94,40 @@ def test_device_free_of_unknown_address_is_an_error(runtime):
     with DeviceBuffer(4096, 0, runtime=runtime) as dev:
         with pytest.raises(RuntimeCallError):
             runtime.device_free(dev.address.value + 4096 * 1024 * 1024)
+
+
+def test_registration_without_portable_is_for_the_current_device_only(runtime):
+    from kvtier import osmem
+    from kvtier.runtime import HostRegisterFlags
+
+    device = runtime.device_count() - 1
+    address = osmem.map_memory(1 << 16)
+    try:
+        with runtime.using_device(device):
+            runtime.host_register(address, 1 << 16, HostRegisterFlags.MAPPED)
+        try:
+            assert runtime.host_get_device_pointer(address + 64, device) >= 64
+            if runtime.runs_python_kernels and runtime.device_count() > 1:
+                with pytest.raises(RuntimeCallError, match="without PORTABLE"):
+                    runtime.host_get_device_pointer(address, 0)
+        finally:
+            runtime.host_unregister(address)
+    finally:
+        osmem.unmap_memory(address, 1 << 16)
+
+
+@pytest.mark.gpu
+def test_cuda_shares_current_device_and_streams_with_torch(cuda):
+    import torch
+
+    assert cuda.current_device() == torch.cuda.current_device()
+    n = 1 << 20
+    data = torch.randint(1, 256, (n,), dtype=torch.uint8).pin_memory()
+    target = torch.full((n,), 9, dtype=torch.uint8, device="cuda:0")
+    torch_stream = torch.cuda.Stream(device=0)
+    stream = cuda.wrap_stream(torch_stream.cuda_stream, 0)
+    cuda.memcpy_async(target.data_ptr(), data.data_ptr(), n, stream=stream)
+    torch_stream.synchronize()
+    assert torch.equal(target.cpu(), data)
+    stream.close()
+    torch_stream.synchronize()

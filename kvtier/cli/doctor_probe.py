@@ -42,7 +42,7 @@ def probe_host_kind(runtime: Runtime, kind: HostKind, nbytes: int) -> HostKindRe
     with buffer:
         report = HostKindReport(kind.value, ok=True, device_accessible=buffer.device_accessible,
                                 chunks=len(buffer.chunks))
-        if buffer.chunks:
+        if buffer.device_accessible:
             report.register_s_per_gib = buffer.register_seconds / (nbytes / GIB)
         if buffer.device_accessible:
             for device in range(runtime.device_count()):

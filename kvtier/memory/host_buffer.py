@@ -81,6 +81,7 @@ class HostBuffer:
         self._anchor = anchor_type.from_address(memory.address)
         self._anchor.owner = self
         self._baseline_refs = sys.getrefcount(self._anchor)
+        #: seconds spent pinning: registration of every chunk, or the runtime's pinned allocation
         self.register_seconds = 0.0
 
     @classmethod
@@ -94,6 +95,7 @@ class HostBuffer:
             raise KvtierError(f"HostBuffer size must be a positive int, got {nbytes!r}")
         if name is not None and kind is not HostKind.SHM:
             raise KvtierError(f"only shm buffers have names (kind={kind.value})")
+        started = time.perf_counter()
         if kind is HostKind.PINNED:
             memory = host_memory.pinned(runtime, nbytes)
         elif kind is HostKind.SHM:
@@ -104,7 +106,9 @@ class HostBuffer:
         else:
             memory = host_memory.anonymous(nbytes)
         buffer = cls(runtime, kind, memory, name)
-        if kind not in (HostKind.PINNED, HostKind.PAGEABLE):
+        if kind is HostKind.PINNED:
+            buffer.register_seconds = time.perf_counter() - started
+        elif kind is not HostKind.PAGEABLE:
             buffer._register(granularity, register_chunk_bytes)
         return buffer
 

@@ -11,10 +11,18 @@ import functools
 import os
 
 from kvtier.errors import RuntimeUnavailable
-from kvtier.runtime.base import DeviceAttributes, Event, MemoryType, PointerAttributes, Runtime, Stream
+from kvtier.runtime.base import (
+    DeviceAttributes,
+    Event,
+    HostRegisterFlags,
+    MemoryType,
+    PointerAttributes,
+    Runtime,
+    Stream,
+)
 
-__all__ = ["DeviceAttributes", "Event", "MemoryType", "PointerAttributes", "Runtime", "Stream", "get", "create",
-           "ENV_VAR"]
+__all__ = ["DeviceAttributes", "Event", "HostRegisterFlags", "MemoryType", "PointerAttributes", "Runtime", "Stream",
+           "get", "create", "ENV_VAR"]
 
 ENV_VAR = "KVTIER_RUNTIME"
 

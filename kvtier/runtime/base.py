@@ -48,6 +48,17 @@ class PointerAttributes:
     host_pointer: int | None
 
 
+class HostRegisterFlags(enum.IntFlag):
+    """cudaHostRegister / hipHostRegister flags (same values on both)."""
+
+    DEFAULT = 0
+    PORTABLE = 1
+    MAPPED = 2
+
+
+PORTABLE_MAPPED = HostRegisterFlags.PORTABLE | HostRegisterFlags.MAPPED
+
+
 class HostMemoryKind(enum.Enum):
     REGISTERED = "registered"
     PINNED = "pinned"
@@ -150,8 +161,8 @@ class Runtime:
             self._host_free(address)
             self._host.pop(address)
 
-    def host_register(self, address: int, nbytes: int) -> None:
-        """Register [address, address + nbytes) as portable, mapped memory for every device."""
+    def host_register(self, address: int, nbytes: int, flags: HostRegisterFlags = PORTABLE_MAPPED) -> None:
+        """Register [address, address + nbytes); the default (portable, mapped) makes it usable on every device."""
         if nbytes <= 0:
             raise RegistrationError(f"host_register: size must be positive, got {nbytes}")
         with self._lock:
@@ -161,7 +172,7 @@ class Runtime:
                     f"host_register: [0x{address:x}, +{nbytes}) is already registered "
                     f"(overlaps the {clash.value.value} range at 0x{clash.start:x}, {clash.nbytes} bytes)"
                 )
-            self._host_register(address, nbytes)
+            self._host_register(address, nbytes, HostRegisterFlags(flags))
             self._host.add(address, nbytes, HostMemoryKind.REGISTERED)
 
     def host_unregister(self, address: int) -> None:
@@ -232,7 +243,7 @@ class Runtime:
     def _host_free(self, address: int) -> None:
         raise NotImplementedError("need host_free")
 
-    def _host_register(self, address: int, nbytes: int) -> None:
+    def _host_register(self, address: int, nbytes: int, flags: HostRegisterFlags) -> None:
         raise NotImplementedError("need host_register")
 
     def _host_unregister(self, address: int) -> None:

@@ -12,7 +12,15 @@ import weakref
 from typing import Any
 
 from kvtier.errors import RuntimeCallError, RuntimeUnavailable
-from kvtier.runtime.base import DeviceAttributes, Event, MemoryType, PointerAttributes, Runtime, Stream
+from kvtier.runtime.base import (
+    DeviceAttributes,
+    Event,
+    HostRegisterFlags,
+    MemoryType,
+    PointerAttributes,
+    Runtime,
+    Stream,
+)
 
 
 def _bindings() -> Any:
@@ -143,9 +151,8 @@ class CudaRuntime(Runtime):
     def _host_free(self, address: int) -> None:
         check(self._cudart.cudaFreeHost(address), "cudaFreeHost")
 
-    def _host_register(self, address: int, nbytes: int) -> None:
-        flags = self._cudart.cudaHostRegisterPortable | self._cudart.cudaHostRegisterMapped
-        check(self._cudart.cudaHostRegister(address, nbytes, flags), "cudaHostRegister")
+    def _host_register(self, address: int, nbytes: int, flags: HostRegisterFlags) -> None:
+        check(self._cudart.cudaHostRegister(address, nbytes, int(flags)), "cudaHostRegister")
 
     def _host_unregister(self, address: int) -> None:
         check(self._cudart.cudaHostUnregister(address), "cudaHostUnregister")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from kvtier import osmem
 from kvtier.errors import IllegalAddress, RegistrationError, RuntimeCallError
-from kvtier.runtime.base import DeviceAttributes, MemoryType, PointerAttributes, Runtime, Stream
+from kvtier.runtime.base import DeviceAttributes, HostRegisterFlags, MemoryType, PointerAttributes, Runtime, Stream
 from kvtier.runtime.emulated_device import AddressMap, DeviceMemory, EmulatedEvent, EmulatedStream, Mapping, MappingKind
 
 MODES = ("split", "unified")
@@ -50,7 +50,7 @@ class EmulatedRuntime(Runtime):
         self._device_next = [DEVICE_BASE + d * DEVICE_STRIDE for d in range(devices)]
         self._device_used = [0] * devices
         self._device_allocs: dict[int, tuple[int, int, int]] = {}
-        self._host_aliases: dict[int, list[int]] = {}
+        self._host_aliases: dict[int, dict[int, int]] = {}
         self._pinned_bytes = 0
         self._current = threading.local()
         self._handles = itertools.count(1)
@@ -85,7 +85,7 @@ class EmulatedRuntime(Runtime):
     def _host_alloc(self, nbytes: int) -> int:
         address = osmem.map_memory(nbytes)
         try:
-            self._map_host(address, nbytes, "cudaHostAlloc")
+            self._map_host(address, nbytes, "cudaHostAlloc", range(self.device_count()))
         except BaseException:
             osmem.unmap_memory(address, nbytes)
             raise
@@ -95,13 +95,16 @@ class EmulatedRuntime(Runtime):
         nbytes = self._unmap_host(address)
         osmem.unmap_memory(address, nbytes)
 
-    def _host_register(self, address: int, nbytes: int) -> None:
-        self._map_host(address, nbytes, "cudaHostRegister")
+    def _host_register(self, address: int, nbytes: int, flags: HostRegisterFlags) -> None:
+        """Unified addressing implies MAPPED; without PORTABLE only the current device gets an alias."""
+        portable = HostRegisterFlags.PORTABLE in flags
+        devices = range(self.device_count()) if portable else [self.current_device()]
+        self._map_host(address, nbytes, "cudaHostRegister", devices)
 
     def _host_unregister(self, address: int) -> None:
         self._unmap_host(address)
 
-    def _map_host(self, address: int, nbytes: int, call: str) -> None:
+    def _map_host(self, address: int, nbytes: int, call: str, devices: Iterable[int]) -> None:
         if self.max_registration_bytes is not None and nbytes > self.max_registration_bytes:
             raise RuntimeCallError(call, "cudaErrorMemoryAllocation",
                                    f"{nbytes} bytes exceed the emulated driver's per-registration limit of "
@@ -109,13 +112,13 @@ class EmulatedRuntime(Runtime):
         if self.pinnable_bytes is not None and self._pinned_bytes + nbytes > self.pinnable_bytes:
             raise RuntimeCallError(call, "cudaErrorMemoryAllocation",
                                    f"pinning {nbytes} more bytes exceeds the emulated limit of {self.pinnable_bytes}")
-        aliases = []
-        for device, address_map in enumerate(self._maps):
+        aliases = {}
+        for device in devices:
             alias = address if self.mode == "unified" else self._alias_next[device]
-            address_map.add(alias, nbytes, address, MappingKind.HOST_ALIAS)
+            self._maps[device].add(alias, nbytes, address, MappingKind.HOST_ALIAS)
             if self.mode == "split":
                 self._alias_next[device] += osmem.round_up(nbytes, osmem.PAGE_SIZE) + GUARD_BYTES
-            aliases.append(alias)
+            aliases[device] = alias
         self._host_aliases[address] = aliases
         self._pinned_bytes += nbytes
 
@@ -123,8 +126,8 @@ class EmulatedRuntime(Runtime):
         entry = self.host_range(address)
         if entry is None or entry.start not in self._host_aliases:
             raise RegistrationError(f"emulated: 0x{address:x} is not registered host memory")
-        for address_map, alias in zip(self._maps, self._host_aliases.pop(entry.start), strict=True):
-            address_map.ranges.pop(alias)
+        for device, alias in self._host_aliases.pop(entry.start).items():
+            self._maps[device].ranges.pop(alias)
         self._pinned_bytes -= entry.nbytes
         return entry.nbytes
 
@@ -133,7 +136,12 @@ class EmulatedRuntime(Runtime):
         if entry is None:
             raise RuntimeCallError("cudaHostGetDevicePointer", "cudaErrorInvalidValue",
                                    f"0x{address:x} is not registered or pinned host memory")
-        return self._host_aliases[entry.start][self.current_device()] + (address - entry.start)
+        aliases = self._host_aliases[entry.start]
+        if self.current_device() not in aliases:
+            raise RuntimeCallError("cudaHostGetDevicePointer", "cudaErrorInvalidValue",
+                                   f"0x{address:x} was registered without PORTABLE on device(s) {sorted(aliases)}, "
+                                   f"not on device {self.current_device()}")
+        return aliases[self.current_device()] + (address - entry.start)
 
     # -- device memory and pointers ------------------------------------------------------------------------------
     def device_alloc(self, nbytes: int, device: int) -> int:
