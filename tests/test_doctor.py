@@ -35,6 +35,11 @@ def test_doctor_tables(capsys):
         assert text in out
 
 
+def test_runtime_flag_after_the_command(capsys):
+    assert main(["doctor", "--runtime", "emulated:unified", "--json", "--probe-mib", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["runtime"] == "emulated:unified"
+
+
 def test_unknown_runtime_is_a_clear_error(capsys):
     assert main(["--runtime", "tpu", "doctor"]) == 2
     assert "unknown runtime 'tpu'" in capsys.readouterr().err

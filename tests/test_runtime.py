@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -18,43 +20,48 @@ def test_device_attributes(runtime):
     assert attrs.total_memory > 0 and attrs.multiprocessors >= 1
 
 
-def test_async_copies_complete_in_stream_order(runtime):
-    n = 1 << 20
+@contextlib.contextmanager
+def round_trip_buffers(runtime, n):
+    """A pinned host buffer of 2n bytes (random data, then poison) and n bytes of device 0 memory.
+
+    Yields the two addresses, a function that copies out the second (poisoned) half, and the data.
+    """
     data = random_bytes(n)
     with HostBuffer.allocate(2 * n, HostKind.PINNED, runtime=runtime) as host, \
             DeviceBuffer(n, 0, runtime=runtime) as dev:
         view = host.as_tensor().numpy()
         view[:n], view[n:] = data, 0x3C
+        del view
+        yield host.cpu_address.value, dev.address.value, lambda: host.as_tensor().numpy()[n:].copy(), data
+
+
+def test_async_copies_complete_in_stream_order(runtime):
+    n = 1 << 20
+    with round_trip_buffers(runtime, n) as (host, dev, second_half, data):
         stream, done = runtime.create_stream(0), runtime.create_event(0)
         start = runtime.create_event(0)
         start.record(stream)
-        runtime.memcpy_async(dev.address.value, host.cpu_address.value, n, stream=stream)
-        runtime.memcpy_async(host.cpu_address.value + n, dev.address.value, n, stream=stream)
+        runtime.memcpy_async(dev, host, n, stream=stream)
+        runtime.memcpy_async(host + n, dev, n, stream=stream)
         done.record(stream)
         done.synchronize()
         assert done.query()
         assert start.elapsed_ms(done) >= 0
-        np.testing.assert_array_equal(view[n:], data)
+        np.testing.assert_array_equal(second_half(), data)
         for handle in (stream, done, start):
             handle.close()
-        del view
 
 
 def test_stream_waits_on_an_event_of_another_stream(runtime):
     n = 1 << 16
-    data = random_bytes(n)
-    with HostBuffer.allocate(2 * n, HostKind.PINNED, runtime=runtime) as host, \
-            DeviceBuffer(n, 0, runtime=runtime) as dev:
-        view = host.as_tensor().numpy()
-        view[:n], view[n:] = data, 0x77
+    with round_trip_buffers(runtime, n) as (host, dev, second_half, data):
         upload, download, uploaded = runtime.create_stream(0), runtime.create_stream(0), runtime.create_event(0)
-        runtime.memcpy_async(dev.address.value, host.cpu_address.value, n, stream=upload)
+        runtime.memcpy_async(dev, host, n, stream=upload)
         uploaded.record(upload)
         download.wait(uploaded)
-        runtime.memcpy_async(host.cpu_address.value + n, dev.address.value, n, stream=download)
+        runtime.memcpy_async(host + n, dev, n, stream=download)
         download.synchronize()
-        np.testing.assert_array_equal(view[n:], data)
-        del view
+        np.testing.assert_array_equal(second_half(), data)
 
 
 def test_pointer_attributes(runtime):

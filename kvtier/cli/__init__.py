@@ -13,11 +13,13 @@ from kvtier.runtime import get as get_runtime
 def build_parser() -> argparse.ArgumentParser:
     from kvtier.cli import doctor
 
+    runtime_help = (f"cuda | emulated:split | emulated:unified (default: ${ENV_VAR}, else cuda when a GPU is "
+                    "usable, else emulated:split)")
     parser = argparse.ArgumentParser(prog="kvtier", description="hierarchical KV cache for LLM serving")
-    parser.add_argument("--runtime", help=f"cuda | emulated:split | emulated:unified (default: ${ENV_VAR}, else "
-                                          "cuda when a GPU is usable, else emulated:split)")
+    parser.add_argument("--runtime", help=runtime_help)
     commands = parser.add_subparsers(dest="command", required=True)
     doctor_parser = commands.add_parser("doctor", help="report devices, host memory kinds, aliases and copy speed")
+    doctor_parser.add_argument("--runtime", default=argparse.SUPPRESS, help=runtime_help)
     doctor.add_arguments(doctor_parser)
     doctor_parser.set_defaults(run=doctor.command)
     return parser

@@ -41,8 +41,10 @@ def register_chunks(runtime: Runtime, address: int, nbytes: int, *, chunk_bytes:
     for index, (offset, size) in enumerate(plan):
         try:
             runtime.host_register(address + offset, size)
-        except Exception as exc:
+        except BaseException as exc:
             unregister_chunks(runtime, done)
+            if not isinstance(exc, Exception):
+                raise
             raise RegistrationError(
                 f"registering chunk {index} of {len(plan)} ({size} bytes at offset {offset}) failed: {exc}; "
                 f"the {len(done)} chunk(s) before it were unregistered") from exc
