@@ -57,3 +57,7 @@ class BufferInUse(KvtierError):
 
 class InvalidDevice(KvtierError, ValueError):
     """A device index that this runtime does not have."""
+
+
+class KernelBuildError(KvtierError):
+    """Compiling or finding the transfer kernels failed; the message carries the compiler's log."""

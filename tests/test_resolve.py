@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.errors import AddressDomainError, InvalidDevice, NotDeviceAccessible, WrongDeviceError
+from conftest import is_split
+from kvtier.errors import AddressDomainError, InvalidDevice, NotDeviceAccessible, RegistrationError, WrongDeviceError
 from kvtier.memory import CpuAddress, DeviceAddress, DeviceBuffer, HostBuffer, HostKind, get_device_accessible_ptr
+
+
+def _bytes_at(address, nbytes):
+    import ctypes
+
+    return (ctypes.c_uint8 * nbytes).from_address(address)
 
 
 def test_current_device_is_preserved(two_devices):
@@ -104,13 +111,23 @@ def test_device_spellings(runtime):
         assert get_device_accessible_ptr(buf, torch.device("cuda", 0)) == expected
 
 
-def test_tensor_running_past_its_registration_is_refused(runtime):
+def test_tensor_over_two_registrations_needs_contiguous_aliases(runtime):
     with HostBuffer.allocate(8192, runtime=runtime, granularity=4096, register_chunk_bytes=4096) as buf:
         whole = buf.as_tensor()
-        with pytest.raises(Exception, match="spans two registrations"):
-            get_device_accessible_ptr(whole, 0, runtime=runtime)
+        if is_split(runtime):
+            with pytest.raises(RegistrationError, match="not contiguous"):
+                get_device_accessible_ptr(whole, 0, runtime=runtime)
+        else:
+            assert get_device_accessible_ptr(whole, 0, runtime=runtime) == buf.device_address(0)
         assert get_device_accessible_ptr(whole[4096:], 0, runtime=runtime) == buf.device_address(0, 4096)
         del whole
+
+
+def test_span_past_the_buffer_end_is_refused(runtime):
+    with HostBuffer.allocate(8192, runtime=runtime) as buf:
+        with pytest.raises(RegistrationError, match="runs past"):
+            get_device_accessible_ptr(torch.frombuffer(_bytes_at(buf.cpu_address.value + 4096, 8192),
+                                                       dtype=torch.uint8), 0, runtime=runtime)
 
 
 @pytest.mark.gpu

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier import osmem
-from kvtier.errors import BufferClosed, BufferInUse, KvtierError, NotDeviceAccessible, RegistrationError
+from kvtier.errors import BufferClosed, BufferInUse, KvtierError, NotDeviceAccessible
 from kvtier.memory import host_memory
 from kvtier.memory.address import CpuAddress, DeviceAddress
+from kvtier.memory.alias import span_alias
 from kvtier.memory.registration import DEFAULT_REGISTER_CHUNK_BYTES, register_chunks, unregister_chunks
 from kvtier.runtime import Runtime
 from kvtier.runtime import get as get_runtime
@@ -176,10 +177,7 @@ class HostBuffer:
             raise NotDeviceAccessible(
                 f"{self!r} is pageable host memory, which device {device} cannot access; allocate kind "
                 f"'registered', 'pinned' or 'shm' for anything a kernel reads or writes")
-        if self.kind is not HostKind.PINNED and self.runtime.host_range(address, max(nbytes, 1)) is None:
-            raise RegistrationError(f"[{offset}, +{nbytes}) of {self!r} spans two registration chunks; resolve "
-                                    f"each page on its own (chunk boundaries follow the buffer's granularity)")
-        return DeviceAddress(self.runtime.host_get_device_pointer(address, device), device)
+        return DeviceAddress(span_alias(self.runtime, address, nbytes, device), device)
 
     def region(self, offset: int, nbytes: int) -> HostRegion:
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvtier.errors import AddressDomainError, KvtierError, NotDeviceAccessible, WrongDeviceError
 from kvtier.memory.address import CpuAddress, DeviceAddress
+from kvtier.memory.alias import span_alias
 from kvtier.memory.device_buffer import DeviceBuffer
 from kvtier.memory.host_buffer import HostBuffer, HostRegion
 from kvtier.runtime import MemoryType, Runtime
@@ -77,12 +78,8 @@ def _tensor(runtime: Runtime, tensor: Any, target: int) -> DeviceAddress:
 
 
 def _host_alias(runtime: Runtime, address: int, nbytes: int, target: int) -> DeviceAddress:
-    known = runtime.host_range(address)
-    if known is not None:
-        if not known.holds(address, nbytes):
-            raise KvtierError(f"0x{address:x} (+{nbytes}) runs past the registration at 0x{known.start:x} "
-                              f"({known.nbytes} bytes): it spans two registrations or the buffer's end")
-        return DeviceAddress(runtime.host_get_device_pointer(address, target), target)
+    if runtime.host_range(address) is not None:
+        return DeviceAddress(span_alias(runtime, address, nbytes, target), target)
     attrs = runtime.pointer_attributes(address)
     if attrs.type is MemoryType.DEVICE:
         return _on_device(DeviceAddress(address, attrs.device or 0), target)

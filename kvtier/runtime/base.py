@@ -76,8 +76,28 @@ class Stream:
     def wait(self, event: "Event") -> None:
         raise NotImplementedError("need Stream.wait")
 
+    def begin_capture(self) -> None:
+        raise NotImplementedError("need Stream.begin_capture")
+
+    def end_capture(self) -> Graph:
+        raise NotImplementedError("need Stream.end_capture")
+
+    @property
+    def capturing(self) -> bool:
+        raise NotImplementedError("need Stream.capturing")
+
     def close(self) -> None:
         raise NotImplementedError("need Stream.close")
+
+
+class Graph:
+    """Work captured from a stream, replayed with :meth:`launch`; replays read memory as it is at replay time."""
+
+    def launch(self, stream: "Stream") -> None:
+        raise NotImplementedError("need Graph.launch")
+
+    def close(self) -> None:
+        raise NotImplementedError("need Graph.close")
 
 
 class Event:

@@ -15,6 +15,7 @@ from kvtier.errors import RuntimeCallError, RuntimeUnavailable
 from kvtier.runtime.base import (
     DeviceAttributes,
     Event,
+    Graph,
     HostRegisterFlags,
     MemoryType,
     PointerAttributes,
@@ -29,6 +30,23 @@ def _bindings() -> Any:
     except ImportError as exc:
         raise RuntimeUnavailable(f"cuda runtime needs NVIDIA's cuda-bindings package ({exc})") from exc
     return runtime
+
+
+def _driver() -> Any:
+    from cuda.bindings import driver
+
+    return driver
+
+
+def check_driver(result: Any, call: str) -> Any:
+    """The driver-API twin of :func:`check`."""
+    driver = _driver()
+    status, values = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+    if status != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(status)
+        _, text = driver.cuGetErrorString(status)
+        raise RuntimeCallError(call, name.decode() if name else str(status), text.decode() if text else "")
+    return values[0] if len(values) == 1 else values
 
 
 def check(result: Any, call: str) -> Any:
@@ -60,9 +78,47 @@ class CudaStream(Stream):
             raise TypeError(f"a CUDA stream can only wait on a CUDA event, not {event!r}")
         check(self._cudart.cudaStreamWaitEvent(self._handle, event.native, 0), "cudaStreamWaitEvent")
 
+    @property
+    def capturing(self) -> bool:
+        status = check(self._cudart.cudaStreamIsCapturing(self._handle), "cudaStreamIsCapturing")
+        return status != self._cudart.cudaStreamCaptureStatus.cudaStreamCaptureStatusNone
+
+    def begin_capture(self) -> None:
+        mode = self._cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+        check(self._cudart.cudaStreamBeginCapture(self._handle, mode), "cudaStreamBeginCapture")
+
+    def end_capture(self) -> "CudaGraph":
+        graph = check(self._cudart.cudaStreamEndCapture(self._handle), "cudaStreamEndCapture")
+        return CudaGraph(self._cudart, graph)
+
     def close(self) -> None:
         if self._finalizer is not None:
             self._finalizer()
+
+
+class CudaGraph(Graph):
+    def __init__(self, cudart: Any, graph: Any) -> None:
+        self._cudart = cudart
+        try:
+            executable = check(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+        except BaseException:
+            cudart.cudaGraphDestroy(graph)
+            raise
+        self._finalizer = weakref.finalize(self, _destroy_graph, cudart, graph, executable)
+        self._executable = executable
+
+    def launch(self, stream: Stream) -> None:
+        if not isinstance(stream, CudaStream):
+            raise TypeError(f"a CUDA graph launches on a CUDA stream, not {stream!r}")
+        check(self._cudart.cudaGraphLaunch(self._executable, stream.native), "cudaGraphLaunch")
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _destroy_graph(cudart: Any, graph: Any, executable: Any) -> None:
+    cudart.cudaGraphExecDestroy(executable)
+    cudart.cudaGraphDestroy(graph)
 
 
 class CudaEvent(Event):
@@ -194,6 +250,24 @@ class CudaRuntime(Runtime):
             handle = check(self._cudart.cudaStreamCreateWithFlags(self._cudart.cudaStreamNonBlocking),
                            "cudaStreamCreateWithFlags")
         return CudaStream(self._cudart, device, handle, owned=True)
+
+    def load_module(self, image: bytes, device: int) -> Any:
+        """Load a cubin/fatbin into ``device``'s primary context; the module lives as long as the process."""
+        driver = _driver()
+        with self.using_device(device):
+            return check_driver(driver.cuModuleLoadData(image), "cuModuleLoadData")
+
+    def get_function(self, module: Any, name: str) -> Any:
+        return check_driver(_driver().cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+
+    def launch_function(self, function: Any, device: int, grid: int, block: int, params_address: int, *,
+                        stream: Stream) -> None:
+        """``params_address`` points at an array of pointers to each argument (cuLaunchKernel's kernelParams)."""
+        if not isinstance(stream, CudaStream) or stream.device != device:
+            raise TypeError(f"launch on device {device} needs a CUDA stream of that device, got {stream!r}")
+        with self.using_device(device):
+            check_driver(_driver().cuLaunchKernel(function, grid, 1, 1, block, 1, 1, 0, stream.native,
+                                                  params_address, 0), "cuLaunchKernel")
 
     def wrap_stream(self, handle: int, device: int) -> CudaStream:
         """Borrow a stream someone else owns (``torch.cuda.Stream.cuda_stream``); closing it does not destroy it."""

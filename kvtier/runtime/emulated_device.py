@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 
 from kvtier import osmem
-from kvtier.errors import IllegalAddress
-from kvtier.runtime.base import Event, Stream
+from kvtier.errors import IllegalAddress, RuntimeCallError
+from kvtier.runtime.base import Event, Graph, Stream
 from kvtier.runtime.ranges import RangeIndex
 
 
@@ -90,12 +90,39 @@ class EmulatedStream(Stream):
     def __init__(self, device: int, handle: int) -> None:
         self.device, self.handle = device, handle
         self._pending: collections.deque[Callable[[], None]] = collections.deque()
+        self._captured: list[Callable[[], None]] | None = None
         self._closed = False
 
     def enqueue(self, op: Callable[[], None]) -> None:
         if self._closed:
             raise ValueError(f"stream {self.handle} on emulated device {self.device} is closed")
-        self._pending.append(op)
+        if self._captured is not None:
+            self._captured.append(op)
+        else:
+            self._pending.append(op)
+
+    @property
+    def capturing(self) -> bool:
+        return self._captured is not None
+
+    def begin_capture(self) -> None:
+        if self.handle == 0:
+            raise RuntimeCallError("cudaStreamBeginCapture", "cudaErrorStreamCaptureUnsupported",
+                                   "the legacy default stream cannot be captured")
+        if self._captured is not None:
+            raise RuntimeCallError("cudaStreamBeginCapture", "cudaErrorIllegalState", "already capturing")
+        self._captured = []
+
+    def end_capture(self) -> "EmulatedGraph":
+        if self._captured is None:
+            raise RuntimeCallError("cudaStreamEndCapture", "cudaErrorIllegalState", "stream is not capturing")
+        ops, self._captured = self._captured, None
+        return EmulatedGraph(self.device, ops)
+
+    def run_until_done(self, marker: Callable[[], None]) -> None:
+        """Run queued work up to ``marker`` if it is still queued; if it already ran, there is nothing to wait for."""
+        if any(op is marker for op in self._pending):
+            self.run_until(marker)
 
     def run_until(self, marker: Callable[[], None] | None = None) -> None:
         while self._pending:
@@ -112,12 +139,30 @@ class EmulatedStream(Stream):
         self.run_until(None)
 
     def wait(self, event: Event) -> None:
-        self.enqueue(event.synchronize)
+        if not isinstance(event, EmulatedEvent):
+            raise TypeError(f"an emulated stream waits on emulated events, not {event!r}")
+        self.enqueue(event.wait_op())
 
     def close(self) -> None:
         if not self._closed:
             self.synchronize()
             self._closed = True
+
+
+class EmulatedGraph(Graph):
+    """The captured operations; each replay runs them again against memory as it is then."""
+
+    def __init__(self, device: int, ops: list[Callable[[], None]]) -> None:
+        self.device, self._ops = device, ops
+
+    def launch(self, stream: Stream) -> None:
+        if not isinstance(stream, EmulatedStream):
+            raise TypeError(f"an emulated graph launches on an emulated stream, not {stream!r}")
+        for op in self._ops:
+            stream.enqueue(op)
+
+    def close(self) -> None:
+        self._ops = []
 
 
 class EmulatedEvent(Event):
@@ -138,14 +183,24 @@ class EmulatedEvent(Event):
         self._stream, self._marker = stream, marker
         stream.enqueue(marker)
 
+    def wait_op(self) -> Callable[[], None]:
+        """What a waiting stream runs: the work this event marked as of now (a later re-record does not count)."""
+        stream, marker = self._stream, self._marker
+
+        def wait() -> None:
+            if stream is not None and marker is not None:
+                stream.run_until_done(marker)
+
+        return wait
+
     def query(self) -> bool:
         """The emulator makes progress when observed: querying runs the stream up to this event."""
         self.synchronize()
         return True
 
     def synchronize(self) -> None:
-        if self._stream is not None and self.timestamp is None:
-            self._stream.run_until(self._marker)
+        if self._stream is not None and self._marker is not None and self.timestamp is None:
+            self._stream.run_until_done(self._marker)
 
     def elapsed_ms(self, end: Event) -> float:
         if not isinstance(end, EmulatedEvent):

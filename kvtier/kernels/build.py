@@ -1,0 +1,131 @@
+"""Building the transfer kernels: ahead of time with nvcc (a fatbin per source version) or at first use with NVRTC.
+
+AOT: ``python -m kvtier.kernels.build`` writes ``transfer.fatbin`` and ``transfer.json`` (source hash, archs) into
+the package's ``prebuilt`` folder (or ``--out``/``$KVTIER_KERNEL_DIR``). JIT: NVRTC through cuda-bindings, cached on
+disk under ``$KVTIER_CACHE_DIR`` (default ``~/.cache/kvtier``) keyed by source hash, arch, options and NVRTC version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import KernelBuildError
+from kvtier.kernels.source import DEFAULT_UNROLL, SOURCE_PATH, source_hash, source_text
+
+AOT_ARCHS = ("sm_80", "sm_90", "sm_100")
+FATBIN_NAME, MANIFEST_NAME = "transfer.fatbin", "transfer.json"
+
+
+def prebuilt_dir() -> Path:
+    return Path(os.environ.get("KVTIER_KERNEL_DIR") or Path(__file__).with_name("prebuilt"))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVTIER_CACHE_DIR") or Path.home() / ".cache" / "kvtier") / "kernels"
+
+
+def nvcc_command(out: Path, archs: tuple[str, ...], nvcc: str = "nvcc", fmt: str = "fatbin") -> list[str]:
+    gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
+    newest = max(archs, key=lambda a: int(a[3:]))
+    if fmt == "fatbin":
+        gencode.append(f"-gencode=arch=compute_{newest[3:]},code=compute_{newest[3:]}")
+    return [nvcc, f"-{fmt}", "-O3", "-std=c++17", f"-DKVTIER_UNROLL={DEFAULT_UNROLL}", *gencode, "-o", str(out),
+            str(SOURCE_PATH)]
+
+
+def build_aot(out_dir: Path | None = None, archs: tuple[str, ...] = AOT_ARCHS, nvcc: str = "nvcc") -> Path:
+    """Compile the fatbin; returns its path. Raises KernelBuildError with nvcc's output on failure."""
+    if shutil.which(nvcc) is None:
+        raise KernelBuildError(f"AOT build needs {nvcc!r} on PATH (the CUDA toolkit); JIT needs only NVRTC")
+    out_dir = out_dir or prebuilt_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fatbin = out_dir / FATBIN_NAME
+    command = nvcc_command(fatbin, archs, nvcc)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise KernelBuildError(f"nvcc failed ({' '.join(command)}):\n{done.stderr}{done.stdout}")
+    manifest = {"source_hash": source_hash(), "archs": list(archs), "unroll": DEFAULT_UNROLL}
+    (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+    return fatbin
+
+
+def _nvrtc() -> Any:
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:
+        raise KernelBuildError(f"JIT build needs cuda-bindings' NVRTC ({exc})") from exc
+    return nvrtc
+
+
+def _nvrtc_check(nvrtc: Any, result: Any, call: str, program: Any = None) -> Any:
+    status, values = result[0], result[1:]
+    if status == nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        return values[0] if len(values) == 1 else values
+    log = ""
+    if program is not None:
+        size = nvrtc.nvrtcGetProgramLogSize(program)[1]
+        buffer = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, buffer)
+        log = buffer.decode(errors="replace")
+    raise KernelBuildError(f"{call}: {nvrtc.nvrtcGetErrorString(status)[1].decode()}\n{log}")
+
+
+def compile_jit(arch: str, unroll: int = DEFAULT_UNROLL) -> bytes:
+    """A cubin for ``arch`` (e.g. ``sm_90``) from NVRTC, through the on-disk cache."""
+    try:
+        nvrtc = _nvrtc()
+        version = _nvrtc_check(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion")
+    except KernelBuildError:
+        raise
+    except Exception as exc:
+        raise KernelBuildError(f"NVRTC is not usable here: {exc}") from exc
+    options = [f"--gpu-architecture={arch}", "-std=c++17", f"-DKVTIER_UNROLL={unroll}"]
+    key = hashlib.sha256(repr((source_hash(), options, version)).encode()).hexdigest()[:24]
+    cached = cache_dir() / f"transfer-{arch}-{key}.cubin"
+    if cached.exists():
+        return cached.read_bytes()
+    program = _nvrtc_check(nvrtc, nvrtc.nvrtcCreateProgram(source_text().encode(), b"transfer.cu", 0, [], []),
+                           "nvrtcCreateProgram")
+    try:
+        _nvrtc_check(nvrtc, nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options]),
+                     "nvrtcCompileProgram", program)
+        size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=cached.parent, delete=False) as tmp:
+        tmp.write(cubin)
+    os.replace(tmp.name, cached)
+    return cubin
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtier.kernels.build", description=__doc__)
+    parser.add_argument("--out", type=Path, help=f"output folder (default {prebuilt_dir()})")
+    parser.add_argument("--arch", action="append", help=f"sm_XX to build (default {' '.join(AOT_ARCHS)})")
+    parser.add_argument("--nvcc", default="nvcc")
+    args = parser.parse_args(argv)
+    archs = tuple(args.arch or AOT_ARCHS)
+    print(f"building {SOURCE_PATH.name} (source {source_hash()}) for {', '.join(archs)} ...", flush=True)
+    try:
+        path = build_aot(args.out, archs, args.nvcc)
+    except KernelBuildError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"wrote {path} ({path.stat().st_size} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Which compiled image of the transfer kernels to load: AOT when a matching fatbin exists, else JIT.
+
+``KVTIER_KERNELS=aot`` or ``jit`` forces one; a forced AOT with no fatbin, or a fatbin built from another version of
+the source, is an error that says how to build it — never a silent fall back to stale code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from kvtier.errors import KernelBuildError
+from kvtier.kernels.build import FATBIN_NAME, MANIFEST_NAME, compile_jit, prebuilt_dir
+from kvtier.kernels.source import DEFAULT_UNROLL, source_hash
+
+MODES = ("auto", "aot", "jit")
+
+
+def _aot_image(arch: str) -> tuple[bytes | None, str]:
+    folder = prebuilt_dir()
+    fatbin, manifest = folder / FATBIN_NAME, folder / MANIFEST_NAME
+    if not fatbin.exists() or not manifest.exists():
+        return None, f"no prebuilt kernels in {folder} (build them with `python -m kvtier.kernels.build`)"
+    info = json.loads(manifest.read_text())
+    if info.get("source_hash") != source_hash():
+        return None, (f"prebuilt kernels in {folder} were built from source {info.get('source_hash')}, not the "
+                      f"current {source_hash()}: rebuild with `python -m kvtier.kernels.build`")
+    if arch not in info.get("archs", []):
+        return None, f"prebuilt kernels cover {info.get('archs')}, not {arch}"
+    return fatbin.read_bytes(), f"aot:{fatbin}"
+
+
+def kernel_image(arch: str, mode: str | None = None, unroll: int = DEFAULT_UNROLL) -> tuple[bytes, str]:
+    """(image, origin) for a device of ``arch`` (``sm_90``)."""
+    mode = (mode or os.environ.get("KVTIER_KERNELS") or "auto").lower()
+    if mode not in MODES:
+        raise KernelBuildError(f"KVTIER_KERNELS must be one of {MODES}, got {mode!r}")
+    if mode != "jit" and unroll == DEFAULT_UNROLL:
+        image, origin = _aot_image(arch)
+        if image is not None:
+            return image, origin
+        if mode == "aot":
+            raise KernelBuildError(f"KVTIER_KERNELS=aot: {origin}")
+    elif mode == "aot":
+        raise KernelBuildError(f"KVTIER_KERNELS=aot: prebuilt kernels use unroll {DEFAULT_UNROLL}, not {unroll}")
+    return compile_jit(arch, unroll), f"jit:{arch}"

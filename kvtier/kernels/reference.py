@@ -1,0 +1,38 @@
+"""Python reference of every transfer kernel: what the emulated runtime executes.
+
+It follows ``transfer.cu`` step for step — tables and indices are read from device memory, every chunk address is
+computed the same way — and every access goes through the executing device's address map, so an address a real
+kernel could not dereference faults here too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+INDEX_DTYPES = {8: np.int64, 4: np.int32}
+
+
+def _read(memory: Any, address: int, count: int, dtype: Any) -> np.ndarray:
+    return memory.view(address, count * np.dtype(dtype).itemsize).view(dtype)
+
+
+def copy_chunks(memory: Any, src: tuple[int, ...], dst: tuple[int, ...], src_index: int, dst_index: int,
+                n_units: int, layer_begin: int, n_layers: int, n_pieces: int, chunk_bytes: int,
+                index_bytes: int) -> None:
+    """``src``/``dst`` are (table, page_stride, unit_stride, piece_stride, units_per_page), as the kernel's Side."""
+    sides = []
+    for table, page_stride, unit_stride, piece_stride, units_per_page in (src, dst):
+        bases = _read(memory, table + 8 * layer_begin, n_layers, np.uint64).astype(object)
+        sides.append((bases, page_stride, unit_stride, piece_stride, units_per_page))
+    dtype = INDEX_DTYPES[index_bytes]
+    units = [_read(memory, index, n_units, dtype).astype(object) for index in (src_index, dst_index)]
+    for layer in range(n_layers):
+        for i in range(n_units):
+            for piece in range(n_pieces):
+                addresses = []
+                for (bases, page_stride, unit_stride, piece_stride, per_page), unit in zip(sides, units, strict=True):
+                    page, slot = divmod(int(unit[i]), per_page)
+                    addresses.append(int(bases[layer]) + page * page_stride + slot * unit_stride + piece * piece_stride)
+                memory.view(addresses[1], chunk_bytes)[:] = memory.view(addresses[0], chunk_bytes)

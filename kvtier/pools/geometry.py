@@ -1,0 +1,118 @@
+"""KV pool geometry and host layouts: where every (tensor, layer, page, token, head) lives, in bytes.
+
+A device pool is layer-first, as engines own it: per tensor (K and V for MHA; one for MLA and K-only) and per layer, a
+[pages * page_size, row_bytes] array. A host pool puts the same bytes in one of four layouts:
+
+- ``layer_first``        [layer][page][slot][row]     per-layer pieces of a page are contiguous (like the device)
+- ``page_first``         [page][slot][layer][row]     a page is contiguous; its layers interleave per token
+- ``page_first_direct``  [page][layer][slot][row]     a page is contiguous, and so is each (page, layer) piece
+- ``page_head``          [page][head][layer][slot][head_bytes]  a page is contiguous, per head across layers
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvtier.errors import KvtierError
+
+
+class PoolKind(str, enum.Enum):
+    MHA = "mha"
+    MLA = "mla"
+    K_ONLY = "k_only"
+
+
+class HostLayout(str, enum.Enum):
+    LAYER_FIRST = "layer_first"
+    PAGE_FIRST = "page_first"
+    PAGE_FIRST_DIRECT = "page_first_direct"
+    PAGE_HEAD = "page_head"
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Per tensor and layer, each token has ``row_bytes`` (``heads`` pieces of ``row_bytes // heads``)."""
+
+    kind: PoolKind
+    layers: int
+    page_size: int
+    row_bytes: int
+    heads: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", PoolKind(self.kind))
+        for name in ("layers", "page_size", "row_bytes", "heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise KvtierError(f"KVGeometry.{name} must be a positive int, got {value!r}")
+        if self.row_bytes < 64 or self.row_bytes % 16:
+            raise KvtierError(f"row of {self.row_bytes} bytes: rows must be at least 64 bytes and a multiple of 16")
+        if self.row_bytes % self.heads or self.head_bytes % 16:
+            raise KvtierError(f"{self.heads} heads must split a {self.row_bytes}-byte row into multiples of 16 bytes")
+
+    @classmethod
+    def mha(cls, layers: int, kv_heads: int, head_dim: int, itemsize: int, page_size: int) -> KVGeometry:
+        return cls(PoolKind.MHA, layers, page_size, kv_heads * head_dim * itemsize, kv_heads)
+
+    @classmethod
+    def mla(cls, layers: int, latent_bytes: int, page_size: int) -> KVGeometry:
+        """MLA: one latent row per token (DeepSeek-V3 bf16: (512 + 64) * 2 = 1152 bytes; FP8 + scales: 656)."""
+        return cls(PoolKind.MLA, layers, page_size, latent_bytes, 1)
+
+    @classmethod
+    def k_only(cls, layers: int, heads: int, head_dim: int, itemsize: int, page_size: int) -> KVGeometry:
+        return cls(PoolKind.K_ONLY, layers, page_size, heads * head_dim * itemsize, heads)
+
+    @property
+    def tensors(self) -> int:
+        return 2 if self.kind is PoolKind.MHA else 1
+
+    @property
+    def head_bytes(self) -> int:
+        return self.row_bytes // self.heads
+
+    @property
+    def page_bytes(self) -> int:
+        """One (tensor, layer, page) piece."""
+        return self.page_size * self.row_bytes
+
+    @property
+    def bytes_per_page(self) -> int:
+        """A whole page: every tensor and layer."""
+        return self.tensors * self.layers * self.page_bytes
+
+
+@dataclass(frozen=True)
+class Strides:
+    """Byte strides of one tensor of a pool; ``layer`` is folded into per-layer base addresses."""
+
+    layer: int
+    page: int
+    slot: int
+    head: int
+
+    def page_piece_contiguous(self, geometry: KVGeometry) -> bool:
+        """Is each (page, layer) piece one contiguous run of ``page_bytes``?"""
+        return self.row_contiguous(geometry) and self.slot == geometry.row_bytes
+
+    def row_contiguous(self, geometry: KVGeometry) -> bool:
+        return geometry.heads == 1 or self.head == geometry.head_bytes
+
+
+def device_strides(geometry: KVGeometry) -> Strides:
+    g = geometry
+    return Strides(layer=0, page=g.page_bytes, slot=g.row_bytes, head=g.head_bytes)
+
+
+def host_strides(geometry: KVGeometry, layout: HostLayout, pages: int) -> Strides:
+    g, layout = geometry, HostLayout(layout)
+    if layout is HostLayout.LAYER_FIRST:
+        return Strides(layer=pages * g.page_bytes, page=g.page_bytes, slot=g.row_bytes, head=g.head_bytes)
+    if layout is HostLayout.PAGE_FIRST:
+        return Strides(layer=g.row_bytes, page=g.page_size * g.layers * g.row_bytes, slot=g.layers * g.row_bytes,
+                       head=g.head_bytes)
+    if layout is HostLayout.PAGE_FIRST_DIRECT:
+        return Strides(layer=g.page_bytes, page=g.layers * g.page_bytes, slot=g.row_bytes, head=g.head_bytes)
+    piece = g.page_size * g.head_bytes
+    return Strides(layer=piece, page=g.heads * g.layers * piece, slot=g.head_bytes, head=g.layers * piece)
