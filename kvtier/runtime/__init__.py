@@ -14,6 +14,7 @@ from kvtier.errors import RuntimeUnavailable
 from kvtier.runtime.base import (
     DeviceAttributes,
     Event,
+    Graph,
     HostRegisterFlags,
     MemoryType,
     PointerAttributes,
@@ -21,8 +22,8 @@ from kvtier.runtime.base import (
     Stream,
 )
 
-__all__ = ["DeviceAttributes", "Event", "HostRegisterFlags", "MemoryType", "PointerAttributes", "Runtime", "Stream",
-           "get", "create", "ENV_VAR"]
+__all__ = ["DeviceAttributes", "Event", "Graph", "HostRegisterFlags", "MemoryType", "PointerAttributes", "Runtime",
+           "Stream", "get", "create", "ENV_VAR"]
 
 ENV_VAR = "KVTIER_RUNTIME"
 

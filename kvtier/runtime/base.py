@@ -250,6 +250,11 @@ class Runtime:
     def memcpy_async(self, dst: int, src: int, nbytes: int, *, stream: Stream) -> None:
         raise NotImplementedError("need memcpy_async")
 
+    def memcpy_batch_async(self, dsts: list[int], srcs: list[int], sizes: list[int], *, stream: Stream) -> None:
+        """Many copies in one call where the platform batches them; here, one memcpy_async each."""
+        for dst, src, nbytes in zip(dsts, srcs, sizes, strict=True):
+            self.memcpy_async(dst, src, nbytes, stream=stream)
+
     def create_stream(self, device: int | None = None) -> Stream:
         raise NotImplementedError("need create_stream")
 

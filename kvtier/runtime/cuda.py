@@ -32,6 +32,9 @@ def _bindings() -> Any:
     return runtime
 
 
+BATCH_LIMIT = 8192
+
+
 def _driver() -> Any:
     from cuda.bindings import driver
 
@@ -169,6 +172,7 @@ class CudaRuntime(Runtime):
                                      f"(KVTIER_RUNTIME=emulated:split) needs no GPU")
         self._count = count
         self._memcpy_default = cudart.cudaMemcpyKind.cudaMemcpyDefault
+        self._batch_supported = hasattr(cudart, "cudaMemcpyBatchAsync")
 
     def device_count(self) -> int:
         return self._count
@@ -243,6 +247,28 @@ class CudaRuntime(Runtime):
         if nbytes:
             check(self._cudart.cudaMemcpyAsync(dst, src, nbytes, self._memcpy_default, stream.native),
                   "cudaMemcpyAsync")
+
+    def memcpy_batch_async(self, dsts: list[int], srcs: list[int], sizes: list[int], *, stream: Stream) -> None:
+        """cudaMemcpyBatchAsync in calls of BATCH_LIMIT copies. It refuses the legacy default stream and stream
+        capture, and older drivers lack it: those fall back to one cudaMemcpyAsync per copy."""
+        if not isinstance(stream, CudaStream):
+            raise TypeError(f"cuda runtime needs a CUDA stream, got {stream!r}")
+        cudart = self._cudart
+        if self._batch_supported and stream.handle != 0 and not stream.capturing:
+            attrs = cudart.cudaMemcpyAttributes()
+            attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            for start in range(0, len(sizes), BATCH_LIMIT):
+                end = min(start + BATCH_LIMIT, len(sizes))
+                status = cudart.cudaMemcpyBatchAsync(dsts[start:end], srcs[start:end], sizes[start:end],
+                                                     end - start, [attrs], [0], 1, stream.native)[0]
+                if status in (cudart.cudaError_t.cudaErrorNotSupported,
+                              cudart.cudaError_t.cudaErrorCallRequiresNewerDriver) and start == 0:
+                    self._batch_supported = False
+                    break
+                check((status,), "cudaMemcpyBatchAsync")
+            else:
+                return
+        super().memcpy_batch_async(dsts, srcs, sizes, stream=stream)
 
     def create_stream(self, device: int | None = None) -> CudaStream:
         device = self.current_device() if device is None else device
