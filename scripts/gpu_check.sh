@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the whole test suite (emulated and cuda), kvtier doctor, and the benchmarks.
-# Logs land under $OUT (the device tool brings them back). Usage: bash scripts/gpu_check.sh [pytest args...]
+# One call on the GPU machine: AOT build, the suite with AOT and with JIT kernels, a compute-sanitizer memcheck
+# over the kernel tests, kvtier doctor, and the benchmarks. Logs land under $OUT (the device tool brings them back).
+# PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
+PHASES=${PHASES:-"build tests jit sanitizer doctor bench"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export KVTIER_CACHE_DIR=/tmp/kvtier-cache
 status=0
+want() { [[ " $PHASES " == *" $1 "* ]]; }
 # Reserve 1 GiB of huge pages on the throwaway VM (host setting, not the card's) so hugetlb is tested, not skipped.
 if [ "$(cat /proc/sys/vm/nr_hugepages 2>/dev/null)" = 0 ] && [ -w /proc/sys/vm/nr_hugepages ]; then
     echo 512 > /proc/sys/vm/nr_hugepages || true
@@ -13,11 +17,30 @@ fi
 { nvidia-smi; python3 -c 'import torch, cuda.bindings; print("torch", torch.__version__, "cuda-bindings", cuda.bindings.__version__)'; } \
     > "$OUT/machine.txt" 2>&1
 grep -i '^HugePages_' /proc/meminfo >> "$OUT/machine.txt"
-python3 -m pytest -q -p no:cacheprovider -rs "$@" tests 2>&1 | tee "$OUT/pytest.log" || status=1
-python3 -m kvtier --runtime cuda doctor 2>&1 | tee "$OUT/doctor.txt" || status=1
-python3 -m kvtier --runtime cuda doctor --json > "$OUT/doctor.json" 2>"$OUT/doctor-json.err" || status=1
-for bench in bench/*.py; do
-    [ -e "$bench" ] || continue
-    python3 "$bench" 2>&1 | tee "$OUT/$(basename "$bench" .py).txt" || status=1
-done
+if want build; then
+    python3 -m kvtier.kernels.build 2>&1 | tee "$OUT/build.log" || status=1
+fi
+if want tests; then
+    KVTIER_KERNELS=aot python3 -m pytest -q -p no:cacheprovider -rs tests 2>&1 | tee "$OUT/pytest-aot.log" || status=1
+fi
+if want jit; then
+    KVTIER_KERNELS=jit python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_transfer.py 2>&1 \
+        | tee "$OUT/pytest-jit.log" || status=1
+fi
+if want sanitizer; then
+    KVTIER_KERNELS=aot compute-sanitizer --tool memcheck --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
+        -m gpu tests/test_transfer.py -k "cuda and kernel and (fp8 or bf16) and not page_size" 2>&1 \
+        | tail -40 | tee "$OUT/sanitizer.log" || status=1
+fi
+if want doctor; then
+    python3 -m kvtier --runtime cuda doctor 2>&1 | tee "$OUT/doctor.txt" || status=1
+    python3 -m kvtier --runtime cuda doctor --json > "$OUT/doctor.json" 2>"$OUT/doctor-json.err" || status=1
+fi
+if want bench; then
+    for bench in bench/*.py; do
+        [ -e "$bench" ] || continue
+        python3 "$bench" ${BENCH_ARGS:-} --json "$OUT/$(basename "$bench" .py).json" 2>&1 \
+            | tee "$OUT/$(basename "$bench" .py).txt" || status=1
+    done
+fi
 exit $status

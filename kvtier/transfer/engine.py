@@ -65,6 +65,8 @@ class CapturedLoad:
 
 def _pages(values: Any, what: str) -> np.ndarray:
     array = np.asarray(values.cpu() if hasattr(values, "cpu") else values)
+    if array.size == 0:
+        return np.empty(0, np.int64)
     if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
         raise KvtierError(f"{what} indices must be integers, got dtype {array.dtype}")
     return array.astype(np.int64).reshape(-1)

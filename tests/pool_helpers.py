@@ -1,0 +1,44 @@
+"""Fill pools with fresh random bytes and read them back, page by page, through the CPU-side copy APIs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from device_kernels import random_bytes
+from kvtier.pools import DevicePool, HostPool
+
+
+def fill_device(pool: DevicePool) -> dict[tuple[int, int], np.ndarray]:
+    """Random bytes in every (tensor, layer); returns them as [pages, page_bytes] arrays."""
+    data = {}
+    for tensor, layers in enumerate(pool.layers):
+        for layer, address in enumerate(layers):
+            chunk = random_bytes(pool.layer_bytes)
+            pool.runtime.memcpy(address.value, chunk.ctypes.data, chunk.nbytes)
+            data[(tensor, layer)] = chunk.reshape(pool.pages, -1)
+    return data
+
+
+def poison_device(pool: DevicePool, value: int = 0xEE) -> None:
+    poison = np.full(pool.layer_bytes, value, np.uint8)
+    for layers in pool.layers:
+        for address in layers:
+            pool.runtime.memcpy(address.value, poison.ctypes.data, poison.nbytes)
+
+
+def read_device(pool: DevicePool, tensor: int, layer: int) -> np.ndarray:
+    out = np.empty(pool.layer_bytes, np.uint8)
+    pool.runtime.memcpy(out.ctypes.data, pool.layers[tensor][layer].value, out.nbytes)
+    return out.reshape(pool.pages, -1)
+
+
+def host_bytes(pool: HostPool) -> np.ndarray:
+    return pool.buffer.as_tensor().numpy().copy()
+
+
+def fill_host(pool: HostPool, value: int | None = None) -> np.ndarray:
+    view = pool.buffer.as_tensor().numpy()
+    view[:] = random_bytes(view.size) if value is None else value
+    snapshot = view.copy()
+    del view
+    return snapshot

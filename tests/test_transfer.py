@@ -1,0 +1,241 @@
+"""Round trips through the transfer engine: every pool kind, layout, backend, dtype and page size, byte-exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pool_helpers import fill_device, fill_host, host_bytes, poison_device, read_device
+
+from conftest import is_split
+from kvtier.errors import IllegalAddress, KvtierError
+from kvtier.memory import HostKind
+from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry
+from kvtier.transfer import TransferEngine
+
+LAYOUTS = [layout.value for layout in HostLayout]
+BACKENDS = ["kernel", "direct", "batch"]
+DTYPES = {"fp16": 2, "bf16": 2, "fp8": 1}
+
+
+def geometry(kind: str, itemsize: int, page_size: int, layers: int = 2) -> KVGeometry:
+    if kind == "mha":
+        return KVGeometry.mha(layers, kv_heads=2, head_dim=32 * (2 // itemsize), itemsize=itemsize,
+                              page_size=page_size)
+    if kind == "mla":
+        return KVGeometry.mla(layers, latent_bytes=576 if itemsize == 2 else 656, page_size=page_size)
+    return KVGeometry.k_only(layers, heads=1, head_dim=64 // itemsize * 2, itemsize=itemsize, page_size=page_size)
+
+
+def round_trip(runtime, g, layout, backend, device_pages=12, host_pages=16, count=5, index_bytes=8):
+    rng = np.random.default_rng()
+    dev = DevicePool.allocate(g, device_pages, 0, runtime=runtime)
+    host = HostPool.allocate(g, layout, pages=host_pages, runtime=runtime)
+    engine = TransferEngine(dev, host, backend=backend, index_bytes=index_bytes)
+    try:
+        data = fill_device(dev)
+        host_before = fill_host(host)
+        src = rng.choice(device_pages, count, replace=False)
+        slots = rng.choice(host_pages, count, replace=False)
+        engine.backup(src, slots).wait()
+        after_backup = host_bytes(host)
+        touched = np.zeros(host.buffer.nbytes, bool)
+        for page in slots:
+            for offset, size in host.page_spans(int(page)):
+                touched[offset:offset + size] = True
+        np.testing.assert_array_equal(after_backup[~touched], host_before[~touched])
+        poison_device(dev)
+        dst = rng.choice(device_pages, count, replace=False)
+        engine.load(slots, dst).wait()
+        for tensor in range(g.tensors):
+            for layer in range(g.layers):
+                got = read_device(dev, tensor, layer)
+                np.testing.assert_array_equal(got[dst], data[(tensor, layer)][src])
+                untouched = np.setdiff1d(np.arange(device_pages), dst)
+                assert (got[untouched] == 0xEE).all()
+    finally:
+        engine.close()
+        host.close()
+        dev.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["mha", "mla", "k_only"])
+def test_round_trip(runtime, kind, layout, backend, dtype, page_size):
+    round_trip(runtime, geometry(kind, DTYPES[dtype], page_size), layout, backend,
+               count=3 if page_size == 64 else 5)
+
+
+@pytest.mark.parametrize("row_bytes", [64, 576, 656, 2048])
+def test_odd_row_sizes_with_int32_indices(runtime, row_bytes):
+    g = KVGeometry.mla(3, latent_bytes=row_bytes, page_size=16)
+    for layout in LAYOUTS:
+        round_trip(runtime, g, layout, "kernel", index_bytes=4)
+
+
+def test_empty_transfers_are_noops(runtime):
+    g = geometry("mha", 2, 16)
+    dev, host = DevicePool.allocate(g, 4, 0, runtime=runtime), HostPool.allocate(g, "page_first", pages=4,
+                                                                                  runtime=runtime)
+    engine = TransferEngine(dev, host)
+    try:
+        before = fill_host(host)
+        fill_device(dev)
+        engine.backup([], []).wait()
+        transfer = engine.load([], [])
+        transfer.wait()
+        transfer.wait_layer(1)
+        np.testing.assert_array_equal(host_bytes(host), before)
+    finally:
+        engine.close(), host.close(), dev.close()
+
+
+def test_layerwise_load_marks_each_layer(runtime):
+    g = geometry("mha", 2, 16, layers=4)
+    dev, host = DevicePool.allocate(g, 6, 0, runtime=runtime), HostPool.allocate(g, "layer_first", pages=6,
+                                                                                  runtime=runtime)
+    engine = TransferEngine(dev, host)
+    try:
+        data = fill_device(dev)
+        engine.backup([0, 1], [4, 5]).wait()
+        poison_device(dev)
+        transfer = engine.load([4, 5], [2, 3], layers=[1, 3])
+        transfer.wait_layer(1)
+        np.testing.assert_array_equal(read_device(dev, 0, 1)[[2, 3]], data[(0, 1)][[0, 1]])
+        transfer.wait()
+        np.testing.assert_array_equal(read_device(dev, 1, 3)[[2, 3]], data[(1, 3)][[0, 1]])
+        assert (read_device(dev, 0, 0) == 0xEE).all() and (read_device(dev, 1, 2) == 0xEE).all()
+        assert transfer.done() and sorted(transfer.layer_events) == [1, 3]
+        with pytest.raises(KvtierError, match="layer 0 is not part"):
+            transfer.wait_layer(0)
+    finally:
+        engine.close(), host.close(), dev.close()
+
+
+def test_graph_replay_reads_host_data_written_after_capture(runtime):
+    g = geometry("mha", 2, 16)
+    dev, host = DevicePool.allocate(g, 4, 0, runtime=runtime), HostPool.allocate(g, "page_first_direct", pages=4,
+                                                                                  runtime=runtime)
+    engine = TransferEngine(dev, host)
+    try:
+        poison_device(dev)
+        captured = engine.capture_load([3, 0], [1, 2], layer=1)
+        for _ in range(2):
+            snapshot = fill_host(host)
+            captured.replay()
+            captured.stream.synchronize()
+            for tensor in range(g.tensors):
+                got = read_device(dev, tensor, 1)
+                for host_page, dev_page in ((3, 1), (0, 2)):
+                    offset = tensor * host.tensor_bytes + host_page * host.strides.page + host.strides.layer
+                    np.testing.assert_array_equal(got[dev_page], snapshot[offset:offset + g.page_bytes])
+                assert (read_device(dev, tensor, 0) == 0xEE).all()
+        captured.close()
+    finally:
+        engine.close(), host.close(), dev.close()
+
+
+def test_split_tables_hold_aliases_and_metadata_holds_cpu_addresses(split):
+    g = geometry("mha", 2, 16)
+    dev, host = DevicePool.allocate(g, 4, 0, runtime=split), HostPool.allocate(g, "layer_first", pages=4,
+                                                                                runtime=split)
+    engine = TransferEngine(dev, host)
+    try:
+        for tensor, (device_table, host_table) in enumerate(engine.tables):
+            assert host_table.entries == tuple(host.layer_addresses(tensor, 0))
+            assert all(e.value != c.value for e, c in zip(host_table.entries, host.layer_cpu_addresses(tensor),
+                                                          strict=True))
+            assert device_table.entries == tuple(dev.layers[tensor])
+        cpu = host.buffer.cpu_address
+        for pieces in host.page_metadata([0, 3]):
+            for address, size in pieces:
+                assert 0 <= address - cpu < host.buffer.nbytes and size == g.page_bytes
+    finally:
+        engine.close(), host.close(), dev.close()
+
+
+def test_kernel_handed_cpu_addresses_faults(split):
+    """The guard that would have caught the seed: bypass the boundary, put CPU addresses in a table."""
+    from kvtier.kernels import ChunkCopy
+    from kvtier.memory import DeviceAddress
+    from kvtier.pools import build_pointer_table
+
+    g = geometry("mha", 2, 16)
+    dev, host = DevicePool.allocate(g, 4, 0, runtime=split), HostPool.allocate(g, "layer_first", pages=4,
+                                                                                runtime=split)
+    engine = TransferEngine(dev, host)
+    try:
+        wrong = [DeviceAddress(c.value, 0) for c in host.layer_cpu_addresses(0)]
+        bad_table = build_pointer_table(split, 0, wrong)
+        (src_index, dst_index), _ = engine.rings["h2d"].upload(engine._unit_arrays(np.array([1]), np.array([2])))
+        call = ChunkCopy(engine.plan.host_side(bad_table), engine.plan.device_side(engine.tables[0][0]), src_index,
+                         dst_index, 8, 1, 0, 1, 1, g.page_bytes)
+        engine.launcher.copy_chunks(call, device=0, stream=engine.streams["h2d"])
+        with pytest.raises(IllegalAddress):
+            engine.streams["h2d"].synchronize()
+        bad_table.close()
+    finally:
+        engine.close(), host.close(), dev.close()
+
+
+def test_bad_input_is_refused_before_anything_is_written(runtime):
+    g = geometry("mha", 2, 16)
+    dev, host = DevicePool.allocate(g, 4, 0, runtime=runtime), HostPool.allocate(g, "page_first", pages=4,
+                                                                                  runtime=runtime)
+    engine = TransferEngine(dev, host)
+    try:
+        before = fill_host(host)
+        fill_device(dev)
+        for dev_pages, host_pages, match in [([0, 4], [0, 1], "device page index 4"),
+                                             ([0, 1], [0, -1], "host page index -1"),
+                                             ([0, 1], [0], "must match"),
+                                             (np.array([0.0, 1.0]), [0, 1], "integers")]:
+            with pytest.raises(KvtierError, match=match):
+                engine.backup(dev_pages, host_pages)
+        with pytest.raises(KvtierError, match="layer 2 is out of range"):
+            engine.load([0], [0], layers=[0, 2])
+        engine.synchronize()
+        np.testing.assert_array_equal(host_bytes(host), before)
+    finally:
+        engine.close(), host.close(), dev.close()
+
+
+def test_pageable_host_pool(runtime):
+    g = geometry("mha", 2, 16)
+    dev = DevicePool.allocate(g, 4, 0, runtime=runtime)
+    host = HostPool.allocate(g, "layer_first", pages=4, kind=HostKind.PAGEABLE, runtime=runtime)
+    try:
+        with pytest.raises(KvtierError, match="pageable"):
+            TransferEngine(dev, host, backend="kernel")
+    finally:
+        host.close(), dev.close()
+    round_trip_pageable(runtime, g)
+
+
+def round_trip_pageable(runtime, g):
+    dev = DevicePool.allocate(g, 4, 0, runtime=runtime)
+    host = HostPool.allocate(g, "layer_first", pages=4, kind=HostKind.PAGEABLE, runtime=runtime)
+    engine = TransferEngine(dev, host, backend="direct")
+    try:
+        data = fill_device(dev)
+        engine.backup([3, 1], [0, 2]).wait()
+        poison_device(dev)
+        engine.load([0, 2], [0, 1]).wait()
+        np.testing.assert_array_equal(read_device(dev, 1, 1)[[0, 1]], data[(1, 1)][[3, 1]])
+    finally:
+        engine.close(), host.close(), dev.close()
+
+
+def test_split_pool_over_chunks_with_scattered_aliases_is_refused_for_kernels(split):
+    g = geometry("mha", 2, 16)
+    host = HostPool.allocate(g, "page_first_direct", pages=8, runtime=split,
+                             register_chunk_bytes=2 * g.layers * g.page_bytes)
+    dev = DevicePool.allocate(g, 4, 0, runtime=split)
+    try:
+        assert is_split(split) and len(host.buffer.chunks) > 1
+        with pytest.raises(KvtierError, match="not contiguous"):
+            TransferEngine(dev, host)
+    finally:
+        host.close(), dev.close()
