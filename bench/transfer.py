@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.cli.doctor_probe import probe_bandwidth
+from kvtier.kernels import KernelLauncher
 from kvtier.memory import HostBuffer, HostKind
 from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry
 from kvtier.runtime import get
@@ -42,7 +43,9 @@ class Row:
     gbytes: float
     gbps: float
     pct: float
+    slots: str = "random"
     layer_us: float | None = None
+    sm_busy_pct: float | None = None
 
 
 def fill(runtime, pool: DevicePool, seed_buffer: HostBuffer) -> None:
@@ -65,22 +68,50 @@ def timed(runtime, engine: TransferEngine, op, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages, repeats, console) -> list[Row]:
+def relayout_seconds(engine: TransferEngine, src: np.ndarray, repeats: int) -> float:
+    """The staged backend's SM time: its relayout kernels alone, all layers, one batch."""
+    staging = engine.staging
+    batch = src[:staging.capacity]
+    arrays = engine.unit_arrays(batch, np.arange(batch.size, dtype=np.int64))
+    stream = engine.streams["d2h"]
+    times = []
+    for i in range(repeats + 1):
+        (src_index, dst_index), slot = engine.rings["d2h"].upload(arrays)
+        stream.synchronize()
+        start = time.perf_counter()
+        engine.kernel("d2h", src_index, dst_index, arrays[0].size, 0, engine.geometry.layers, stream,
+                      staging.tables, staging.blocks)
+        stream.synchronize()
+        engine.rings["d2h"].fence(slot)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * src.size / batch.size
+
+
+def measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages, repeats, console,
+            slots_kind="random", launcher=None, threads=1024) -> list[Row]:
     rng = np.random.default_rng(0)
-    engine = TransferEngine(dev, host, backend=backend, max_blocks=blocks)
+    engine = TransferEngine(dev, host, backend=backend, max_blocks=blocks, launcher=launcher, threads=threads)
     count = pages
-    if backend != "kernel":
+    if backend in ("direct", "batch"):
         runs_per_page = g.tensors * g.layers * (1 if engine.plan.unit == "page" else g.page_size * engine.plan.pieces)
         count = max(1, min(pages, MAX_DMA_CALLS // runs_per_page))
     src = rng.choice(dev.pages, count, replace=False)
-    slots = rng.choice(host.pages, count, replace=False)
+    if slots_kind == "random":
+        slots = rng.choice(host.pages, count, replace=False)
+    else:
+        first = int(rng.integers(0, host.pages - count + 1))
+        slots = np.arange(first, first + count)
     nbytes = count * g.bytes_per_page
     rows = []
     for direction, op in (("backup", lambda: engine.backup(src, slots)), ("load", lambda: engine.load(slots, src))):
         seconds = timed(runtime, engine, op, repeats)
         gbps = nbytes / seconds / 1e9
         key = "d2h_gbps" if direction == "backup" else "h2d_gbps"
-        rows.append(Row(name, layout, backend, blocks, direction, nbytes / 1e9, gbps, 100 * gbps / ceiling[key]))
+        rows.append(Row(name, layout, backend, blocks, direction, nbytes / 1e9, gbps, 100 * gbps / ceiling[key],
+                        slots_kind))
+        if backend == "staged":
+            rows[-1].sm_busy_pct = 100 * relayout_seconds(engine, src, repeats) / seconds
     if backend == "kernel":
         one = timed(runtime, engine, lambda: engine.load(slots, src, layers=[g.layers // 2]), repeats)
         rows[-1].layer_us = one * 1e6
@@ -146,7 +177,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--geometry", action="append", choices=list(GEOMETRIES))
     parser.add_argument("--layout", action="append", choices=[x.value for x in HostLayout])
-    parser.add_argument("--backend", action="append", choices=["kernel", "direct", "batch"])
+    parser.add_argument("--backend", action="append", choices=["kernel", "staged", "direct", "batch"])
+    parser.add_argument("--variants", default="", help="kernel specializations UNROLLxTHREADS to compare at 2 "
+                                                       "blocks on the first geometry, e.g. 4x1024,8x512,16x512")
     parser.add_argument("--blocks", default="1,2,4,8,0", help="kernel SM budgets; 0 = one block per SM")
     parser.add_argument("--gib", type=float, default=1.0, help="bytes moved per measurement")
     parser.add_argument("--repeats", type=int, default=3)
@@ -154,13 +187,13 @@ def main() -> None:
     parser.add_argument("--json", help="write all rows here")
     parser.add_argument("--runtime", default="cuda", help="emulated:unified runs a tiny smoke test of this script")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=200)
     runtime = get(args.runtime)
     sms = runtime.device_attributes(0).multiprocessors
     budgets = [int(x) or sms for x in ("2,0" if args.quick else args.blocks).split(",")]
     geometries = args.geometry or (["llama3-8b-p16"] if args.quick else list(GEOMETRIES))
     layouts = args.layout or [x.value for x in HostLayout]
-    backends = args.backend or ["kernel", "direct", "batch"]
+    backends = args.backend or ["kernel", "staged", "direct", "batch"]
     console.log("measuring the contiguous ceiling (1 GiB each way)")
     ceiling = probe_bandwidth(runtime, min(1 << 30, max(1 << 20, int(args.gib * (1 << 30)))))
     console.log(f"ceiling: H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f}, "
@@ -181,6 +214,16 @@ def main() -> None:
                 for blocks in budgets if backend == "kernel" else [0]:
                     rows += measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages,
                                     args.repeats, console)
+                if backend in ("staged", "batch"):
+                    rows += measure(runtime, name, g, layout, backend, 0, dev, host, ceiling, pages, args.repeats,
+                                    console, slots_kind="contiguous")
+            for variant in args.variants.split(",") if name == geometries[0] and args.variants else []:
+                unroll, threads = (int(x) for x in variant.split("x"))
+                launcher = KernelLauncher(runtime, mode="jit", unroll=unroll, max_threads=threads)
+                for row in measure(runtime, name, g, layout, "kernel", 2, dev, host, ceiling, pages, args.repeats,
+                                   console, launcher=launcher, threads=threads):
+                    row.backend = f"kernel u{unroll}x{threads}"
+                    rows.append(row)
             if layout == "page_first_direct":
                 extras["bidirectional"][name] = bidirectional(runtime, g, dev, host, ceiling, pages, 2)
                 if name == geometries[0] and not args.quick and runtime.name == "cuda":
@@ -188,12 +231,15 @@ def main() -> None:
             host.close()
         dev.close()
     table = Table(title=f"kvtier transfer ({runtime.device_attributes(0).name}, {sms} SMs)")
-    for column in ("geometry", "layout", "backend", "SMs", "dir", "GB", "GB/s", "% ceiling", "layer µs"):
+    for column in ("geometry", "layout", "backend", "slots", "SMs", "dir", "GB", "GB/s", "% ceiling", "layer µs",
+                   "SM busy %"):
         table.add_column(column)
     for r in rows:
-        table.add_row(r.geometry, r.layout, r.backend, str(r.blocks) if r.backend == "kernel" else "-", r.direction,
-                      f"{r.gbytes:.2f}", f"{r.gbps:.1f}", f"{r.pct:.0f}",
-                      "" if r.layer_us is None else f"{r.layer_us:.0f}")
+        sms_used = str(r.blocks) if r.backend.startswith("kernel") else (
+            f"{sms}*" if r.backend == "staged" else "0")
+        table.add_row(r.geometry, r.layout, r.backend, r.slots, sms_used, r.direction, f"{r.gbytes:.2f}",
+                      f"{r.gbps:.1f}", f"{r.pct:.0f}", "" if r.layer_us is None else f"{r.layer_us:.0f}",
+                      "" if r.sm_busy_pct is None else f"{r.sm_busy_pct:.1f}")
     console.print(table)
     console.print({"bidirectional": extras["bidirectional"], "gemm": extras["gemm"]})
     if args.json:

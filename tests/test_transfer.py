@@ -13,7 +13,7 @@ from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry
 from kvtier.transfer import TransferEngine
 
 LAYOUTS = [layout.value for layout in HostLayout]
-BACKENDS = ["kernel", "direct", "batch"]
+BACKENDS = ["kernel", "staged", "direct", "batch"]
 DTYPES = {"fp16": 2, "bf16": 2, "fp8": 1}
 
 
@@ -143,7 +143,8 @@ def test_split_tables_hold_aliases_and_metadata_holds_cpu_addresses(split):
                                                                                 runtime=split)
     engine = TransferEngine(dev, host)
     try:
-        for tensor, (device_table, host_table) in enumerate(engine.tables):
+        for tensor, (device_table, host_table) in enumerate(zip(engine.device_tables, engine.host_tables,
+                                                                strict=True)):
             assert host_table.entries == tuple(host.layer_addresses(tensor, 0))
             assert all(e.value != c.value for e, c in zip(host_table.entries, host.layer_cpu_addresses(tensor),
                                                           strict=True))
@@ -169,8 +170,8 @@ def test_kernel_handed_cpu_addresses_faults(split):
     try:
         wrong = [DeviceAddress(c.value, 0) for c in host.layer_cpu_addresses(0)]
         bad_table = build_pointer_table(split, 0, wrong)
-        (src_index, dst_index), _ = engine.rings["h2d"].upload(engine._unit_arrays(np.array([1]), np.array([2])))
-        call = ChunkCopy(engine.plan.host_side(bad_table), engine.plan.device_side(engine.tables[0][0]), src_index,
+        (src_index, dst_index), _ = engine.rings["h2d"].upload(engine.unit_arrays(np.array([1]), np.array([2])))
+        call = ChunkCopy(engine.plan.host_side(bad_table), engine.plan.device_side(engine.device_tables[0]), src_index,
                          dst_index, 8, 1, 0, 1, 1, g.page_bytes)
         engine.launcher.copy_chunks(call, device=0, stream=engine.streams["h2d"])
         with pytest.raises(IllegalAddress):
@@ -239,3 +240,33 @@ def test_split_pool_over_chunks_with_scattered_aliases_is_refused_for_kernels(sp
             TransferEngine(dev, host)
     finally:
         host.close(), dev.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_staged_in_several_batches(runtime, layout):
+    g = geometry("mha", 2, 16, layers=3)
+    dev = DevicePool.allocate(g, 10, 0, runtime=runtime)
+    host = HostPool.allocate(g, layout, pages=12, runtime=runtime)
+    engine = TransferEngine(dev, host, backend="staged", staging_bytes=2 * g.bytes_per_page, relayout_blocks=4)
+    try:
+        data = fill_device(dev)
+        src, slots = np.array([9, 0, 4, 7, 2]), np.array([5, 6, 1, 11, 2])
+        engine.backup(src, slots).wait()
+        poison_device(dev)
+        dst = np.array([1, 3, 5, 8, 6])
+        transfer = engine.load(slots, dst, layers=[2, 0])
+        transfer.wait_layer(2)
+        transfer.wait()
+        for tensor in range(g.tensors):
+            for layer in (0, 2):
+                np.testing.assert_array_equal(read_device(dev, tensor, layer)[dst], data[(tensor, layer)][src])
+            assert (read_device(dev, tensor, 1) == 0xEE).all()
+    finally:
+        engine.close(), host.close(), dev.close()
+
+
+def test_slot_runs():
+    from kvtier.transfer.staged import slot_runs
+
+    assert slot_runs(np.array([1, 2, 3, 7, 8, 10])) == [(0, 1, 3), (3, 7, 2), (5, 10, 1)]
+    assert slot_runs(np.array([], np.int64)) == []

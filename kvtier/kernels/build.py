@@ -79,7 +79,7 @@ def _nvrtc_check(nvrtc: Any, result: Any, call: str, program: Any = None) -> Any
     raise KernelBuildError(f"{call}: {nvrtc.nvrtcGetErrorString(status)[1].decode()}\n{log}")
 
 
-def compile_jit(arch: str, unroll: int = DEFAULT_UNROLL) -> bytes:
+def compile_jit(arch: str, unroll: int = DEFAULT_UNROLL, max_threads: int = 1024) -> bytes:
     """A cubin for ``arch`` (e.g. ``sm_90``) from NVRTC, through the on-disk cache."""
     try:
         nvrtc = _nvrtc()
@@ -88,7 +88,8 @@ def compile_jit(arch: str, unroll: int = DEFAULT_UNROLL) -> bytes:
         raise
     except Exception as exc:
         raise KernelBuildError(f"NVRTC is not usable here: {exc}") from exc
-    options = [f"--gpu-architecture={arch}", "-std=c++17", f"-DKVTIER_UNROLL={unroll}"]
+    options = [f"--gpu-architecture={arch}", "-std=c++17", f"-DKVTIER_UNROLL={unroll}",
+               f"-DKVTIER_MAX_THREADS={max_threads}"]
     key = hashlib.sha256(repr((source_hash(), options, version)).encode()).hexdigest()[:24]
     cached = cache_dir() / f"transfer-{arch}-{key}.cubin"
     if cached.exists():

@@ -72,8 +72,13 @@ class ChunkCopy:
 class KernelLauncher:
     """Loads the transfer kernels per device (AOT or JIT) and launches them; one per runtime user."""
 
-    def __init__(self, runtime: Runtime, *, mode: str | None = None, unroll: int = DEFAULT_UNROLL) -> None:
-        self.runtime, self.mode, self.unroll = runtime, mode, unroll
+    def __init__(self, runtime: Runtime, *, mode: str | None = None, unroll: int = DEFAULT_UNROLL,
+                 max_threads: int = MAX_THREADS) -> None:
+        """``unroll`` and ``max_threads`` specialize the kernel (JIT only): loads in flight per thread, and the block
+        size the register budget is fitted to."""
+        if unroll < 1 or not 32 <= max_threads <= MAX_THREADS or max_threads % 32:
+            raise KvtierError(f"bad kernel specialization: unroll={unroll}, max_threads={max_threads}")
+        self.runtime, self.mode, self.unroll, self.max_threads = runtime, mode, unroll, max_threads
         self._functions: dict[tuple[int, int], Any] = {}
         self.origins: dict[int, str] = {}
 
@@ -85,7 +90,7 @@ class KernelLauncher:
     def copy_chunks(self, call: ChunkCopy, *, device: int, stream: Stream, max_blocks: int = 2,
                     threads: int = MAX_THREADS) -> None:
         call.validate()
-        if max_blocks < 1 or threads < 32 or threads > MAX_THREADS or threads % 32:
+        if max_blocks < 1 or threads < 32 or threads > self.max_threads or threads % 32:
             raise KvtierError(f"launch of {max_blocks} blocks x {threads} threads: need >=1 block and 32..1024 "
                               f"threads in whole warps")
         if call.n_units == 0 or call.n_layers == 0:
@@ -111,7 +116,7 @@ class KernelLauncher:
         key = (device, index_bytes)
         if key not in self._functions:
             major, minor = self.runtime.device_attributes(device).compute_capability
-            image, origin = kernel_image(f"sm_{major}{minor}", self.mode, self.unroll)
+            image, origin = kernel_image(f"sm_{major}{minor}", self.mode, self.unroll, self.max_threads)
             module = self.runtime.load_module(image, device)  # type: ignore[attr-defined]
             for size, name in KERNEL_NAMES.items():
                 self._functions[(device, size)] = self.runtime.get_function(module, name)  # type: ignore[attr-defined]

@@ -30,17 +30,20 @@ def _aot_image(arch: str) -> tuple[bytes | None, str]:
     return fatbin.read_bytes(), f"aot:{fatbin}"
 
 
-def kernel_image(arch: str, mode: str | None = None, unroll: int = DEFAULT_UNROLL) -> tuple[bytes, str]:
+def kernel_image(arch: str, mode: str | None = None, unroll: int = DEFAULT_UNROLL,
+                 max_threads: int = 1024) -> tuple[bytes, str]:
     """(image, origin) for a device of ``arch`` (``sm_90``)."""
     mode = (mode or os.environ.get("KVTIER_KERNELS") or "auto").lower()
     if mode not in MODES:
         raise KernelBuildError(f"KVTIER_KERNELS must be one of {MODES}, got {mode!r}")
-    if mode != "jit" and unroll == DEFAULT_UNROLL:
+    specialized = unroll != DEFAULT_UNROLL or max_threads != 1024
+    if mode != "jit" and not specialized:
         image, origin = _aot_image(arch)
         if image is not None:
             return image, origin
         if mode == "aot":
             raise KernelBuildError(f"KVTIER_KERNELS=aot: {origin}")
     elif mode == "aot":
-        raise KernelBuildError(f"KVTIER_KERNELS=aot: prebuilt kernels use unroll {DEFAULT_UNROLL}, not {unroll}")
-    return compile_jit(arch, unroll), f"jit:{arch}"
+        raise KernelBuildError(f"KVTIER_KERNELS=aot: prebuilt kernels are not specialized (unroll {unroll}, "
+                               f"max_threads {max_threads}): only JIT builds those")
+    return compile_jit(arch, unroll, max_threads), f"jit:{arch}:unroll{unroll}:threads{max_threads}"

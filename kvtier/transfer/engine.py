@@ -2,7 +2,8 @@
 
 Backups and loads run on their own streams, so both directions overlap. A load records one event per layer, so a
 consumer can wait for layer i only (layer-wise overlap in prefill); every transfer ends with an event the caller can
-poll. Backends: ``kernel`` (SM copies under an SM budget; CUDA-graph capturable), ``direct`` (one memcpy per
+poll. Backends: ``kernel`` (SM copies under an SM budget; CUDA-graph capturable), ``staged`` (device relayout into a
+staging area, then large DMAs: see ``staged.py``), ``direct`` (one memcpy per
 contiguous run; also serves pageable host pools), ``batch`` (runs through the runtime's batched memcpy, falling back to
 ``direct`` where it is unavailable or capture is on).
 """
@@ -22,8 +23,10 @@ from kvtier.pools import DevicePool, HostPool, build_pointer_table, device_strid
 from kvtier.runtime import Event, Graph, Stream
 from kvtier.transfer.indices import IndexRing
 from kvtier.transfer.plan import merge_runs, plan_for
+from kvtier.transfer.staged import StagingArea
 
-BACKENDS = ("kernel", "direct", "batch")
+BACKENDS = ("kernel", "staged", "direct", "batch")
+KERNEL_BACKENDS = ("kernel", "staged")
 D2H, H2D = "d2h", "h2d"
 
 
@@ -75,7 +78,8 @@ def _pages(values: Any, what: str) -> np.ndarray:
 class TransferEngine:
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, backend: str = "kernel",
                  max_blocks: int = 2, threads: int = 1024, index_bytes: int = 8,
-                 launcher: KernelLauncher | None = None) -> None:
+                 launcher: KernelLauncher | None = None, staging_bytes: int = 256 << 20,
+                 relayout_blocks: int | None = None) -> None:
         if backend not in BACKENDS:
             raise KvtierError(f"unknown io backend {backend!r}: choose one of {BACKENDS}")
         if device_pool.geometry != host_pool.geometry:
@@ -93,13 +97,20 @@ class TransferEngine:
         self.max_blocks, self.threads, self.index_bytes = max_blocks, threads, index_bytes
         self.streams = {D2H: self.runtime.create_stream(self.device), H2D: self.runtime.create_stream(self.device)}
         self._closables: list[Any] = list(self.streams.values())
-        if backend == "kernel":
+        if backend in KERNEL_BACKENDS:
             self.launcher = launcher or KernelLauncher(self.runtime)
-            self.tables = [(build_pointer_table(self.runtime, self.device, device_pool.layers[t]),
-                            build_pointer_table(self.runtime, self.device, host_pool.layer_addresses(t, self.device)))
-                           for t in range(self.geometry.tensors)]
+            self.device_tables = [build_pointer_table(self.runtime, self.device, device_pool.layers[t])
+                                  for t in range(self.geometry.tensors)]
             self.rings = {d: IndexRing(self.runtime, self.device, s) for d, s in self.streams.items()}
-            self._closables += [table for pair in self.tables for table in pair] + list(self.rings.values())
+            self._closables += self.device_tables + list(self.rings.values())
+        if backend == "kernel":
+            self.host_tables = [
+                build_pointer_table(self.runtime, self.device, host_pool.layer_addresses(t, self.device))
+                for t in range(self.geometry.tensors)]
+            self._closables += self.host_tables
+        if backend == "staged":
+            self.staging = StagingArea(self, staging_bytes, relayout_blocks)
+            self._closables.append(self.staging)
 
     # -- public operations ----------------------------------------------------------------------------------------
     def backup(self, device_pages: Any, host_pages: Any, *, after: Event | None = None) -> Transfer:
@@ -129,11 +140,11 @@ class TransferEngine:
             raise KvtierError(f"layer {layer} is out of range (pool has {self.geometry.layers} layers)")
         stream = self.runtime.create_stream(self.device)
         ring = IndexRing(self.runtime, self.device, stream, slots=1)
-        (src_index, dst_index), slot = ring.upload(self._unit_arrays(host, dev))
+        (src_index, dst_index), slot = ring.upload(self.unit_arrays(host, dev))
         stream.synchronize()
         stream.begin_capture()
         try:
-            self._kernel(H2D, src_index, dst_index, len(self.plan.units(host)), layer, 1, stream)
+            self.kernel(H2D, src_index, dst_index, len(self.plan.units(host)), layer, 1, stream)
         finally:
             graph = stream.end_capture()
         return CapturedLoad(graph, stream, [ring, stream])
@@ -157,7 +168,7 @@ class TransferEngine:
         self.host_pool.check_pages(host)
         return dev, host
 
-    def _unit_arrays(self, src: np.ndarray, dst: np.ndarray) -> list[np.ndarray]:
+    def unit_arrays(self, src: np.ndarray, dst: np.ndarray) -> list[np.ndarray]:
         dtype = np.int64 if self.index_bytes == 8 else np.int32
         return [self.plan.units(src).astype(dtype), self.plan.units(dst).astype(dtype)]
 
@@ -167,40 +178,44 @@ class TransferEngine:
         if after is not None:
             stream.wait(after)
         transfer = Transfer(self.runtime.create_event(self.device))
-        if src.size and self.backend == "kernel":
+        if src.size and self.backend == "staged":
+            self.staging.run(direction, src, dst, layers, per_layer, stream, transfer)
+        elif src.size and self.backend == "kernel":
             ring = self.rings[direction]
-            (src_index, dst_index), slot = ring.upload(self._unit_arrays(src, dst))
+            (src_index, dst_index), slot = ring.upload(self.unit_arrays(src, dst))
             units = len(self.plan.units(src))
             for begin, count in _layer_spans(layers, per_layer):
-                self._kernel(direction, src_index, dst_index, units, begin, count, stream)
-                self._mark(transfer, begin, count, stream, per_layer)
+                self.kernel(direction, src_index, dst_index, units, begin, count, stream)
+                self.mark(transfer, begin, count, stream, per_layer)
             ring.fence(slot)
         elif src.size:
             runs = self._runs(direction, src, dst)
             for begin, count in _layer_spans(layers, per_layer):
                 for layer in range(begin, begin + count):
                     self._dma(direction, runs, layer, stream)
-                self._mark(transfer, begin, count, stream, per_layer)
+                self.mark(transfer, begin, count, stream, per_layer)
         else:
             for layer in layers if per_layer else ():
-                self._mark(transfer, layer, 1, stream, per_layer)
+                self.mark(transfer, layer, 1, stream, per_layer)
         transfer.finished.record(stream)
         return transfer
 
-    def _mark(self, transfer: Transfer, begin: int, count: int, stream: Stream, per_layer: bool) -> None:
+    def mark(self, transfer: Transfer, begin: int, count: int, stream: Stream, per_layer: bool) -> None:
         if per_layer:
             event = self.runtime.create_event(self.device)
             event.record(stream)
             transfer.layer_events[begin] = event
 
-    def _kernel(self, direction: str, src_index: Any, dst_index: Any, units: int, begin: int, count: int,
-                stream: Stream) -> None:
-        for device_table, host_table in self.tables:
+    def kernel(self, direction: str, src_index: Any, dst_index: Any, units: int, begin: int, count: int,
+               stream: Stream, host_tables: Sequence[Any] | None = None, blocks: int | None = None) -> None:
+        """One launch per tensor; ``host_tables`` may name a staging area laid out like the host pool instead."""
+        tables = zip(self.device_tables, host_tables or self.host_tables, strict=True)
+        for device_table, host_table in tables:
             device_side, host_side = self.plan.device_side(device_table), self.plan.host_side(host_table)
             src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
             call = ChunkCopy(src, dst, src_index, dst_index, self.index_bytes, units, begin, count,
                              self.plan.pieces, self.plan.chunk_bytes)
-            self.launcher.copy_chunks(call, device=self.device, stream=stream, max_blocks=self.max_blocks,
+            self.launcher.copy_chunks(call, device=self.device, stream=stream, max_blocks=blocks or self.max_blocks,
                                       threads=self.threads)
 
     def _runs(self, direction: str, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, ...]:
