@@ -80,7 +80,7 @@ def relayout_seconds(engine: TransferEngine, src: np.ndarray, repeats: int) -> f
         stream.synchronize()
         start = time.perf_counter()
         engine.kernel("d2h", src_index, dst_index, arrays[0].size, 0, engine.geometry.layers, stream,
-                      staging.tables, staging.blocks)
+                      staging.table, staging.blocks)
         stream.synchronize()
         engine.rings["d2h"].fence(slot)
         if i:
@@ -122,11 +122,13 @@ def measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages
     return rows
 
 
-def bidirectional(runtime, g, dev, host, ceiling, pages, blocks) -> dict:
+def bidirectional(runtime, g, dev, host, ceiling, pages, blocks, backend="kernel") -> dict:
+    """Backup and load at once, on their two streams; staged uses contiguous host slots."""
     rng = np.random.default_rng(1)
-    engine = TransferEngine(dev, host, backend="kernel", max_blocks=blocks)
+    engine = TransferEngine(dev, host, backend=backend, max_blocks=blocks)
     half = pages // 2
-    src, slots = rng.choice(dev.pages, 2 * half, replace=False), rng.choice(host.pages, 2 * half, replace=False)
+    src = rng.choice(dev.pages, 2 * half, replace=False)
+    slots = rng.choice(host.pages, 2 * half, replace=False) if backend == "kernel" else np.arange(2 * half)
     times = []
     for i in range(4):
         engine.synchronize()
@@ -138,7 +140,7 @@ def bidirectional(runtime, g, dev, host, ceiling, pages, blocks) -> dict:
             times.append(time.perf_counter() - start)
     engine.close()
     gbps = 2 * half * g.bytes_per_page / statistics.median(times) / 1e9
-    return {"blocks": blocks, "gbps": gbps, "pct": 100 * gbps / ceiling["bidirectional_gbps"]}
+    return {"backend": backend, "blocks": blocks, "gbps": gbps, "pct": 100 * gbps / ceiling["bidirectional_gbps"]}
 
 
 def gemm_slowdown(runtime, g, dev, host, pages, blocks_list) -> list[dict]:
@@ -156,20 +158,22 @@ def gemm_slowdown(runtime, g, dev, host, pages, blocks_list) -> list[dict]:
         end.synchronize()
         return start.elapsed_time(end) / n
 
-    gemms(3)
-    alone = statistics.median(gemms(10) for _ in range(3))
+    gemms(5)
     out = []
     rng = np.random.default_rng(2)
     src, slots = rng.choice(dev.pages, pages, replace=False), rng.choice(host.pages, pages, replace=False)
     for blocks in blocks_list:
         engine = TransferEngine(dev, host, backend="kernel", max_blocks=blocks)
-        transfers = [engine.load(slots, src) for _ in range(6)]
-        busy = gemms(20)
-        for t in transfers:
-            t.wait()
+        alone, busy = [], []
+        for _ in range(3):
+            alone.append(gemms(15))
+            transfers = [engine.load(slots, src) for _ in range(4)]
+            busy.append(gemms(15))
+            for t in transfers:
+                t.wait()
         engine.close()
-        out.append({"blocks": blocks, "gemm_ms_alone": alone, "gemm_ms_with_copy": busy,
-                    "slowdown_pct": 100 * (busy / alone - 1)})
+        a, b = statistics.median(alone), statistics.median(busy)
+        out.append({"blocks": blocks, "gemm_ms_alone": a, "gemm_ms_with_copy": b, "slowdown_pct": 100 * (b / a - 1)})
     return out
 
 
@@ -225,7 +229,8 @@ def main() -> None:
                     row.backend = f"kernel u{unroll}x{threads}"
                     rows.append(row)
             if layout == "page_first_direct":
-                extras["bidirectional"][name] = bidirectional(runtime, g, dev, host, ceiling, pages, 2)
+                extras["bidirectional"][name] = [bidirectional(runtime, g, dev, host, ceiling, pages, 2, backend)
+                                                 for backend in ("kernel", "staged")]
                 if name == geometries[0] and not args.quick and runtime.name == "cuda":
                     extras["gemm"][name] = gemm_slowdown(runtime, g, dev, host, pages, [2, 8, 32])
             host.close()

@@ -143,12 +143,11 @@ def test_split_tables_hold_aliases_and_metadata_holds_cpu_addresses(split):
                                                                                 runtime=split)
     engine = TransferEngine(dev, host)
     try:
-        for tensor, (device_table, host_table) in enumerate(zip(engine.device_tables, engine.host_tables,
-                                                                strict=True)):
-            assert host_table.entries == tuple(host.layer_addresses(tensor, 0))
-            assert all(e.value != c.value for e, c in zip(host_table.entries, host.layer_cpu_addresses(tensor),
-                                                          strict=True))
-            assert device_table.entries == tuple(dev.layers[tensor])
+        tensors = range(g.tensors)
+        assert engine.host_table.entries == tuple(a for t in tensors for a in host.layer_addresses(t, 0))
+        cpu_addresses = [c.value for t in tensors for c in host.layer_cpu_addresses(t)]
+        assert not {e.value for e in engine.host_table.entries} & set(cpu_addresses)
+        assert engine.device_table.entries == tuple(a for t in tensors for a in dev.layers[t])
         cpu = host.buffer.cpu_address
         for pieces in host.page_metadata([0, 3]):
             for address, size in pieces:
@@ -168,11 +167,11 @@ def test_kernel_handed_cpu_addresses_faults(split):
                                                                                 runtime=split)
     engine = TransferEngine(dev, host)
     try:
-        wrong = [DeviceAddress(c.value, 0) for c in host.layer_cpu_addresses(0)]
+        wrong = [DeviceAddress(c.value, 0) for t in range(g.tensors) for c in host.layer_cpu_addresses(t)]
         bad_table = build_pointer_table(split, 0, wrong)
         (src_index, dst_index), _ = engine.rings["h2d"].upload(engine.unit_arrays(np.array([1]), np.array([2])))
-        call = ChunkCopy(engine.plan.host_side(bad_table), engine.plan.device_side(engine.device_tables[0]), src_index,
-                         dst_index, 8, 1, 0, 1, 1, g.page_bytes)
+        call = ChunkCopy(engine.plan.host_side(bad_table), engine.plan.device_side(engine.device_table), src_index,
+                         dst_index, 8, 1, 0, 1, 1, g.page_bytes, g.tensors, g.layers)
         engine.launcher.copy_chunks(call, device=0, stream=engine.streams["h2d"])
         with pytest.raises(IllegalAddress):
             engine.streams["h2d"].synchronize()

@@ -41,7 +41,9 @@ class _Side(ctypes.Structure):
 
 @dataclass(frozen=True)
 class ChunkCopy:
-    """One launch: for each layer in [layer_begin, +n_layers), unit i, piece p: copy chunk_bytes src → dst."""
+    """One launch: for each tensor, layer in [layer_begin, +n_layers), unit i, piece p: copy chunk_bytes src → dst.
+
+    Both tables hold ``table_layers`` per-layer addresses for each of ``n_tensors`` tensors, tensor-major."""
 
     src: ChunkSide
     dst: ChunkSide
@@ -53,6 +55,8 @@ class ChunkCopy:
     n_layers: int
     n_pieces: int
     chunk_bytes: int
+    n_tensors: int = 1
+    table_layers: int = 0
 
     def validate(self) -> None:
         if self.chunk_bytes <= 0 or self.chunk_bytes % 16:
@@ -65,8 +69,20 @@ class ChunkCopy:
                 raise KvtierError(f"units_per_page must be >= 1, got {side.units_per_page}")
         if self.index_bytes not in KERNEL_NAMES:
             raise KvtierError(f"indices must be int32 or int64, got {self.index_bytes}-byte items")
-        if self.n_units < 0 or self.n_layers < 0 or self.n_pieces < 1 or self.layer_begin < 0:
+        if self.n_units < 0 or self.n_layers < 0 or self.n_pieces < 1 or self.layer_begin < 0 or self.n_tensors < 1:
             raise KvtierError(f"bad launch shape: units={self.n_units} layers={self.n_layers} pieces={self.n_pieces}")
+        if self.layer_begin + self.n_layers > self.rows_per_tensor:
+            raise KvtierError(f"layers [{self.layer_begin}, +{self.n_layers}) exceed the table's "
+                              f"{self.rows_per_tensor}")
+        for side in (self.src, self.dst):
+            entries = getattr(side.table, "entries", None)
+            if entries is not None and len(entries) != self.n_tensors * self.rows_per_tensor:
+                raise KvtierError(f"a table of {len(entries)} entries cannot hold {self.n_tensors} tensors x "
+                                  f"{self.rows_per_tensor} layers")
+
+    @property
+    def rows_per_tensor(self) -> int:
+        return self.table_layers or self.layer_begin + self.n_layers
 
 
 class KernelLauncher:
@@ -98,7 +114,8 @@ class KernelLauncher:
         sides = [(self.resolve(s.table, device), s.page_stride, s.unit_stride, s.piece_stride, s.units_per_page)
                  for s in (call.src, call.dst)]
         indices = [self.resolve(i, device) for i in (call.src_index, call.dst_index)]
-        scalars = (call.n_units, call.layer_begin, call.n_layers, call.n_pieces, call.chunk_bytes)
+        scalars = (call.n_units, call.layer_begin, call.n_layers, call.n_tensors, call.rows_per_tensor,
+                   call.n_pieces, call.chunk_bytes)
         if self.runtime.runs_python_kernels:
             self.runtime.launch_python(reference.copy_chunks, *sides, *indices, *scalars,  # type: ignore[attr-defined]
                                        call.index_bytes, device=device, stream=stream)
@@ -106,7 +123,8 @@ class KernelLauncher:
         group = max(1, min(MAX_GROUP, -(-32 * self.unroll // (call.chunk_bytes // 16))))
         args = [_Side(*sides[0]), _Side(*sides[1]), ctypes.c_uint64(indices[0]), ctypes.c_uint64(indices[1]),
                 ctypes.c_int64(call.n_units), ctypes.c_int(call.layer_begin), ctypes.c_int(call.n_layers),
-                ctypes.c_int(call.n_pieces), ctypes.c_int64(call.chunk_bytes), ctypes.c_int(group)]
+                ctypes.c_int(call.n_tensors), ctypes.c_int(call.rows_per_tensor), ctypes.c_int(call.n_pieces),
+                ctypes.c_int64(call.chunk_bytes), ctypes.c_int(group)]
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         function = self._function(device, call.index_bytes)
         self.runtime.launch_function(function, device, max_blocks, threads,  # type: ignore[attr-defined]

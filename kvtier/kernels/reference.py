@@ -19,16 +19,18 @@ def _read(memory: Any, address: int, count: int, dtype: Any) -> np.ndarray:
 
 
 def copy_chunks(memory: Any, src: tuple[int, ...], dst: tuple[int, ...], src_index: int, dst_index: int,
-                n_units: int, layer_begin: int, n_layers: int, n_pieces: int, chunk_bytes: int,
-                index_bytes: int) -> None:
-    """``src``/``dst`` are (table, page_stride, unit_stride, piece_stride, units_per_page), as the kernel's Side."""
+                n_units: int, layer_begin: int, n_layers: int, n_tensors: int, table_layers: int, n_pieces: int,
+                chunk_bytes: int, index_bytes: int) -> None:
+    """``src``/``dst`` are (table, page_stride, unit_stride, piece_stride, units_per_page), as the kernel's Side;
+    tables hold ``table_layers`` rows per tensor."""
     sides = []
+    rows = [t * table_layers + layer_begin + layer for t in range(n_tensors) for layer in range(n_layers)]
     for table, page_stride, unit_stride, piece_stride, units_per_page in (src, dst):
-        bases = _read(memory, table + 8 * layer_begin, n_layers, np.uint64).astype(object)
-        sides.append((bases, page_stride, unit_stride, piece_stride, units_per_page))
+        entries = _read(memory, table, n_tensors * table_layers, np.uint64).astype(object)
+        sides.append(([entries[r] for r in rows], page_stride, unit_stride, piece_stride, units_per_page))
     dtype = INDEX_DTYPES[index_bytes]
     units = [_read(memory, index, n_units, dtype).astype(object) for index in (src_index, dst_index)]
-    for layer in range(n_layers):
+    for layer in range(len(rows)):
         for i in range(n_units):
             for piece in range(n_pieces):
                 addresses = []

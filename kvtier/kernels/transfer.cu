@@ -1,9 +1,9 @@
 // kvtier transfer kernels: one source for the AOT (nvcc) and JIT (NVRTC) builds.
 //
 // Every copy kvtier makes between a layer-first device pool and a host pool is a set of "chunks": for each
-// (layer, unit, piece) one contiguous run of `chunk_bytes` on both sides. A side locates a chunk as
-//     table[layer] + (unit / units_per_page) * page_stride + (unit % units_per_page) * unit_stride
-//                  + piece * piece_stride
+// (tensor, layer, unit, piece) one contiguous run of `chunk_bytes` on both sides. A side locates a chunk as
+//     table[tensor * table_layers + layer] + (unit / units_per_page) * page_stride
+//                  + (unit % units_per_page) * unit_stride + piece * piece_stride
 // where `unit` comes from that side's index array. Host-side pointer math (layouts, strides) stays in Python; the
 // kernel only walks chunks. Tables hold device-accessible addresses for the device that runs the kernel.
 //
@@ -54,6 +54,7 @@ __device__ __forceinline__ void store_stream(uint4* p, uint4 v) {
 
 template <typename Index>
 __device__ __forceinline__ char* chunk_address(const Side& s, int layer, Index unit, i64 piece) {
+    // `layer` is the table row: tensor * table_layers + layer
     i64 u = (i64)unit;
     i64 page = u / s.units_per_page;
     i64 slot = u - page * s.units_per_page;
@@ -63,12 +64,12 @@ __device__ __forceinline__ char* chunk_address(const Side& s, int layer, Index u
 template <typename Index>
 __device__ void copy_chunks(Side src, Side dst, const Index* __restrict__ src_index,
                             const Index* __restrict__ dst_index, i64 n_units, int layer_begin, int n_layers,
-                            int n_pieces, i64 chunk_bytes, int group) {
+                            int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int group) {
     __shared__ char* pointers[2][32][KVTIER_MAX_GROUP];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int vectors = (int)(chunk_bytes >> 4);
-    const i64 total = (i64)n_layers * n_units * n_pieces;
+    const i64 total = (i64)n_tensors * n_layers * n_units * n_pieces;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     char** src_ptr = pointers[0][warp];
     char** dst_ptr = pointers[1][warp];
@@ -79,7 +80,8 @@ __device__ void copy_chunks(Side src, Side dst, const Index* __restrict__ src_in
             int piece = (int)(c % n_pieces);
             i64 rest = c / n_pieces;
             i64 unit = rest % n_units;
-            int layer = layer_begin + (int)(rest / n_units);
+            int plane = (int)(rest / n_units);
+            int layer = (plane / n_layers) * table_layers + layer_begin + plane % n_layers;
             src_ptr[lane] = chunk_address(src, layer, src_index[unit], piece);
             dst_ptr[lane] = chunk_address(dst, layer, dst_index[unit], piece);
         }
@@ -109,13 +111,15 @@ __device__ void copy_chunks(Side src, Side dst, const Index* __restrict__ src_in
 }
 
 extern "C" __global__ void __launch_bounds__(KVTIER_MAX_THREADS) kvtier_copy_chunks_i64(Side src, Side dst, const i64* src_index, const i64* dst_index,
-                                                  i64 n_units, int layer_begin, int n_layers, int n_pieces,
-                                                  i64 chunk_bytes, int group) {
-    copy_chunks<i64>(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_pieces, chunk_bytes, group);
+                                                  i64 n_units, int layer_begin, int n_layers, int n_tensors,
+                                                  int table_layers, int n_pieces, i64 chunk_bytes, int group) {
+    copy_chunks<i64>(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors, table_layers,
+                     n_pieces, chunk_bytes, group);
 }
 
 extern "C" __global__ void __launch_bounds__(KVTIER_MAX_THREADS) kvtier_copy_chunks_i32(Side src, Side dst, const int* src_index, const int* dst_index,
-                                                  i64 n_units, int layer_begin, int n_layers, int n_pieces,
-                                                  i64 chunk_bytes, int group) {
-    copy_chunks<int>(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_pieces, chunk_bytes, group);
+                                                  i64 n_units, int layer_begin, int n_layers, int n_tensors,
+                                                  int table_layers, int n_pieces, i64 chunk_bytes, int group) {
+    copy_chunks<int>(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors, table_layers,
+                     n_pieces, chunk_bytes, group);
 }

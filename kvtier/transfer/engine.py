@@ -99,15 +99,15 @@ class TransferEngine:
         self._closables: list[Any] = list(self.streams.values())
         if backend in KERNEL_BACKENDS:
             self.launcher = launcher or KernelLauncher(self.runtime)
-            self.device_tables = [build_pointer_table(self.runtime, self.device, device_pool.layers[t])
-                                  for t in range(self.geometry.tensors)]
+            tensors = range(self.geometry.tensors)
+            self.device_table = build_pointer_table(self.runtime, self.device,
+                                                    [a for t in tensors for a in device_pool.layers[t]])
             self.rings = {d: IndexRing(self.runtime, self.device, s) for d, s in self.streams.items()}
-            self._closables += self.device_tables + list(self.rings.values())
+            self._closables += [self.device_table, *self.rings.values()]
         if backend == "kernel":
-            self.host_tables = [
-                build_pointer_table(self.runtime, self.device, host_pool.layer_addresses(t, self.device))
-                for t in range(self.geometry.tensors)]
-            self._closables += self.host_tables
+            self.host_table = build_pointer_table(
+                self.runtime, self.device, [a for t in tensors for a in host_pool.layer_addresses(t, self.device)])
+            self._closables.append(self.host_table)
         if backend == "staged":
             self.staging = StagingArea(self, staging_bytes, relayout_blocks)
             self._closables.append(self.staging)
@@ -207,16 +207,15 @@ class TransferEngine:
             transfer.layer_events[begin] = event
 
     def kernel(self, direction: str, src_index: Any, dst_index: Any, units: int, begin: int, count: int,
-               stream: Stream, host_tables: Sequence[Any] | None = None, blocks: int | None = None) -> None:
-        """One launch per tensor; ``host_tables`` may name a staging area laid out like the host pool instead."""
-        tables = zip(self.device_tables, host_tables or self.host_tables, strict=True)
-        for device_table, host_table in tables:
-            device_side, host_side = self.plan.device_side(device_table), self.plan.host_side(host_table)
-            src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
-            call = ChunkCopy(src, dst, src_index, dst_index, self.index_bytes, units, begin, count,
-                             self.plan.pieces, self.plan.chunk_bytes)
-            self.launcher.copy_chunks(call, device=self.device, stream=stream, max_blocks=blocks or self.max_blocks,
-                                      threads=self.threads)
+               stream: Stream, host_table: Any = None, blocks: int | None = None) -> None:
+        """One launch for every tensor; ``host_table`` may name a staging area laid out like the host pool."""
+        device_side = self.plan.device_side(self.device_table)
+        host_side = self.plan.host_side(self.host_table if host_table is None else host_table)
+        src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
+        call = ChunkCopy(src, dst, src_index, dst_index, self.index_bytes, units, begin, count, self.plan.pieces,
+                         self.plan.chunk_bytes, self.geometry.tensors, self.geometry.layers)
+        self.launcher.copy_chunks(call, device=self.device, stream=stream, max_blocks=blocks or self.max_blocks,
+                                  threads=self.threads)
 
     def _runs(self, direction: str, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, ...]:
         device_offsets = self.plan.offsets(src if direction == D2H else dst, device_strides(self.geometry))

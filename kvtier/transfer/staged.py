@@ -18,6 +18,7 @@ from kvtier.errors import KvtierError
 from kvtier.memory import DeviceBuffer
 from kvtier.pools import HostLayout, build_pointer_table, host_strides
 from kvtier.runtime import Stream
+from kvtier.transfer.indices import IndexRing
 
 if TYPE_CHECKING:
     from kvtier.transfer.engine import Transfer, TransferEngine
@@ -40,14 +41,20 @@ class StagingArea:
         self.capacity = staging_bytes // g.bytes_per_page
         if self.capacity < 1:
             raise KvtierError(f"staging_bytes={staging_bytes} holds no page ({g.bytes_per_page} bytes each)")
+        halves = 2 if self.capacity >= 2 else 1
+        self.half = self.capacity // halves
         runtime = engine.runtime
         self.blocks = relayout_blocks or runtime.device_attributes(engine.device).multiprocessors
         self.layout = engine.host_pool.layout
         self.strides = host_strides(g, self.layout, self.capacity)
         self.tensor_bytes = self.capacity * g.layers * g.page_bytes
         self.buffer = DeviceBuffer(g.tensors * self.tensor_bytes, engine.device, runtime=runtime)
-        self.tables = [build_pointer_table(runtime, engine.device, self.layer_addresses(t))
-                       for t in range(g.tensors)]
+        self.table = build_pointer_table(runtime, engine.device,
+                                         [a for t in range(g.tensors) for a in self.layer_addresses(t)])
+        self.stream = runtime.create_stream(engine.device)
+        self.ring = IndexRing(runtime, engine.device, self.stream)
+        self.free = [runtime.create_event(engine.device) for _ in range(halves)]
+        self.ready, self.idle = runtime.create_event(engine.device), runtime.create_event(engine.device)
 
     def layer_addresses(self, tensor: int) -> list:
         base = self.buffer.address + tensor * self.tensor_bytes
@@ -55,41 +62,56 @@ class StagingArea:
 
     def run(self, direction: str, src: np.ndarray, dst: np.ndarray, layers: Sequence[int], per_layer: bool,
             stream: Stream, transfer: Transfer) -> None:
-        engine = self.engine
+        """Batches alternate between the two halves of the staging area, so the relayout of one batch (on the
+        relayout stream) overlaps the DMA of the previous one (on the transfer's stream)."""
         device_pages, host_pages = (src, dst) if direction == "d2h" else (dst, src)
         order = np.argsort(host_pages, kind="stable")
-        batches = [order[i:i + self.capacity] for i in range(0, order.size, self.capacity)]
+        batches = [order[i:i + self.half] for i in range(0, order.size, self.half)]
         for number, batch in enumerate(batches):
-            last = number == len(batches) - 1
-            staged = np.arange(batch.size, dtype=np.int64)
-            runs = slot_runs(host_pages[batch])
+            half = number % len(self.free)
+            staged = half * self.half + np.arange(batch.size, dtype=np.int64)
+            runs = [(k + half * self.half, h, n) for k, h, n in slot_runs(host_pages[batch])]
+            last = transfer if number == len(batches) - 1 else None
             if direction == "d2h":
-                arrays = engine.unit_arrays(device_pages[batch], staged)
+                self._backup_batch(half, device_pages[batch], staged, runs, layers, stream)
             else:
-                arrays = engine.unit_arrays(staged, device_pages[batch])
-            ring = engine.rings[direction]
-            (src_index, dst_index), slot = ring.upload(arrays)
-            units = arrays[0].size
-            if direction == "d2h":
-                engine.kernel("d2h", src_index, dst_index, units, layers[0], len(layers), stream, self.tables,
-                              self.blocks)
-                self._dma("d2h", runs, layers, stream)
-            else:
-                self._load(runs, layers, src_index, dst_index, units, stream, transfer if last else None,
-                           per_layer)
-            ring.fence(slot)
+                self._load_batch(half, device_pages[batch], staged, runs, layers, stream, last, per_layer)
+        stream.wait(self.idle)
 
-    def _load(self, runs: list[tuple[int, int, int]], layers: Sequence[int], src_index: object, dst_index: object,
-              units: int, stream: Stream, transfer: Transfer | None, per_layer: bool) -> None:
+    def _relayout(self, direction: str, device_pages: np.ndarray, staged: np.ndarray, spans: list[tuple[int, int]]
+                  ) -> None:
         engine = self.engine
-        if self.layout is not HostLayout.LAYER_FIRST:
-            self._dma("h2d", runs, layers, stream)
-        for layer in layers:
-            if self.layout is HostLayout.LAYER_FIRST:
-                self._dma("h2d", runs, [layer], stream)
-            engine.kernel("h2d", src_index, dst_index, units, layer, 1, stream, self.tables, self.blocks)
-            if transfer is not None:
-                engine.mark(transfer, layer, 1, stream, per_layer)
+        pair = (device_pages, staged) if direction == "d2h" else (staged, device_pages)
+        (src_index, dst_index), slot = self.ring.upload(engine.unit_arrays(*pair))
+        units = len(engine.plan.units(device_pages))
+        for begin, count in spans:
+            engine.kernel(direction, src_index, dst_index, units, begin, count, self.stream, self.table, self.blocks)
+        self.ring.fence(slot)
+
+    def _backup_batch(self, half: int, device_pages: np.ndarray, staged: np.ndarray,
+                      runs: list[tuple[int, int, int]], layers: Sequence[int], stream: Stream) -> None:
+        self.stream.wait(self.free[half])
+        self._relayout("d2h", device_pages, staged, _spans(layers))
+        self.ready.record(self.stream)
+        stream.wait(self.ready)
+        self._dma("d2h", runs, layers, stream)
+        self.free[half].record(stream)
+        self.idle.record(self.stream)
+
+    def _load_batch(self, half: int, device_pages: np.ndarray, staged: np.ndarray, runs: list[tuple[int, int, int]],
+                    layers: Sequence[int], stream: Stream, transfer: Transfer | None, per_layer: bool) -> None:
+        stream.wait(self.free[half])
+        self._dma("h2d", runs, layers, stream)
+        self.ready.record(stream)
+        self.stream.wait(self.ready)
+        if transfer is None:
+            self._relayout("h2d", device_pages, staged, _spans(layers))
+        else:
+            for layer in layers:
+                self._relayout("h2d", device_pages, staged, [(layer, 1)])
+                self.engine.mark(transfer, layer, 1, self.stream, per_layer)
+        self.free[half].record(self.stream)
+        self.idle.record(self.stream)
 
     def _dma(self, direction: str, runs: list[tuple[int, int, int]], layers: Sequence[int], stream: Stream) -> None:
         """One copy per run of host slots: per tensor (pages contiguous across layers) or per tensor and layer."""
@@ -113,6 +135,17 @@ class StagingArea:
             engine.runtime.memcpy_async(dst, src, nbytes, stream=stream)
 
     def close(self) -> None:
-        for table in self.tables:
-            table.close()
+        self.stream.synchronize()
+        self.ring.close()
+        for event in (*self.free, self.ready, self.idle):
+            event.close()
+        self.stream.close()
+        self.table.close()
         self.buffer.close()
+
+
+def _spans(layers: Sequence[int]) -> list[tuple[int, int]]:
+    """One launch for a run of consecutive layers, else one per layer."""
+    if list(layers) == list(range(layers[0], layers[0] + len(layers))):
+        return [(layers[0], len(layers))]
+    return [(layer, 1) for layer in layers]
