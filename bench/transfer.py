@@ -70,7 +70,7 @@ def timed(runtime, engine: TransferEngine, op, repeats: int) -> float:
 
 def relayout_seconds(engine: TransferEngine, src: np.ndarray, repeats: int) -> float:
     """The staged backend's SM time: its relayout kernels alone, all layers, one batch."""
-    staging = engine.staging
+    staging = engine.staging["d2h"]
     batch = src[:staging.capacity]
     arrays = engine.unit_arrays(batch, np.arange(batch.size, dtype=np.int64))
     stream = engine.streams["d2h"]

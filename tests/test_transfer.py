@@ -269,3 +269,31 @@ def test_slot_runs():
 
     assert slot_runs(np.array([1, 2, 3, 7, 8, 10])) == [(0, 1, 3), (3, 7, 2), (5, 10, 1)]
     assert slot_runs(np.array([], np.int64)) == []
+
+
+@pytest.mark.parametrize("backend", ["kernel", "staged"])
+def test_backup_and_load_at_once(runtime, backend):
+    g = geometry("mha", 2, 16, layers=2)
+    dev = DevicePool.allocate(g, 12, 0, runtime=runtime)
+    host = HostPool.allocate(g, "page_first_direct", pages=12, runtime=runtime)
+    engine = TransferEngine(dev, host, backend=backend, staging_bytes=2 * g.bytes_per_page)
+    try:
+        data = fill_device(dev)
+        host_data = fill_host(host)
+        backup = engine.backup([0, 1, 2, 3], [0, 1, 2, 3])
+        load = engine.load([8, 9, 10, 11], [8, 9, 10, 11])
+        backup.wait(), load.wait()
+        for tensor in range(g.tensors):
+            for layer in range(g.layers):
+                got = read_device(dev, tensor, layer)
+                for page in (8, 9, 10, 11):
+                    offset = tensor * host.tensor_bytes + page * host.strides.page + layer * host.strides.layer
+                    np.testing.assert_array_equal(got[page], host_data[offset:offset + g.page_bytes])
+        after = host_bytes(host)
+        for page in range(4):
+            for tensor in range(g.tensors):
+                offset = tensor * host.tensor_bytes + page * host.strides.page
+                expected = np.concatenate([data[(tensor, layer)][page] for layer in range(g.layers)])
+                np.testing.assert_array_equal(after[offset:offset + g.layers * g.page_bytes], expected)
+    finally:
+        engine.close(), host.close(), dev.close()

@@ -80,6 +80,8 @@ class TransferEngine:
                  max_blocks: int = 2, threads: int = 1024, index_bytes: int = 8,
                  launcher: KernelLauncher | None = None, staging_bytes: int = 256 << 20,
                  relayout_blocks: int | None = None) -> None:
+        """``max_blocks`` is the SM budget of kernel copies; ``staging_bytes`` the device staging area of each
+        direction (staged backend), whose relayout kernels use ``relayout_blocks`` (default: every SM)."""
         if backend not in BACKENDS:
             raise KvtierError(f"unknown io backend {backend!r}: choose one of {BACKENDS}")
         if device_pool.geometry != host_pool.geometry:
@@ -109,8 +111,8 @@ class TransferEngine:
                 self.runtime, self.device, [a for t in tensors for a in host_pool.layer_addresses(t, self.device)])
             self._closables.append(self.host_table)
         if backend == "staged":
-            self.staging = StagingArea(self, staging_bytes, relayout_blocks)
-            self._closables.append(self.staging)
+            self.staging = {d: StagingArea(self, staging_bytes, relayout_blocks) for d in (D2H, H2D)}
+            self._closables += list(self.staging.values())
 
     # -- public operations ----------------------------------------------------------------------------------------
     def backup(self, device_pages: Any, host_pages: Any, *, after: Event | None = None) -> Transfer:
@@ -179,7 +181,7 @@ class TransferEngine:
             stream.wait(after)
         transfer = Transfer(self.runtime.create_event(self.device))
         if src.size and self.backend == "staged":
-            self.staging.run(direction, src, dst, layers, per_layer, stream, transfer)
+            self.staging[direction].run(direction, src, dst, layers, per_layer, stream, transfer)
         elif src.size and self.backend == "kernel":
             ring = self.rings[direction]
             (src_index, dst_index), slot = ring.upload(self.unit_arrays(src, dst))
