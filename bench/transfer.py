@@ -172,8 +172,9 @@ def gemm_slowdown(runtime, g, dev, host, pages, blocks_list) -> list[dict]:
             for t in transfers:
                 t.wait()
         engine.close()
-        a, b = statistics.median(alone), statistics.median(busy)
-        out.append({"blocks": blocks, "gemm_ms_alone": a, "gemm_ms_with_copy": b, "slowdown_pct": 100 * (b / a - 1)})
+        quiet, loaded = statistics.median(alone), statistics.median(busy)
+        out.append({"blocks": blocks, "gemm_ms_alone": quiet, "gemm_ms_with_copy": loaded,
+                    "slowdown_pct": 100 * (loaded / quiet - 1)})
     return out
 
 

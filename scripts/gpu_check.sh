@@ -18,7 +18,7 @@ fi
     > "$OUT/machine.txt" 2>&1
 grep -i '^HugePages_' /proc/meminfo >> "$OUT/machine.txt"
 if want build; then
-    python3 -m kvtier.kernels.build 2>&1 | tee "$OUT/build.log" || status=1
+    python3 -m kvtier.kernels.build 2>&1 | tee -a "$OUT/machine.txt" || status=1
 fi
 if want tests; then
     KVTIER_KERNELS=aot python3 -m pytest -q -p no:cacheprovider -rs tests 2>&1 | tee "$OUT/pytest-aot.log" || status=1
@@ -34,7 +34,7 @@ if want sanitizer; then
 fi
 if want doctor; then
     python3 -m kvtier --runtime cuda doctor 2>&1 | tee "$OUT/doctor.txt" || status=1
-    python3 -m kvtier --runtime cuda doctor --json > "$OUT/doctor.json" 2>"$OUT/doctor-json.err" || status=1
+    python3 -m kvtier --runtime cuda doctor --json > "$OUT/doctor.json" || status=1
 fi
 if want bench; then
     for bench in bench/*.py; do

@@ -78,14 +78,17 @@ class StagingArea:
                 self._load_batch(half, device_pages[batch], staged, runs, layers, stream, last, per_layer)
         stream.wait(self.idle)
 
-    def _relayout(self, direction: str, device_pages: np.ndarray, staged: np.ndarray, spans: list[tuple[int, int]]
-                  ) -> None:
+    def _relayout(self, direction: str, device_pages: np.ndarray, staged: np.ndarray, spans: list[tuple[int, int]],
+                  transfer: Transfer | None = None, per_layer: bool = False) -> None:
+        """Upload the batch's indices once, then one launch per span (marking each layer when ``transfer``)."""
         engine = self.engine
         pair = (device_pages, staged) if direction == "d2h" else (staged, device_pages)
         (src_index, dst_index), slot = self.ring.upload(engine.unit_arrays(*pair))
         units = len(engine.plan.units(device_pages))
         for begin, count in spans:
             engine.kernel(direction, src_index, dst_index, units, begin, count, self.stream, self.table, self.blocks)
+            if transfer is not None:
+                engine.mark(transfer, begin, count, self.stream, per_layer)
         self.ring.fence(slot)
 
     def _backup_batch(self, half: int, device_pages: np.ndarray, staged: np.ndarray,
@@ -107,9 +110,7 @@ class StagingArea:
         if transfer is None:
             self._relayout("h2d", device_pages, staged, _spans(layers))
         else:
-            for layer in layers:
-                self._relayout("h2d", device_pages, staged, [(layer, 1)])
-                self.engine.mark(transfer, layer, 1, self.stream, per_layer)
+            self._relayout("h2d", device_pages, staged, [(layer, 1) for layer in layers], transfer, per_layer)
         self.free[half].record(self.stream)
         self.idle.record(self.stream)
 
