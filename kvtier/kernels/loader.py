@@ -10,13 +10,14 @@ import json
 import os
 
 from kvtier.errors import KernelBuildError
-from kvtier.kernels.build import FATBIN_NAME, MANIFEST_NAME, compile_jit, prebuilt_dir
 from kvtier.kernels.source import DEFAULT_UNROLL, source_hash
 
 MODES = ("auto", "aot", "jit")
 
 
 def _aot_image(arch: str) -> tuple[bytes | None, str]:
+    from kvtier.kernels.build import FATBIN_NAME, MANIFEST_NAME, prebuilt_dir
+
     folder = prebuilt_dir()
     fatbin, manifest = folder / FATBIN_NAME, folder / MANIFEST_NAME
     if not fatbin.exists() or not manifest.exists():
@@ -46,4 +47,6 @@ def kernel_image(arch: str, mode: str | None = None, unroll: int = DEFAULT_UNROL
     elif mode == "aot":
         raise KernelBuildError(f"KVTIER_KERNELS=aot: prebuilt kernels are not specialized (unroll {unroll}, "
                                f"max_threads {max_threads}): only JIT builds those")
+    from kvtier.kernels.build import compile_jit
+
     return compile_jit(arch, unroll, max_threads), f"jit:{arch}:unroll{unroll}:threads{max_threads}"

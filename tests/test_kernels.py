@@ -1,0 +1,113 @@
+"""Kernel build, loader choice and the launch boundary's refusals (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from kvtier.errors import AddressDomainError, KernelBuildError, KvtierError
+from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
+from kvtier.kernels.build import FATBIN_NAME, MANIFEST_NAME, build_aot
+from kvtier.kernels.loader import kernel_image
+from kvtier.memory import DeviceBuffer
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+
+
+@needs_nvcc
+def test_aot_build_and_loader(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_KERNEL_DIR", str(tmp_path))
+    fatbin = build_aot(tmp_path, ("sm_90",))
+    assert fatbin.stat().st_size > 1000
+    image, origin = kernel_image("sm_90", "aot")
+    assert image == fatbin.read_bytes() and origin.startswith("aot:")
+    with pytest.raises(KernelBuildError, match="cover"):
+        kernel_image("sm_80", "aot")
+
+
+def test_forced_aot_without_a_build_says_how_to_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_KERNEL_DIR", str(tmp_path))
+    with pytest.raises(KernelBuildError, match="python -m kvtier.kernels.build"):
+        kernel_image("sm_90", "aot")
+
+
+def test_stale_prebuilt_kernels_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_KERNEL_DIR", str(tmp_path))
+    (tmp_path / FATBIN_NAME).write_bytes(b"not a fatbin")
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"source_hash": "0" * 16, "archs": ["sm_90"]}))
+    with pytest.raises(KernelBuildError, match="rebuild"):
+        kernel_image("sm_90", "aot")
+
+
+def test_unknown_mode_and_specialized_aot_are_refused():
+    with pytest.raises(KernelBuildError, match="KVTIER_KERNELS"):
+        kernel_image("sm_90", "fast")
+    with pytest.raises(KernelBuildError, match="only JIT"):
+        kernel_image("sm_90", "aot", unroll=4)
+
+
+def _call(split, **overrides):
+    table = DeviceBuffer(16, 0, runtime=split)
+    index = DeviceBuffer(64, 0, runtime=split)
+    fields = dict(src=ChunkSide(table, 1024, 0), dst=ChunkSide(table, 1024, 0), src_index=index, dst_index=index,
+                  index_bytes=8, n_units=1, layer_begin=0, n_layers=1, n_pieces=1, chunk_bytes=1024)
+    fields.update(overrides)
+    return ChunkCopy(**fields)
+
+
+def test_launch_boundary_refuses_raw_integers(split):
+    launcher = KernelLauncher(split)
+    stream = split.create_stream(0)
+    with pytest.raises(AddressDomainError, match="raw integer"):
+        launcher.copy_chunks(_call(split, src_index=12345), device=0, stream=stream)
+    table = DeviceBuffer(16, 0, runtime=split)
+    with pytest.raises(AddressDomainError, match="raw integer"):
+        launcher.copy_chunks(_call(split, dst=ChunkSide(table.address.value, 1024, 0)), device=0, stream=stream)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"chunk_bytes": 1000}, "multiple of 16"),
+    ({"src": None}, None),
+    ({"index_bytes": 2}, "int32 or int64"),
+    ({"n_pieces": 0}, "bad launch shape"),
+    ({"layer_begin": 3, "table_layers": 2}, "exceed"),
+])
+def test_launch_shapes_are_checked(split, overrides, match):
+    launcher = KernelLauncher(split)
+    if overrides.get("src", 1) is None:
+        overrides["src"] = ChunkSide(DeviceBuffer(16, 0, runtime=split), 1000, 0)
+        match = "multiples of 16"
+    with pytest.raises(KvtierError, match=match):
+        launcher.copy_chunks(_call(split, **overrides), device=0, stream=split.create_stream(0))
+
+
+def test_launch_on_another_devices_memory_is_refused(split):
+    from kvtier.errors import WrongDeviceError
+
+    launcher = KernelLauncher(split)
+    other = DeviceBuffer(64, 1, runtime=split)
+    with pytest.raises(WrongDeviceError):
+        launcher.copy_chunks(_call(split, src_index=other), device=0, stream=split.create_stream(0))
+
+
+def test_reference_kernel_copies_through_the_device_map(split):
+    from kvtier.pools import build_pointer_table
+
+    src, dst = DeviceBuffer(4096, 0, runtime=split), DeviceBuffer(4096, 0, runtime=split)
+    data = np.random.default_rng().integers(1, 256, 4096, dtype=np.uint8)
+    src.upload(data)
+    dst.upload(np.zeros(4096, np.uint8))
+    tables = [build_pointer_table(split, 0, [b.address]) for b in (src, dst)]
+    index = DeviceBuffer(16, 0, runtime=split)
+    index.upload(np.array([3, 1], np.int64))
+    stream = split.create_stream(0)
+    call = ChunkCopy(ChunkSide(tables[0], 1024, 0), ChunkSide(tables[1], 1024, 0), index, index, 8, 2, 0, 1, 1,
+                     1024)
+    KernelLauncher(split).copy_chunks(call, device=0, stream=stream)
+    stream.synchronize()
+    out = np.frombuffer(dst.download(), np.uint8).reshape(4, 1024)
+    np.testing.assert_array_equal(out[[3, 1]], data.reshape(4, 1024)[[3, 1]])
+    assert not out[[0, 2]].any()

@@ -1,0 +1,109 @@
+"""Pool geometry, layouts, slots, budget and page metadata."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.errors import KvtierError
+from kvtier.pools import HostLayout, HostPool, KVGeometry, PageSlotAllocator, SlotError, host_strides
+
+
+@pytest.mark.parametrize("row", [64, 576, 656, 1152, 2048])
+def test_row_sizes_from_64_bytes_in_multiples_of_16(row):
+    assert KVGeometry.mla(61, latent_bytes=row, page_size=16).row_bytes == row
+
+
+@pytest.mark.parametrize("kwargs", [dict(latent_bytes=48), dict(latent_bytes=100), dict(latent_bytes=0)])
+def test_bad_rows_are_refused(kwargs):
+    with pytest.raises(KvtierError):
+        KVGeometry.mla(4, page_size=16, **kwargs)
+
+
+def test_heads_must_split_rows_evenly():
+    with pytest.raises(KvtierError, match="heads"):
+        KVGeometry("mha", 2, 16, row_bytes=96, heads=5)
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_layouts_place_every_piece_exactly_once(layout):
+    g = KVGeometry.mha(3, kv_heads=2, head_dim=16, itemsize=2, page_size=4)
+    pages = 5
+    s = host_strides(g, layout, pages)
+    seen = np.zeros(pages * g.layers * g.page_bytes, np.int32)
+    for layer in range(g.layers):
+        for page in range(pages):
+            for slot in range(g.page_size):
+                for head in range(g.heads):
+                    start = layer * s.layer + page * s.page + slot * s.slot + head * s.head
+                    seen[start:start + g.head_bytes] += 1
+    assert (seen == 1).all()
+
+
+def test_page_metadata_is_cpu_domain_and_covers_each_page(split):
+    g = KVGeometry.mha(2, kv_heads=2, head_dim=16, itemsize=2, page_size=4)
+    for layout in HostLayout:
+        pool = HostPool.allocate(g, layout, pages=6, runtime=split)
+        try:
+            meta = pool.page_metadata([5, 0])
+            cpu = pool.buffer.cpu_address
+            for pieces in meta:
+                assert sum(size for _, size in pieces) == g.bytes_per_page // 1
+                assert all(0 <= address - cpu < pool.buffer.nbytes for address, _ in pieces)
+            with pytest.raises(KvtierError, match="out of range"):
+                pool.page_metadata([6])
+        finally:
+            pool.close()
+
+
+def test_sizing(split):
+    g = KVGeometry.mla(4, latent_bytes=576, page_size=16)
+    for kwargs, pages in [(dict(pages=3), 3), (dict(tokens=33), 3), (dict(nbytes=3 * g.bytes_per_page + 5), 3)]:
+        pool = HostPool.allocate(g, "page_first", runtime=split, **kwargs)
+        assert pool.pages == pages
+        pool.close()
+    with pytest.raises(KvtierError, match="exactly one"):
+        HostPool.allocate(g, "page_first", pages=1, tokens=16, runtime=split)
+
+
+def test_host_budget_is_checked_before_allocating(split):
+    g = KVGeometry.mla(61, latent_bytes=1152, page_size=64)
+    with pytest.raises(KvtierError, match="exceeds the budget"):
+        HostPool.allocate(g, "page_first", nbytes=1 << 50, runtime=split)
+
+
+def test_slots_prefer_contiguous_runs_and_catch_bad_frees():
+    slots = PageSlotAllocator(16)
+    a = slots.allocate(4)
+    b = slots.allocate(4)
+    assert a == [0, 1, 2, 3] and b == [4, 5, 6, 7]
+    slots.free([1, 2])
+    assert slots.allocate(2) == [1, 2]
+    slots.free(a)
+    with pytest.raises(SlotError, match="double free"):
+        slots.free([0])
+    with pytest.raises(SlotError, match="does not belong"):
+        slots.free([16])
+    with pytest.raises(SlotError, match="twice"):
+        slots.free([4, 4])
+    assert slots.free_pages == 12
+    with pytest.raises(SlotError, match="cannot allocate"):
+        slots.allocate(13)
+
+
+@settings(max_examples=60)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 6)), max_size=40))
+def test_slots_never_hand_out_a_page_twice(ops):
+    slots, held = PageSlotAllocator(32), []
+    for allocate, count in ops:
+        if allocate and slots.can_allocate(count):
+            got = slots.allocate(count)
+            assert not set(got) & set(held) and len(set(got)) == count
+            held += got
+        elif held:
+            give = held[:count]
+            slots.free(give)
+            held = held[count:]
+        assert slots.free_pages == 32 - len(held)
