@@ -20,7 +20,7 @@ from kvtier.memory import get_device_accessible_ptr
 from kvtier.runtime import Runtime, Stream
 
 MAX_THREADS = 1024
-MAX_GROUP = 32
+MAX_GROUP = 64
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,21 @@ class ChunkCopy:
         return self.table_layers or self.layer_begin + self.n_layers
 
 
+def chunk_group(vectors: int, unroll: int) -> int:
+    """How many chunks a warp takes at once: enough 16-byte vectors for ``unroll`` loads per lane in flight, and a
+    total that fills its batches of 32 * unroll (72-vector rows in groups of 4 would leave the second batch 1/8 full).
+    """
+    batch = 32 * unroll
+    smallest = max(1, min(MAX_GROUP, -(-batch // vectors)))
+
+    def fill(group: int) -> float:
+        work = group * vectors
+        return work / (-(-work // batch) * batch)
+
+    good = [g for g in range(smallest, MAX_GROUP + 1) if fill(g) >= 0.9]
+    return good[0] if good else max(range(smallest, MAX_GROUP + 1), key=fill)
+
+
 class KernelLauncher:
     """Loads the transfer kernels per device (AOT or JIT) and launches them; one per runtime user."""
 
@@ -120,7 +135,7 @@ class KernelLauncher:
             self.runtime.launch_python(reference.copy_chunks, *sides, *indices, *scalars,  # type: ignore[attr-defined]
                                        call.index_bytes, device=device, stream=stream)
             return
-        group = max(1, min(MAX_GROUP, -(-32 * self.unroll // (call.chunk_bytes // 16))))
+        group = chunk_group(call.chunk_bytes // 16, self.unroll)
         args = [_Side(*sides[0]), _Side(*sides[1]), ctypes.c_uint64(indices[0]), ctypes.c_uint64(indices[1]),
                 ctypes.c_int64(call.n_units), ctypes.c_int(call.layer_begin), ctypes.c_int(call.n_layers),
                 ctypes.c_int(call.n_tensors), ctypes.c_int(call.rows_per_tensor), ctypes.c_int(call.n_pieces),

@@ -18,7 +18,7 @@
 #define KVTIER_MAX_THREADS 1024
 #endif
 #ifndef KVTIER_MAX_GROUP
-#define KVTIER_MAX_GROUP 32
+#define KVTIER_MAX_GROUP 64
 #endif
 
 typedef unsigned long long u64;
