@@ -37,7 +37,7 @@ if want doctor; then
     python3 -m kvtier --runtime cuda doctor --json > "$OUT/doctor.json" || status=1
 fi
 if want bench; then
-    for bench in bench/*.py; do
+    for bench in bench/transfer.py; do
         [ -e "$bench" ] || continue
         python3 "$bench" ${BENCH_ARGS:-} --json "$OUT/$(basename "$bench" .py).json" 2>&1 \
             | tee "$OUT/$(basename "$bench" .py).txt" || status=1

@@ -75,15 +75,15 @@ __device__ void copy_chunks(Side src, Side dst, const Index* __restrict__ src_in
     char** dst_ptr = pointers[1][warp];
     for (i64 first = ((i64)blockIdx.x * (blockDim.x >> 5) + warp) * group; first < total; first += warps * group) {
         const int count = (int)(total - first < group ? total - first : group);
-        if (lane < count) {
-            i64 c = first + lane;
+        for (int i = lane; i < count; i += 32) {
+            i64 c = first + i;
             int piece = (int)(c % n_pieces);
             i64 rest = c / n_pieces;
             i64 unit = rest % n_units;
             int plane = (int)(rest / n_units);
             int layer = (plane / n_layers) * table_layers + layer_begin + plane % n_layers;
-            src_ptr[lane] = chunk_address(src, layer, src_index[unit], piece);
-            dst_ptr[lane] = chunk_address(dst, layer, dst_index[unit], piece);
+            src_ptr[i] = chunk_address(src, layer, src_index[unit], piece);
+            dst_ptr[i] = chunk_address(dst, layer, dst_index[unit], piece);
         }
         __syncwarp();
         const int work = count * vectors;
