@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 
 from device_kernels import random_bytes
+from kvtier.memory import HostKind
 from kvtier.pools import DevicePool, HostPool
+from kvtier.transfer import TransferEngine
 
 
 def fill_device(pool: DevicePool) -> dict[tuple[int, int], np.ndarray]:
@@ -42,3 +47,22 @@ def fill_host(pool: HostPool, value: int | None = None) -> np.ndarray:
     snapshot = view.copy()
     del view
     return snapshot
+
+
+@contextlib.contextmanager
+def engine_on(runtime, g, layout, *, device_pages=4, host_pages=4, kind=HostKind.REGISTERED, engine=True,
+              **engine_kwargs) -> Iterator[tuple[DevicePool, HostPool, TransferEngine | None]]:
+    """A device pool, a host pool and (unless ``engine=False``) an engine over them, all closed afterwards."""
+    dev = DevicePool.allocate(g, device_pages, 0, runtime=runtime)
+    host = None
+    made = None
+    try:
+        host = HostPool.allocate(g, layout, pages=host_pages, kind=kind, runtime=runtime)
+        made = TransferEngine(dev, host, **engine_kwargs) if engine else None
+        yield dev, host, made
+    finally:
+        if made is not None:
+            made.close()
+        if host is not None:
+            host.close()
+        dev.close()

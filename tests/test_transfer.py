@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pool_helpers import fill_device, fill_host, host_bytes, poison_device, read_device
+from pool_helpers import engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
 
 from conftest import is_split
 from kvtier.errors import IllegalAddress, KvtierError
@@ -77,83 +77,63 @@ def test_odd_row_sizes_with_int32_indices(runtime, row_bytes):
 
 def test_empty_transfers_are_noops(runtime):
     g = geometry("mha", 2, 16)
-    dev, host = DevicePool.allocate(g, 4, 0, runtime=runtime), HostPool.allocate(g, "page_first", pages=4,
-                                                                                  runtime=runtime)
-    engine = TransferEngine(dev, host)
-    try:
-        before = fill_host(host)
-        fill_device(dev)
-        engine.backup([], []).wait()
-        transfer = engine.load([], [])
-        transfer.wait()
-        transfer.wait_layer(1)
-        np.testing.assert_array_equal(host_bytes(host), before)
-    finally:
-        engine.close(), host.close(), dev.close()
+    with engine_on(runtime, g, "page_first", device_pages=4, host_pages=4) as (dev, host, engine):
+            before = fill_host(host)
+            fill_device(dev)
+            engine.backup([], []).wait()
+            transfer = engine.load([], [])
+            transfer.wait()
+            transfer.wait_layer(1)
+            np.testing.assert_array_equal(host_bytes(host), before)
 
 
 def test_layerwise_load_marks_each_layer(runtime):
     g = geometry("mha", 2, 16, layers=4)
-    dev, host = DevicePool.allocate(g, 6, 0, runtime=runtime), HostPool.allocate(g, "layer_first", pages=6,
-                                                                                  runtime=runtime)
-    engine = TransferEngine(dev, host)
-    try:
-        data = fill_device(dev)
-        engine.backup([0, 1], [4, 5]).wait()
-        poison_device(dev)
-        transfer = engine.load([4, 5], [2, 3], layers=[1, 3])
-        transfer.wait_layer(1)
-        np.testing.assert_array_equal(read_device(dev, 0, 1)[[2, 3]], data[(0, 1)][[0, 1]])
-        transfer.wait()
-        np.testing.assert_array_equal(read_device(dev, 1, 3)[[2, 3]], data[(1, 3)][[0, 1]])
-        assert (read_device(dev, 0, 0) == 0xEE).all() and (read_device(dev, 1, 2) == 0xEE).all()
-        assert transfer.done() and sorted(transfer.layer_events) == [1, 3]
-        with pytest.raises(KvtierError, match="layer 0 is not part"):
-            transfer.wait_layer(0)
-    finally:
-        engine.close(), host.close(), dev.close()
+    with engine_on(runtime, g, "layer_first", device_pages=6, host_pages=6) as (dev, host, engine):
+            data = fill_device(dev)
+            engine.backup([0, 1], [4, 5]).wait()
+            poison_device(dev)
+            transfer = engine.load([4, 5], [2, 3], layers=[1, 3])
+            transfer.wait_layer(1)
+            np.testing.assert_array_equal(read_device(dev, 0, 1)[[2, 3]], data[(0, 1)][[0, 1]])
+            transfer.wait()
+            np.testing.assert_array_equal(read_device(dev, 1, 3)[[2, 3]], data[(1, 3)][[0, 1]])
+            assert (read_device(dev, 0, 0) == 0xEE).all() and (read_device(dev, 1, 2) == 0xEE).all()
+            assert transfer.done() and sorted(transfer.layer_events) == [1, 3]
+            with pytest.raises(KvtierError, match="layer 0 is not part"):
+                transfer.wait_layer(0)
 
 
 def test_graph_replay_reads_host_data_written_after_capture(runtime):
     g = geometry("mha", 2, 16)
-    dev, host = DevicePool.allocate(g, 4, 0, runtime=runtime), HostPool.allocate(g, "page_first_direct", pages=4,
-                                                                                  runtime=runtime)
-    engine = TransferEngine(dev, host)
-    try:
-        poison_device(dev)
-        captured = engine.capture_load([3, 0], [1, 2], layer=1)
-        for _ in range(2):
-            snapshot = fill_host(host)
-            captured.replay()
-            captured.stream.synchronize()
-            for tensor in range(g.tensors):
-                got = read_device(dev, tensor, 1)
-                for host_page, dev_page in ((3, 1), (0, 2)):
-                    offset = tensor * host.tensor_bytes + host_page * host.strides.page + host.strides.layer
-                    np.testing.assert_array_equal(got[dev_page], snapshot[offset:offset + g.page_bytes])
-                assert (read_device(dev, tensor, 0) == 0xEE).all()
-        captured.close()
-    finally:
-        engine.close(), host.close(), dev.close()
+    with engine_on(runtime, g, "page_first_direct", device_pages=4, host_pages=4) as (dev, host, engine):
+            poison_device(dev)
+            captured = engine.capture_load([3, 0], [1, 2], layer=1)
+            for _ in range(2):
+                snapshot = fill_host(host)
+                captured.replay()
+                captured.stream.synchronize()
+                for tensor in range(g.tensors):
+                    got = read_device(dev, tensor, 1)
+                    for host_page, dev_page in ((3, 1), (0, 2)):
+                        offset = tensor * host.tensor_bytes + host_page * host.strides.page + host.strides.layer
+                        np.testing.assert_array_equal(got[dev_page], snapshot[offset:offset + g.page_bytes])
+                    assert (read_device(dev, tensor, 0) == 0xEE).all()
+            captured.close()
 
 
 def test_split_tables_hold_aliases_and_metadata_holds_cpu_addresses(split):
     g = geometry("mha", 2, 16)
-    dev, host = DevicePool.allocate(g, 4, 0, runtime=split), HostPool.allocate(g, "layer_first", pages=4,
-                                                                                runtime=split)
-    engine = TransferEngine(dev, host)
-    try:
-        tensors = range(g.tensors)
-        assert engine.host_table.entries == tuple(a for t in tensors for a in host.layer_addresses(t, 0))
-        cpu_addresses = [c.value for t in tensors for c in host.layer_cpu_addresses(t)]
-        assert not {e.value for e in engine.host_table.entries} & set(cpu_addresses)
-        assert engine.device_table.entries == tuple(a for t in tensors for a in dev.layers[t])
-        cpu = host.buffer.cpu_address
-        for pieces in host.page_metadata([0, 3]):
-            for address, size in pieces:
-                assert 0 <= address - cpu < host.buffer.nbytes and size == g.page_bytes
-    finally:
-        engine.close(), host.close(), dev.close()
+    with engine_on(split, g, "layer_first", device_pages=4, host_pages=4) as (dev, host, engine):
+            tensors = range(g.tensors)
+            assert engine.host_table.entries == tuple(a for t in tensors for a in host.layer_addresses(t, 0))
+            cpu_addresses = [c.value for t in tensors for c in host.layer_cpu_addresses(t)]
+            assert not {e.value for e in engine.host_table.entries} & set(cpu_addresses)
+            assert engine.device_table.entries == tuple(a for t in tensors for a in dev.layers[t])
+            cpu = host.buffer.cpu_address
+            for pieces in host.page_metadata([0, 3]):
+                for address, size in pieces:
+                    assert 0 <= address - cpu < host.buffer.nbytes and size == g.page_bytes
 
 
 def test_kernel_handed_cpu_addresses_faults(split):
@@ -163,43 +143,33 @@ def test_kernel_handed_cpu_addresses_faults(split):
     from kvtier.pools import build_pointer_table
 
     g = geometry("mha", 2, 16)
-    dev, host = DevicePool.allocate(g, 4, 0, runtime=split), HostPool.allocate(g, "layer_first", pages=4,
-                                                                                runtime=split)
-    engine = TransferEngine(dev, host)
-    try:
-        wrong = [DeviceAddress(c.value, 0) for t in range(g.tensors) for c in host.layer_cpu_addresses(t)]
-        bad_table = build_pointer_table(split, 0, wrong)
-        (src_index, dst_index), _ = engine.rings["h2d"].upload(engine.unit_arrays(np.array([1]), np.array([2])))
-        call = ChunkCopy(engine.plan.host_side(bad_table), engine.plan.device_side(engine.device_table), src_index,
-                         dst_index, 8, 1, 0, 1, 1, g.page_bytes, g.tensors, g.layers)
-        engine.launcher.copy_chunks(call, device=0, stream=engine.streams["h2d"])
-        with pytest.raises(IllegalAddress):
-            engine.streams["h2d"].synchronize()
-        bad_table.close()
-    finally:
-        engine.close(), host.close(), dev.close()
+    with engine_on(split, g, "layer_first", device_pages=4, host_pages=4) as (dev, host, engine):
+            wrong = [DeviceAddress(c.value, 0) for t in range(g.tensors) for c in host.layer_cpu_addresses(t)]
+            bad_table = build_pointer_table(split, 0, wrong)
+            (src_index, dst_index), _ = engine.rings["h2d"].upload(engine.unit_arrays(np.array([1]), np.array([2])))
+            call = ChunkCopy(engine.plan.host_side(bad_table), engine.plan.device_side(engine.device_table), src_index,
+                             dst_index, 8, 1, 0, 1, 1, g.page_bytes, g.tensors, g.layers)
+            engine.launcher.copy_chunks(call, device=0, stream=engine.streams["h2d"])
+            with pytest.raises(IllegalAddress):
+                engine.streams["h2d"].synchronize()
+            bad_table.close()
 
 
 def test_bad_input_is_refused_before_anything_is_written(runtime):
     g = geometry("mha", 2, 16)
-    dev, host = DevicePool.allocate(g, 4, 0, runtime=runtime), HostPool.allocate(g, "page_first", pages=4,
-                                                                                  runtime=runtime)
-    engine = TransferEngine(dev, host)
-    try:
-        before = fill_host(host)
-        fill_device(dev)
-        for dev_pages, host_pages, match in [([0, 4], [0, 1], "device page index 4"),
-                                             ([0, 1], [0, -1], "host page index -1"),
-                                             ([0, 1], [0], "must match"),
-                                             (np.array([0.0, 1.0]), [0, 1], "integers")]:
-            with pytest.raises(KvtierError, match=match):
-                engine.backup(dev_pages, host_pages)
-        with pytest.raises(KvtierError, match="layer 2 is out of range"):
-            engine.load([0], [0], layers=[0, 2])
-        engine.synchronize()
-        np.testing.assert_array_equal(host_bytes(host), before)
-    finally:
-        engine.close(), host.close(), dev.close()
+    with engine_on(runtime, g, "page_first", device_pages=4, host_pages=4) as (dev, host, engine):
+            before = fill_host(host)
+            fill_device(dev)
+            for dev_pages, host_pages, match in [([0, 4], [0, 1], "device page index 4"),
+                                                 ([0, 1], [0, -1], "host page index -1"),
+                                                 ([0, 1], [0], "must match"),
+                                                 (np.array([0.0, 1.0]), [0, 1], "integers")]:
+                with pytest.raises(KvtierError, match=match):
+                    engine.backup(dev_pages, host_pages)
+            with pytest.raises(KvtierError, match="layer 2 is out of range"):
+                engine.load([0], [0], layers=[0, 2])
+            engine.synchronize()
+            np.testing.assert_array_equal(host_bytes(host), before)
 
 
 def test_pageable_host_pool(runtime):
