@@ -41,27 +41,26 @@ def _driver() -> Any:
     return driver
 
 
-def _unpack(result: Any, call: str, success: Any, describe: Any) -> Any:
-    """The one place a cuda-bindings ``(status, *values)`` tuple is opened: raise on failure, else the value(s)."""
+def check_driver(result: Any, call: str) -> Any:
+    """The driver-API twin of :func:`check`."""
+    driver = _driver()
     status, values = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
-    if status != success:
-        name, text = (part[1] for part in describe(status))
+    if status != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(status)
+        _, text = driver.cuGetErrorString(status)
         raise RuntimeCallError(call, name.decode() if name else str(status), text.decode() if text else "")
     return values[0] if len(values) == 1 else values
 
 
 def check(result: Any, call: str) -> Any:
-    """Runtime API calls."""
+    """Unpack a cuda-bindings ``(status, *values)`` tuple, raising on failure; returns the value(s)."""
     cudart = _bindings()
-    return _unpack(result, call, cudart.cudaError_t.cudaSuccess,
-                   lambda status: (cudart.cudaGetErrorName(status), cudart.cudaGetErrorString(status)))
-
-
-def check_driver(result: Any, call: str) -> Any:
-    """Driver API calls (module loading and kernel launch)."""
-    driver = _driver()
-    return _unpack(result, call, driver.CUresult.CUDA_SUCCESS,
-                   lambda status: (driver.cuGetErrorName(status), driver.cuGetErrorString(status)))
+    status, values = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+    if status != cudart.cudaError_t.cudaSuccess:
+        _, name = cudart.cudaGetErrorName(status)
+        _, text = cudart.cudaGetErrorString(status)
+        raise RuntimeCallError(call, name.decode(), text.decode())
+    return values[0] if len(values) == 1 else values
 
 
 class CudaStream(Stream):
