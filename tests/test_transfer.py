@@ -267,3 +267,15 @@ def test_backup_and_load_at_once(runtime, backend):
                 np.testing.assert_array_equal(after[offset:offset + g.layers * g.page_bytes], expected)
     finally:
         engine.close(), host.close(), dev.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_of_no_layers_moves_nothing(runtime, backend):
+    g = geometry("mha", 2, 16)
+    with engine_on(runtime, g, "layer_first", backend=backend) as (dev, host, engine):
+        fill_host(host)
+        poison_device(dev)
+        transfer = engine.load([0, 1], [2, 3], layers=[])
+        transfer.wait()
+        assert transfer.layer_events == {}
+        assert all((read_device(dev, t, layer) == 0xEE).all() for t in range(g.tensors) for layer in range(g.layers))

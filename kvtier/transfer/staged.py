@@ -147,6 +147,8 @@ class StagingArea:
 
 def _spans(layers: Sequence[int]) -> list[tuple[int, int]]:
     """One launch for a run of consecutive layers, else one per layer."""
+    if not layers:
+        return []
     if list(layers) == list(range(layers[0], layers[0] + len(layers))):
         return [(layers[0], len(layers))]
     return [(layer, 1) for layer in layers]
