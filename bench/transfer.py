@@ -2,7 +2,9 @@
 
 Run on a GPU machine: ``python bench/transfer.py [--quick] [--json out.json]``. Each table row is one configuration;
 "% ceiling" divides by the contiguous pinned memcpy rate of the same direction measured at the start of this run.
-"backup" is an all-layer D2H copy of random pages; "load" is a per-layer H2D load (one launch per layer and tensor).
+"backup" is an all-layer D2H copy of random pages; "load" is a per-layer H2D load (one launch per layer, K and V
+together); "load-1" (kernel backend) is the same load in one launch for all layers, which separates the cost of the
+H2D direction from that of per-layer launches.
 """
 
 from __future__ import annotations
@@ -104,7 +106,10 @@ def measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages
         slots = np.arange(first, first + count)
     nbytes = count * g.bytes_per_page
     rows = []
-    for direction, op in (("backup", lambda: engine.backup(src, slots)), ("load", lambda: engine.load(slots, src))):
+    operations = [("backup", lambda: engine.backup(src, slots)), ("load", lambda: engine.load(slots, src))]
+    if backend == "kernel":
+        operations.append(("load-1", lambda: engine.load(slots, src, per_layer=False)))
+    for direction, op in operations:
         seconds = timed(runtime, engine, op, repeats)
         gbps = nbytes / seconds / 1e9
         key = "d2h_gbps" if direction == "backup" else "h2d_gbps"
@@ -114,7 +119,7 @@ def measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages
             rows[-1].sm_busy_pct = 100 * relayout_seconds(engine, src, repeats) / seconds
     if backend == "kernel":
         one = timed(runtime, engine, lambda: engine.load(slots, src, layers=[g.layers // 2]), repeats)
-        rows[-1].layer_us = one * 1e6
+        rows[1].layer_us = one * 1e6
     engine.close()
     for row in rows:
         console.log(f"{row.geometry} {row.layout} {row.backend}:{row.blocks} {row.direction} "

@@ -74,12 +74,17 @@ def test_launch_boundary_refuses_raw_integers(split):
     ({"index_bytes": 2}, "int32 or int64"),
     ({"n_pieces": 0}, "bad launch shape"),
     ({"layer_begin": 3, "table_layers": 2}, "exceed"),
+    ({"n_units": 1 << 30, "n_pieces": 2}, "31 bits"),
+    ({"src": "per_page"}, "31 bits"),
+    ({"chunk_bytes": 32 << 30}, "31 bits"),
 ])
 def test_launch_shapes_are_checked(split, overrides, match):
     launcher = KernelLauncher(split)
     if overrides.get("src", 1) is None:
         overrides["src"] = ChunkSide(DeviceBuffer(16, 0, runtime=split), 1000, 0)
         match = "multiples of 16"
+    if overrides.get("src") == "per_page":
+        overrides["src"] = ChunkSide(DeviceBuffer(16, 0, runtime=split), 1024, 0, units_per_page=1 << 31)
     with pytest.raises(KvtierError, match=match):
         launcher.copy_chunks(_call(split, **overrides), device=0, stream=split.create_stream(0))
 
@@ -111,3 +116,69 @@ def test_reference_kernel_copies_through_the_device_map(split):
     out = np.frombuffer(dst.download(), np.uint8).reshape(4, 1024)
     np.testing.assert_array_equal(out[[3, 1]], data.reshape(4, 1024)[[3, 1]])
     assert not out[[0, 2]].any()
+
+
+# (tensors, table layers, first layer, layers, units, pieces, chunk bytes, src units/page, dst units/page, index bytes)
+DECODE_SHAPES = [
+    (2, 5, 1, 3, 37, 1, 656, 3, 16, 8),
+    (1, 4, 0, 4, 200, 2, 64, 1, 7, 4),
+    (2, 3, 2, 1, 90, 3, 48, 64, 5, 8),
+    (1, 2, 0, 2, 9, 1, 36864, 1, 1, 4),
+]
+
+
+def _side(runtime, rng, tensors, table_layers, units, pieces, chunk_bytes, per_page, pad):
+    """A pool laid out by (page, slot, piece) strides with padding, its table, and a random unit per item."""
+    from kvtier.pools import build_pointer_table
+
+    slots = units + int(rng.integers(0, 2 * units))
+    piece_stride = chunk_bytes + pad
+    unit_stride = pieces * piece_stride + pad
+    page_stride = per_page * unit_stride + 2 * pad
+    layer_bytes = -(-slots // per_page) * page_stride
+    memory = DeviceBuffer(tensors * table_layers * layer_bytes, 0, runtime=runtime)
+    table = build_pointer_table(runtime, 0, [memory.address + r * layer_bytes for r in range(tensors * table_layers)])
+    chosen = rng.choice(slots, units, replace=False)
+    return memory, table, ChunkSide(table, page_stride, unit_stride, piece_stride, per_page), chosen, layer_bytes
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=[f"shape{i}" for i in range(len(DECODE_SHAPES))])
+def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape):
+    """The kernel's chunk decode (units per page, pieces, tensors, a layer window, odd chunk sizes) against numpy."""
+    tensors, table_layers, first, layers, units, pieces, chunk, src_per_page, dst_per_page, index_bytes = shape
+    rng = np.random.default_rng()
+    src_mem, src_table, src, src_units, src_layer = _side(runtime, rng, tensors, table_layers, units, pieces, chunk,
+                                                          src_per_page, 0)
+    dst_mem, dst_table, dst, dst_units, dst_layer = _side(runtime, rng, tensors, table_layers, units, pieces, chunk,
+                                                          dst_per_page, 16)
+    source = rng.integers(1, 256, src_mem.nbytes, dtype=np.uint8)
+    poison = rng.integers(1, 256, dst_mem.nbytes, dtype=np.uint8)
+    src_mem.upload(source)
+    dst_mem.upload(poison)
+    dtype = np.int64 if index_bytes == 8 else np.int32
+    indices = []
+    for chosen in (src_units, dst_units):
+        buffer = DeviceBuffer(units * index_bytes, 0, runtime=runtime)
+        buffer.upload(chosen.astype(dtype))
+        indices.append(buffer)
+    call = ChunkCopy(src, dst, indices[0], indices[1], index_bytes, units, first, layers, pieces, chunk, tensors,
+                     table_layers)
+    stream = runtime.create_stream(0)
+    KernelLauncher(runtime).copy_chunks(call, device=0, stream=stream)
+    stream.synchronize()
+    expected = poison.copy()
+    for row in [t * table_layers + first + layer for t in range(tensors) for layer in range(layers)]:
+        for s_unit, d_unit in zip(src_units.tolist(), dst_units.tolist(), strict=True):
+            for piece in range(pieces):
+                at = []
+                for side, unit, layer_bytes in ((src, s_unit, src_layer), (dst, d_unit, dst_layer)):
+                    page, slot = divmod(unit, side.units_per_page)
+                    at.append(row * layer_bytes + page * side.page_stride + slot * side.unit_stride
+                              + piece * side.piece_stride)
+                expected[at[1]:at[1] + chunk] = source[at[0]:at[0] + chunk]
+    out = np.frombuffer(dst_mem.download(), np.uint8)
+    assert (out != poison).any()
+    np.testing.assert_array_equal(out, expected)
+    stream.close()
+    for handle in (*indices, src_table, dst_table, src_mem, dst_mem):
+        handle.close()

@@ -279,3 +279,33 @@ def test_load_of_no_layers_moves_nothing(runtime, backend):
         transfer.wait()
         assert transfer.layer_events == {}
         assert all((read_device(dev, t, layer) == 0xEE).all() for t in range(g.tensors) for layer in range(g.layers))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_of_layer_runs_in_one_operation_each(runtime, backend):
+    """``per_layer=False``: layers 0-1 and 3 of 4 land (two operations), layer 2 stays poisoned, no layer events."""
+    g = geometry("mha", 2, 16, layers=4)
+    with engine_on(runtime, g, "page_first", device_pages=6, host_pages=6, backend=backend,
+                   staging_bytes=2 * g.bytes_per_page) as (dev, host, engine):
+        data = fill_device(dev)
+        engine.backup([5, 0, 3], [1, 4, 2]).wait()
+        poison_device(dev)
+        transfer = engine.load([1, 4, 2], [2, 1, 4], layers=[3, 0, 1], per_layer=False)
+        transfer.wait()
+        assert transfer.layer_events == {}
+        for tensor in range(g.tensors):
+            for layer in range(g.layers):
+                got = read_device(dev, tensor, layer)
+                if layer == 2:
+                    assert (got == 0xEE).all()
+                else:
+                    np.testing.assert_array_equal(got[[2, 1, 4]], data[(tensor, layer)][[5, 0, 3]])
+                    assert (got[[0, 3, 5]] == 0xEE).all()
+
+
+def test_layer_spans():
+    from kvtier.transfer.plan import layer_spans
+
+    assert layer_spans([3, 0, 1, 2, 5], per_layer=False) == [(3, 1), (0, 3), (5, 1)]
+    assert layer_spans([0, 1], per_layer=True) == [(0, 1), (1, 1)]
+    assert layer_spans([], per_layer=False) == []

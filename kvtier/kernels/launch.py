@@ -21,6 +21,7 @@ from kvtier.runtime import Runtime, Stream
 
 MAX_THREADS = 1024
 MAX_GROUP = 64
+MAX_COUNT = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class ChunkCopy:
         if self.layer_begin + self.n_layers > self.rows_per_tensor:
             raise KvtierError(f"layers [{self.layer_begin}, +{self.n_layers}) exceed the table's "
                               f"{self.rows_per_tensor}")
+        chunks = self.n_tensors * self.n_layers * self.n_units * self.n_pieces
+        if chunks > MAX_COUNT or max(self.src.units_per_page, self.dst.units_per_page) > MAX_COUNT:
+            raise KvtierError(f"{chunks} chunks in one launch (units_per_page {self.src.units_per_page}/"
+                              f"{self.dst.units_per_page}): the kernel counts in 31 bits; split the transfer")
         for side in (self.src, self.dst):
             entries = getattr(side.table, "entries", None)
             if entries is not None and len(entries) != self.n_tensors * self.rows_per_tensor:
@@ -126,6 +131,10 @@ class KernelLauncher:
                               f"threads in whole warps")
         if call.n_units == 0 or call.n_layers == 0:
             return
+        group = chunk_group(call.chunk_bytes // 16, self.unroll)
+        if group * call.chunk_bytes // 16 > MAX_COUNT:
+            raise KvtierError(f"chunks of {call.chunk_bytes} bytes are too large for one kernel copy (the kernel "
+                              f"counts 16-byte vectors in 31 bits)")
         sides = [(self.resolve(s.table, device), s.page_stride, s.unit_stride, s.piece_stride, s.units_per_page)
                  for s in (call.src, call.dst)]
         indices = [self.resolve(i, device) for i in (call.src_index, call.dst_index)]
@@ -135,7 +144,6 @@ class KernelLauncher:
             self.runtime.launch_python(reference.copy_chunks, *sides, *indices, *scalars,  # type: ignore[attr-defined]
                                        call.index_bytes, device=device, stream=stream)
             return
-        group = chunk_group(call.chunk_bytes // 16, self.unroll)
         args = [_Side(*sides[0]), _Side(*sides[1]), ctypes.c_uint64(indices[0]), ctypes.c_uint64(indices[1]),
                 ctypes.c_int64(call.n_units), ctypes.c_int(call.layer_begin), ctypes.c_int(call.n_layers),
                 ctypes.c_int(call.n_tensors), ctypes.c_int(call.rows_per_tensor), ctypes.c_int(call.n_pieces),

@@ -52,13 +52,34 @@ __device__ __forceinline__ void store_stream(uint4* p, uint4 v) {
 #endif
 }
 
+// Exact unsigned division by a divisor fixed for the launch: one 64-bit multiply and a shift instead of a division
+// per chunk and per vector (Granlund-Montgomery: m = ceil(2^(32+l) / d), 2^l >= d, exact for n < 2^32; m < 2^33 so
+// the product fits 64 bits for n < 2^31, which the launch boundary guarantees for chunk and vector counts).
+struct Divisor {
+    u64 magic;
+    unsigned shift;
+};
+
+__device__ __forceinline__ Divisor make_divisor(unsigned d) {
+    Divisor r;
+    unsigned l = d > 1 ? 32 - __clz(d - 1) : 0;
+    r.shift = 32 + l;
+    r.magic = ((1ull << r.shift) + d - 1) / d;
+    return r;
+}
+
+__device__ __forceinline__ unsigned quotient(const Divisor& d, unsigned n) {
+    return (unsigned)(((u64)n * d.magic) >> d.shift);
+}
+
 template <typename Index>
-__device__ __forceinline__ char* chunk_address(const Side& s, int layer, Index unit, i64 piece) {
-    // `layer` is the table row: tensor * table_layers + layer
+__device__ __forceinline__ char* chunk_address(const Side& s, const Divisor& per_page, int row, Index unit,
+                                               int piece) {
+    // `row` is the table row: tensor * table_layers + layer
     i64 u = (i64)unit;
-    i64 page = u / s.units_per_page;
+    i64 page = (u >= 0 && u < 0x80000000ll) ? (i64)quotient(per_page, (unsigned)u) : u / s.units_per_page;
     i64 slot = u - page * s.units_per_page;
-    return (char*)(s.table[layer]) + page * s.page_stride + slot * s.unit_stride + piece * s.piece_stride;
+    return (char*)(s.table[row]) + page * s.page_stride + slot * s.unit_stride + piece * s.piece_stride;
 }
 
 template <typename Index>
@@ -68,40 +89,46 @@ __device__ void copy_chunks(Side src, Side dst, const Index* __restrict__ src_in
     __shared__ char* pointers[2][32][KVTIER_MAX_GROUP];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int vectors = (int)(chunk_bytes >> 4);
-    const i64 total = (i64)n_tensors * n_layers * n_units * n_pieces;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const unsigned vectors = (unsigned)(chunk_bytes >> 4);
+    const unsigned total = (unsigned)((i64)n_tensors * n_layers * n_units * n_pieces);
+    const unsigned warps = gridDim.x * (blockDim.x >> 5);
+    const Divisor by_vectors = make_divisor(vectors), by_pieces = make_divisor((unsigned)n_pieces),
+                  by_units = make_divisor((unsigned)n_units), by_layers = make_divisor((unsigned)n_layers),
+                  src_per_page = make_divisor((unsigned)src.units_per_page),
+                  dst_per_page = make_divisor((unsigned)dst.units_per_page);
     char** src_ptr = pointers[0][warp];
     char** dst_ptr = pointers[1][warp];
-    for (i64 first = ((i64)blockIdx.x * (blockDim.x >> 5) + warp) * group; first < total; first += warps * group) {
-        const int count = (int)(total - first < group ? total - first : group);
-        for (int i = lane; i < count; i += 32) {
-            i64 c = first + i;
-            int piece = (int)(c % n_pieces);
-            i64 rest = c / n_pieces;
-            i64 unit = rest % n_units;
-            int plane = (int)(rest / n_units);
-            int layer = (plane / n_layers) * table_layers + layer_begin + plane % n_layers;
-            src_ptr[i] = chunk_address(src, layer, src_index[unit], piece);
-            dst_ptr[i] = chunk_address(dst, layer, dst_index[unit], piece);
+    for (unsigned first = (blockIdx.x * (blockDim.x >> 5) + warp) * (unsigned)group; first < total;
+         first += warps * (unsigned)group) {
+        const unsigned count = total - first < (unsigned)group ? total - first : (unsigned)group;
+        for (unsigned i = lane; i < count; i += 32) {
+            unsigned c = first + i;
+            unsigned rest = quotient(by_pieces, c);
+            int piece = (int)(c - rest * (unsigned)n_pieces);
+            unsigned plane = quotient(by_units, rest);
+            unsigned unit = rest - plane * (unsigned)n_units;
+            unsigned tensor = quotient(by_layers, plane);
+            int row = (int)tensor * table_layers + layer_begin + (int)(plane - tensor * (unsigned)n_layers);
+            src_ptr[i] = chunk_address(src, src_per_page, row, src_index[unit], piece);
+            dst_ptr[i] = chunk_address(dst, dst_per_page, row, dst_index[unit], piece);
         }
         __syncwarp();
-        const int work = count * vectors;
-        for (int j0 = lane; j0 < work; j0 += 32 * KVTIER_UNROLL) {
+        const unsigned work = count * vectors;
+        for (unsigned j0 = lane; j0 < work; j0 += 32 * KVTIER_UNROLL) {
             uint4 r[KVTIER_UNROLL];
 #pragma unroll
             for (int k = 0; k < KVTIER_UNROLL; ++k) {
-                int j = j0 + k * 32;
+                unsigned j = j0 + k * 32;
                 if (j < work) {
-                    int c = j / vectors;
+                    unsigned c = quotient(by_vectors, j);
                     r[k] = load_stream((const uint4*)(src_ptr[c]) + (j - c * vectors));
                 }
             }
 #pragma unroll
             for (int k = 0; k < KVTIER_UNROLL; ++k) {
-                int j = j0 + k * 32;
+                unsigned j = j0 + k * 32;
                 if (j < work) {
-                    int c = j / vectors;
+                    unsigned c = quotient(by_vectors, j);
                     store_stream((uint4*)(dst_ptr[c]) + (j - c * vectors), r[k]);
                 }
             }

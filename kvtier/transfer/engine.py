@@ -22,7 +22,7 @@ from kvtier.memory import HostKind
 from kvtier.pools import DevicePool, HostPool, build_pointer_table, device_strides
 from kvtier.runtime import Event, Graph, Stream
 from kvtier.transfer.indices import IndexRing
-from kvtier.transfer.plan import merge_runs, plan_for
+from kvtier.transfer.plan import layer_spans, merge_runs, plan_for
 from kvtier.transfer.staged import StagingArea
 
 BACKENDS = ("kernel", "staged", "direct", "batch")
@@ -121,14 +121,17 @@ class TransferEngine:
         return self._run(D2H, dev, host, range(self.geometry.layers), after, per_layer=False)
 
     def load(self, host_pages: Any, device_pages: Any, *, layers: Sequence[int] | None = None,
-             after: Event | None = None) -> Transfer:
-        """``host_pages`` → ``device_pages`` layer by layer on the H2D stream, one event per layer."""
+             after: Event | None = None, per_layer: bool = True) -> Transfer:
+        """``host_pages`` → ``device_pages`` layer by layer on the H2D stream, one event per layer.
+
+        ``per_layer=False`` moves each run of consecutive layers in one operation and records only the final event:
+        fewer launches and no per-layer tails, for loads that no layer-wise compute waits on."""
         dev, host = self._check(device_pages, host_pages)
         chosen = list(range(self.geometry.layers)) if layers is None else [int(x) for x in layers]
         bad = [x for x in chosen if not 0 <= x < self.geometry.layers]
         if bad:
             raise KvtierError(f"layer {bad[0]} is out of range (pool has {self.geometry.layers} layers)")
-        return self._run(H2D, host, dev, chosen, after, per_layer=True)
+        return self._run(H2D, host, dev, chosen, after, per_layer=per_layer)
 
     def capture_load(self, host_pages: Any, device_pages: Any, *, layer: int) -> CapturedLoad:
         """Capture a one-layer load as a graph (kernel backend).
@@ -186,13 +189,13 @@ class TransferEngine:
             ring = self.rings[direction]
             (src_index, dst_index), slot = ring.upload(self.unit_arrays(src, dst))
             units = len(self.plan.units(src))
-            for begin, count in _layer_spans(layers, per_layer):
+            for begin, count in layer_spans(layers, per_layer):
                 self.kernel(direction, src_index, dst_index, units, begin, count, stream)
                 self.mark(transfer, begin, count, stream, per_layer)
             ring.fence(slot)
         elif src.size:
             runs = self._runs(direction, src, dst)
-            for begin, count in _layer_spans(layers, per_layer):
+            for begin, count in layer_spans(layers, per_layer):
                 for layer in range(begin, begin + count):
                     self._dma(direction, runs, layer, stream)
                 self.mark(transfer, begin, count, stream, per_layer)
@@ -238,10 +241,3 @@ class TransferEngine:
             else:
                 for d, s, n in zip(dsts, srcs, sizes.tolist(), strict=True):
                     self.runtime.memcpy_async(d, s, n, stream=stream)
-
-
-def _layer_spans(layers: Sequence[int], per_layer: bool) -> list[tuple[int, int]]:
-    """Per-layer operations take one layer at a time; all-layer ones take the range at once."""
-    if per_layer or not layers:
-        return [(layer, 1) for layer in layers]
-    return [(layers[0], len(layers))]

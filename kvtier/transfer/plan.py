@@ -9,6 +9,7 @@ The same plan drives the kernel (as chunk sides) and the DMA backends (as byte o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,3 +78,14 @@ def merge_runs(src: np.ndarray, dst: np.ndarray, size: int) -> tuple[np.ndarray,
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [src.size])))
     return src[starts], dst[starts], lengths * size
+
+
+def layer_spans(layers: Sequence[int], per_layer: bool) -> list[tuple[int, int]]:
+    """Per-layer operations take one layer at a time; the others take each run of consecutive layers at once."""
+    spans: list[tuple[int, int]] = []
+    for layer in layers:
+        if not per_layer and spans and spans[-1][0] + spans[-1][1] == layer:
+            spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+        else:
+            spans.append((layer, 1))
+    return spans

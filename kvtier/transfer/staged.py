@@ -19,6 +19,7 @@ from kvtier.memory import DeviceBuffer
 from kvtier.pools import HostLayout, build_pointer_table, host_strides
 from kvtier.runtime import Stream
 from kvtier.transfer.indices import IndexRing
+from kvtier.transfer.plan import layer_spans
 
 if TYPE_CHECKING:
     from kvtier.transfer.engine import Transfer, TransferEngine
@@ -94,7 +95,7 @@ class StagingArea:
     def _backup_batch(self, half: int, device_pages: np.ndarray, staged: np.ndarray,
                       runs: list[tuple[int, int, int]], layers: Sequence[int], stream: Stream) -> None:
         self.stream.wait(self.free[half])
-        self._relayout("d2h", device_pages, staged, _spans(layers))
+        self._relayout("d2h", device_pages, staged, layer_spans(layers, False))
         self.ready.record(self.stream)
         stream.wait(self.ready)
         self._dma("d2h", runs, layers, stream)
@@ -107,10 +108,8 @@ class StagingArea:
         self._dma("h2d", runs, layers, stream)
         self.ready.record(stream)
         self.stream.wait(self.ready)
-        if transfer is None:
-            self._relayout("h2d", device_pages, staged, _spans(layers))
-        else:
-            self._relayout("h2d", device_pages, staged, [(layer, 1) for layer in layers], transfer, per_layer)
+        spans = layer_spans(layers, per_layer and transfer is not None)
+        self._relayout("h2d", device_pages, staged, spans, transfer, per_layer)
         self.free[half].record(self.stream)
         self.idle.record(self.stream)
 
@@ -143,12 +142,3 @@ class StagingArea:
         self.stream.close()
         self.table.close()
         self.buffer.close()
-
-
-def _spans(layers: Sequence[int]) -> list[tuple[int, int]]:
-    """One launch for a run of consecutive layers, else one per layer."""
-    if not layers:
-        return []
-    if list(layers) == list(range(layers[0], layers[0] + len(layers))):
-        return [(layers[0], len(layers))]
-    return [(layer, 1) for layer in layers]
