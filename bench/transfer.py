@@ -3,7 +3,7 @@
 Run on a GPU machine: ``python bench/transfer.py [--quick] [--json out.json]``. Each table row is one configuration;
 "% ceiling" divides by the contiguous pinned memcpy rate of the same direction measured at the start of this run.
 "backup" is an all-layer D2H copy of random pages; "load" is a per-layer H2D load (one launch per layer, K and V
-together); "load-1" (kernel backend) is the same load in one launch for all layers, which separates the cost of the
+together); "load-1" (kernel and staged) is the same load with no per-layer events (one launch for all layers), which separates the cost of the
 H2D direction from that of per-layer launches.
 """
 
@@ -107,7 +107,7 @@ def measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages
     nbytes = count * g.bytes_per_page
     rows = []
     operations = [("backup", lambda: engine.backup(src, slots)), ("load", lambda: engine.load(slots, src))]
-    if backend == "kernel":
+    if backend in ("kernel", "staged"):
         operations.append(("load-1", lambda: engine.load(slots, src, per_layer=False)))
     for direction, op in operations:
         seconds = timed(runtime, engine, op, repeats)
