@@ -3,8 +3,8 @@
 Run on a GPU machine: ``python bench/transfer.py [--quick] [--json out.json]``. Each table row is one configuration;
 "% ceiling" divides by the contiguous pinned memcpy rate of the same direction measured at the start of this run.
 "backup" is an all-layer D2H copy of random pages; "load" is a per-layer H2D load (one launch per layer, K and V
-together); "load-1" (kernel and staged) is the same load with no per-layer events (one launch for all layers), which separates the cost of the
-H2D direction from that of per-layer launches.
+together); "load-1" (kernel and staged) is the same load with no per-layer events (one launch for all layers), which
+separates the cost of the H2D direction from that of per-layer launches.
 """
 
 from __future__ import annotations
