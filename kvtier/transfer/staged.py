@@ -21,10 +21,6 @@ from kvtier.runtime import Stream
 from kvtier.transfer.indices import IndexRing
 from kvtier.transfer.plan import layer_spans
 
-BATCH_FROM = 16
-"""More DMAs than this per batch go through the runtime's batched memcpy (scattered slots, ``layer_first`` hosts):
-one call per 8192 copies instead of one each."""
-
 if TYPE_CHECKING:
     from kvtier.transfer.engine import Transfer, TransferEngine
 
@@ -134,13 +130,9 @@ class StagingArea:
                 host_base = host.buffer.cpu_address.value + host.tensor_offset(tensor)
                 copies += [(host_base + h * host.strides.page, staging_base + k * self.strides.page,
                             n * host.strides.page) for k, h, n in runs]
-        hosts, stagings, sizes = (list(column) for column in zip(*copies, strict=True)) if copies else ([], [], [])
-        dsts, srcs = (hosts, stagings) if direction == "d2h" else (stagings, hosts)
-        if len(copies) > BATCH_FROM:
-            engine.runtime.memcpy_batch_async(dsts, srcs, sizes, stream=stream)
-        else:
-            for dst, src, nbytes in zip(dsts, srcs, sizes, strict=True):
-                engine.runtime.memcpy_async(dst, src, nbytes, stream=stream)
+        for host_address, staging_address, nbytes in copies:
+            dst, src = (host_address, staging_address) if direction == "d2h" else (staging_address, host_address)
+            engine.runtime.memcpy_async(dst, src, nbytes, stream=stream)
 
     def close(self) -> None:
         self.stream.synchronize()
