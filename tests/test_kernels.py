@@ -76,7 +76,7 @@ def test_launch_boundary_refuses_raw_integers(split):
     ({"layer_begin": 3, "table_layers": 2}, "exceed"),
     ({"n_units": 1 << 30, "n_pieces": 2}, "31 bits"),
     ({"src": "per_page"}, "31 bits"),
-    ({"chunk_bytes": 32 << 30}, "31 bits"),
+    ({"chunk_bytes": 32 << 30, "n_pieces": 2}, "31 bits"),
 ])
 def test_launch_shapes_are_checked(split, overrides, match):
     launcher = KernelLauncher(split)
@@ -182,3 +182,14 @@ def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape):
     stream.close()
     for handle in (*indices, src_table, dst_table, src_mem, dst_mem):
         handle.close()
+
+
+def test_large_single_piece_chunks_are_cut_into_pieces_of_at_most_4_kib(split):
+    table = DeviceBuffer(16, 0, runtime=split)
+    call = _call(split, chunk_bytes=18432, src=ChunkSide(table, 18432 * 4, 18432), dst=ChunkSide(table, 18432, 0))
+    cut = call.in_pieces()
+    assert (cut.n_pieces, cut.chunk_bytes) == (6, 3072)
+    assert cut.src.piece_stride == cut.dst.piece_stride == 3072
+    assert (cut.src.page_stride, cut.src.unit_stride) == (18432 * 4, 18432)
+    assert _call(split, chunk_bytes=4096).in_pieces().n_pieces == 1
+    assert _call(split, chunk_bytes=8192, n_pieces=2).in_pieces().n_pieces == 2
