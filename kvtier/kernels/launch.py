@@ -9,7 +9,8 @@ through the same resolution.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, replace
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import AddressDomainError, KvtierError
@@ -94,17 +95,24 @@ class ChunkCopy:
         """The same copy with each chunk cut into equal pieces of at most ``most`` bytes, where chunks are single
         pieces: warps then take ~4 KiB at a time, so the last warps of a launch finish within a few µs of each other
         (a per-layer load of 32 KiB chunks otherwise idles ~25 µs per launch waiting for the slowest warp)."""
-        if self.n_pieces != 1 or self.chunk_bytes <= most:
+        cuts = _cuts(self.chunk_bytes, most) if self.n_pieces == 1 else 1
+        if cuts == 1 or self.n_tensors * self.n_layers * self.n_units * cuts > MAX_COUNT:
             return self
-        vectors = self.chunk_bytes // 16
-        cuts = next(k for k in range(-(-self.chunk_bytes // most), vectors + 1) if vectors % k == 0)
         piece = self.chunk_bytes // cuts
-        if self.n_tensors * self.n_layers * self.n_units * cuts > MAX_COUNT:
-            return self
-        return replace(self, src=replace(self.src, piece_stride=piece), dst=replace(self.dst, piece_stride=piece),
-                       n_pieces=cuts, chunk_bytes=piece)
+        src, dst = (ChunkSide(s.table, s.page_stride, s.unit_stride, piece, s.units_per_page)
+                    for s in (self.src, self.dst))
+        return ChunkCopy(src, dst, self.src_index, self.dst_index, self.index_bytes, self.n_units, self.layer_begin,
+                         self.n_layers, cuts, piece, self.n_tensors, self.table_layers)
 
 
+@functools.cache
+def _cuts(chunk_bytes: int, most: int) -> int:
+    """The fewest equal cuts of a chunk into whole 16-byte vectors, each at most ``most`` bytes."""
+    vectors = chunk_bytes // 16
+    return next(k for k in range(max(1, -(-chunk_bytes // most)), vectors + 1) if vectors % k == 0)
+
+
+@functools.cache
 def chunk_group(vectors: int, unroll: int) -> int:
     """How many chunks a warp takes at once: enough 16-byte vectors for ``unroll`` loads per lane in flight, and a
     total that fills its batches of 32 * unroll (72-vector rows in groups of 4 would leave the second batch 1/8 full).

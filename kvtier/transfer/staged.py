@@ -21,6 +21,11 @@ from kvtier.runtime import Stream
 from kvtier.transfer.indices import IndexRing
 from kvtier.transfer.plan import layer_spans
 
+RING_SLOTS = 32
+"""Index slots of the relayout stream. Queuing a transfer must not wait for the GPU: with 4 slots the Python thread
+blocked on batch i-4, so the per-layer relayouts of the last batch were queued only after the DMAs had drained
+(H200, DeepSeek-V3 MLA, 61 layers: per-layer loads 86% of the link vs 95% without layer events)."""
+
 if TYPE_CHECKING:
     from kvtier.transfer.engine import Transfer, TransferEngine
 
@@ -53,7 +58,7 @@ class StagingArea:
         self.table = build_pointer_table(runtime, engine.device,
                                          [a for t in range(g.tensors) for a in self.layer_addresses(t)])
         self.stream = runtime.create_stream(engine.device)
-        self.ring = IndexRing(runtime, engine.device, self.stream)
+        self.ring = IndexRing(runtime, engine.device, self.stream, slots=RING_SLOTS)
         self.free = [runtime.create_event(engine.device) for _ in range(halves)]
         self.ready, self.idle = runtime.create_event(engine.device), runtime.create_event(engine.device)
 
