@@ -24,12 +24,12 @@ if want tests; then
     KVTIER_KERNELS=aot python3 -m pytest -q -p no:cacheprovider -rs tests 2>&1 | tee "$OUT/pytest-aot.log" || status=1
 fi
 if want jit; then
-    KVTIER_KERNELS=jit python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_transfer.py 2>&1 \
+    KVTIER_KERNELS=jit python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_transfer.py tests/test_kernels.py 2>&1 \
         | tee "$OUT/pytest-jit.log" || status=1
 fi
 if want sanitizer; then
     KVTIER_KERNELS=aot compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-        -m gpu tests/test_transfer.py -k "cuda and kernel and fp8" 2>&1 \
+        -m gpu tests/test_transfer.py tests/test_kernels.py -k "cuda and (kernel and fp8 or odd_shapes)" 2>&1 \
         | tail -40 | tee "$OUT/sanitizer.log" || status=1
 fi
 if want doctor; then
