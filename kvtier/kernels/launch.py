@@ -77,7 +77,7 @@ class ChunkCopy:
         if self.layer_begin + self.n_layers > self.rows_per_tensor:
             raise KvtierError(f"layers [{self.layer_begin}, +{self.n_layers}) exceed the table's "
                               f"{self.rows_per_tensor}")
-        chunks = self.n_tensors * self.n_layers * self.n_units * self.n_pieces
+        chunks = self.chunks
         if chunks > MAX_COUNT or max(self.src.units_per_page, self.dst.units_per_page) > MAX_COUNT:
             raise KvtierError(f"{chunks} chunks in one launch (units_per_page {self.src.units_per_page}/"
                               f"{self.dst.units_per_page}): the kernel counts in 31 bits; split the transfer")
@@ -91,12 +91,16 @@ class ChunkCopy:
     def rows_per_tensor(self) -> int:
         return self.table_layers or self.layer_begin + self.n_layers
 
+    @property
+    def chunks(self) -> int:
+        return self.n_tensors * self.n_layers * self.n_units * self.n_pieces
+
     def in_pieces(self, most: int = PIECE_BYTES) -> ChunkCopy:
         """The same copy with each chunk cut into equal pieces of at most ``most`` bytes, where chunks are single
         pieces: warps then take ~4 KiB at a time, so the last warps of a launch finish within a few µs of each other
         (a per-layer load of 32 KiB chunks otherwise idles ~25 µs per launch waiting for the slowest warp)."""
         cuts = _cuts(self.chunk_bytes, most) if self.n_pieces == 1 else 1
-        if cuts == 1 or self.n_tensors * self.n_layers * self.n_units * cuts > MAX_COUNT:
+        if cuts == 1 or self.chunks * cuts > MAX_COUNT:
             return self
         piece = self.chunk_bytes // cuts
         src, dst = (ChunkSide(s.table, s.page_stride, s.unit_stride, piece, s.units_per_page)
