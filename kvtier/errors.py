@@ -48,7 +48,7 @@ class HugePagesUnavailable(KvtierError):
 
 
 class BufferClosed(KvtierError):
-    """A buffer was used after close()."""
+    """A buffer, pool, engine or captured graph was used after close()."""
 
 
 class BufferInUse(KvtierError):
@@ -61,3 +61,15 @@ class InvalidDevice(KvtierError, ValueError):
 
 class KernelBuildError(KvtierError):
     """Compiling or finding the transfer kernels failed; the message carries the compiler's log."""
+
+
+class InvalidArgument(KvtierError, ValueError):
+    """An argument kvtier cannot use (wrong type, out of range, duplicated); the message names the argument."""
+
+
+class MisalignedAddress(IllegalAddress):
+    """A vector access at an address not aligned to its width: a GPU faults (cudaErrorMisalignedAddress)."""
+
+
+class WrongRuntime(KvtierError, TypeError):
+    """A stream, event or graph of one runtime was handed to another."""

@@ -1,6 +1,6 @@
 """A tiny real kernel for the tests: ``dst[i] = src[i] ^ key`` on one device.
 
-On the emulator it is a Python reference kernel that goes through the device's address map; on CUDA it is a torch
+On the emulator it is a program whose Python reference goes through the device's address map; on CUDA it is a torch
 elementwise kernel over raw device addresses. Either way the device itself dereferences the addresses, which is what
 exposes a CPU address handed to a kernel. (A plain copy would not: torch turns it into a copy-engine memcpy.)
 """
@@ -12,11 +12,18 @@ from typing import Any
 import numpy as np
 
 from kvtier.memory import DeviceAddress
-from kvtier.runtime import Runtime
+from kvtier.runtime import ProgramSpec, Runtime, i64
 
 
 def _xor_kernel(memory: Any, dst: int, src: int, nbytes: int, key: int) -> None:
     memory.view(dst, nbytes)[:] = memory.view(src, nbytes) ^ np.uint8(key)
+
+
+def _no_image(capability: tuple[int, int]) -> tuple[bytes, str]:
+    raise NotImplementedError("the xor test kernel runs through torch on CUDA")
+
+
+XOR = ProgramSpec("test-xor", ("xor",), _no_image, {"xor": _xor_kernel})
 
 
 class _CudaArray:
@@ -27,11 +34,15 @@ class _CudaArray:
 
 def xor_copy(runtime: Runtime, dst: DeviceAddress | int, src: DeviceAddress | int, nbytes: int, key: int,
              device: int) -> None:
-    """Run the kernel on ``device``; raw ints are allowed here on purpose, to hand a kernel a CPU address."""
+    """Run the kernel on ``device`` and wait; raw ints are allowed here on purpose, to hand a kernel a CPU address
+    (as a DeviceAddress that lies about its domain, which is what bypassing the resolver amounts to)."""
     dst_value = dst.value if isinstance(dst, DeviceAddress) else dst
     src_value = src.value if isinstance(src, DeviceAddress) else src
-    if runtime.runs_python_kernels:
-        runtime.run_python(_xor_kernel, dst_value, src_value, nbytes, key, device=device)  # type: ignore[attr-defined]
+    if runtime.name.startswith("emulated"):
+        stream = runtime.legacy_stream(device)
+        runtime.launch(runtime.load_program(XOR, device), "xor", grid=1, block=32, stream=stream,
+                       args=[DeviceAddress(dst_value, device), DeviceAddress(src_value, device), i64(nbytes), i64(key)])
+        stream.synchronize()
         return
     import torch
 

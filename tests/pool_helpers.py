@@ -8,32 +8,43 @@ from collections.abc import Iterator
 import numpy as np
 
 from device_kernels import random_bytes
-from kvtier.memory import HostKind
+from kvtier.memory import CpuAddress, HostKind
 from kvtier.pools import DevicePool, HostPool
 from kvtier.transfer import TransferEngine
+
+
+def _layers(pool: DevicePool):
+    for tensor in range(pool.geometry.tensors):
+        for layer, address in enumerate(pool.layer_device_addresses(tensor)):
+            yield tensor, layer, address
+
+
+def landed(pool: DevicePool) -> None:
+    """Wait for the pageable uploads the copy API may still have in flight (cudaMemcpy returns before they land)."""
+    pool.runtime.legacy_stream(pool.device).synchronize()
 
 
 def fill_device(pool: DevicePool) -> dict[tuple[int, int], np.ndarray]:
     """Random bytes in every (tensor, layer); returns them as [pages, page_bytes] arrays."""
     data = {}
-    for tensor, layers in enumerate(pool.layers):
-        for layer, address in enumerate(layers):
-            chunk = random_bytes(pool.layer_bytes)
-            pool.runtime.memcpy(address.value, chunk.ctypes.data, chunk.nbytes)
-            data[(tensor, layer)] = chunk.reshape(pool.pages, -1)
+    for tensor, layer, address in _layers(pool):
+        chunk = random_bytes(pool.layer_bytes)
+        pool.runtime.memcpy(address, CpuAddress(chunk.ctypes.data), chunk.nbytes)
+        data[(tensor, layer)] = chunk.reshape(pool.pages, -1)
+    landed(pool)
     return data
 
 
 def poison_device(pool: DevicePool, value: int = 0xEE) -> None:
     poison = np.full(pool.layer_bytes, value, np.uint8)
-    for layers in pool.layers:
-        for address in layers:
-            pool.runtime.memcpy(address.value, poison.ctypes.data, poison.nbytes)
+    for _, _, address in _layers(pool):
+        pool.runtime.memcpy(address, CpuAddress(poison.ctypes.data), poison.nbytes)
+    landed(pool)
 
 
 def read_device(pool: DevicePool, tensor: int, layer: int) -> np.ndarray:
     out = np.empty(pool.layer_bytes, np.uint8)
-    pool.runtime.memcpy(out.ctypes.data, pool.layers[tensor][layer].value, out.nbytes)
+    pool.runtime.memcpy(CpuAddress(out.ctypes.data), pool.layer_device_addresses(tensor)[layer], out.nbytes)
     return out.reshape(pool.pages, -1)
 
 

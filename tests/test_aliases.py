@@ -9,6 +9,7 @@ from conftest import is_split
 from device_kernels import random_bytes, xor_copy
 from kvtier.errors import IllegalAddress
 from kvtier.memory import DeviceBuffer, HostBuffer, HostKind, get_device_accessible_ptr
+from kvtier.runtime import create
 
 DEVICE_KINDS = [HostKind.REGISTERED, HostKind.PINNED, HostKind.SHM]
 
@@ -54,7 +55,7 @@ def test_kernel_reads_and_writes_host_memory_through_the_alias(runtime, kind):
         view[n:] = 0xA5
         for device in range(runtime.device_count()):
             view[n:] = 0xA5
-            src, dst = buf.device_address(device, 0, n), buf.device_address(device, n, n)
+            src, dst = (get_device_accessible_ptr(buf.region(o, n), device) for o in (0, n))
             xor_copy(runtime, dst, src, n, key, device)
             np.testing.assert_array_equal(view[n:], data ^ np.uint8(key))
             np.testing.assert_array_equal(view[:n], data)
@@ -70,7 +71,13 @@ def test_kernel_given_the_cpu_address_faults_in_split_mode(split):
         with pytest.raises(IllegalAddress, match="not mapped"):
             xor_copy(split, buf.cpu_address.value + n, buf.cpu_address.value, n, 1, 0)
         np.testing.assert_array_equal(view, before)
-        xor_copy(split, buf.device_address(0, n, n), buf.device_address(0, 0, n), n, 1, 0)
+        del view
+    fresh = create("emulated:split")
+    with HostBuffer.allocate(2 * n, runtime=fresh) as buf:
+        view = buf.as_tensor().numpy()
+        view[:] = before
+        xor_copy(fresh, get_device_accessible_ptr(buf.region(n, n), 0), get_device_accessible_ptr(buf.region(0, n), 0),
+                 n, 1, 0)
         np.testing.assert_array_equal(view[n:], before[:n] ^ 1)
         del view
 
@@ -83,7 +90,7 @@ def test_kernel_cannot_touch_another_devices_memory(split):
 
 def test_kernel_out_of_range_faults(split):
     with HostBuffer.allocate(4096, runtime=split) as buf:
-        alias = buf.device_address(0)
+        alias = get_device_accessible_ptr(buf, 0)
         with pytest.raises(IllegalAddress):
             xor_copy(split, alias, alias, 4096 + 1, 1, 0)
 
@@ -94,12 +101,12 @@ def test_memcpy_accepts_both_cpu_address_and_alias(runtime, kind):
     with HostBuffer.allocate(n, kind, runtime=runtime) as buf, DeviceBuffer(n, 0, runtime=runtime) as dev:
         data = random_bytes(n)
         view = buf.as_tensor().numpy()
-        for host_side in (buf.cpu_address.value, buf.device_address(0).value):
+        for host_side in (buf.cpu_address, get_device_accessible_ptr(buf, 0)):
             view[:] = data
             dev.upload(np.full(n, 0x5A, np.uint8))
-            runtime.memcpy(dev.address.value, host_side, n)
+            runtime.memcpy(dev.address, host_side, n)
             assert dev.download() == data.tobytes()
             view[:] = 0x5A
-            runtime.memcpy(host_side, dev.address.value, n)
+            runtime.memcpy(host_side, dev.address, n)
             np.testing.assert_array_equal(view, data)
         del view

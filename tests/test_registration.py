@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.errors import RegistrationError, RuntimeCallError
-from kvtier.memory import HostBuffer, plan_chunks
+from kvtier.memory import HostBuffer, get_device_accessible_ptr, plan_chunks
 from kvtier.runtime import MemoryType
 from kvtier.runtime.emulated import EmulatedRuntime
 
@@ -97,14 +97,14 @@ def test_split_chunks_get_non_adjacent_aliases_and_pages_never_span(split):
     with HostBuffer.allocate(page * 64, runtime=split, granularity=page, register_chunk_bytes=page * 20) as buf:
         starts = [start - buf.cpu_address for start, _ in buf.chunks]
         assert all(offset % page == 0 for offset in starts)
-        first, second = buf.device_address(0, 0), buf.device_address(0, starts[1])
+        first, second = (get_device_accessible_ptr(buf.region(s, 1), 0) for s in (0, starts[1]))
         assert second - first != starts[1]
         for index in range(64):
-            alias = buf.device_address(0, index * page, page)
+            alias = get_device_accessible_ptr(buf.region(index * page, page), 0)
             chunk = max(i for i, s in enumerate(starts) if s <= index * page)
-            assert alias == buf.device_address(0, starts[chunk]) + (index * page - starts[chunk])
+            assert alias == get_device_accessible_ptr(buf.region(starts[chunk], 1), 0) + (index * page - starts[chunk])
         with pytest.raises(RegistrationError, match="not contiguous"):
-            buf.device_address(0, starts[1] - 16, 32)
+            get_device_accessible_ptr(buf.region(starts[1] - 16, 32), 0)
 
 
 def test_register_overlapping_buffer_memory_is_refused(runtime):

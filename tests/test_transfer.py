@@ -8,7 +8,7 @@ from pool_helpers import engine_on, fill_device, fill_host, host_bytes, poison_d
 
 from conftest import is_split
 from kvtier.errors import IllegalAddress, KvtierError
-from kvtier.memory import HostKind
+from kvtier.memory import HostKind, get_device_accessible_ptr
 from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry
 from kvtier.transfer import TransferEngine
 
@@ -125,11 +125,12 @@ def test_graph_replay_reads_host_data_written_after_capture(runtime):
 def test_split_tables_hold_aliases_and_metadata_holds_cpu_addresses(split):
     g = geometry("mha", 2, 16)
     with engine_on(split, g, "layer_first", device_pages=4, host_pages=4) as (dev, host, engine):
-            tensors = range(g.tensors)
-            assert engine.host_table.entries == tuple(a for t in tensors for a in host.layer_addresses(t, 0))
+            tensors, backend = range(g.tensors), engine._backend
+            aliases = tuple(get_device_accessible_ptr(r, 0) for t in tensors for r in host.layer_regions(t))
+            assert backend.host_table.entries == aliases
             cpu_addresses = [c.value for t in tensors for c in host.layer_cpu_addresses(t)]
-            assert not {e.value for e in engine.host_table.entries} & set(cpu_addresses)
-            assert engine.device_table.entries == tuple(a for t in tensors for a in dev.layers[t])
+            assert not {e.value for e in backend.host_table.entries} & set(cpu_addresses)
+            assert backend.device_table.entries == tuple(a for t in tensors for a in dev.layer_device_addresses(t))
             cpu = host.buffer.cpu_address
             for pieces in host.page_metadata([0, 3]):
                 for address, size in pieces:
@@ -138,21 +139,26 @@ def test_split_tables_hold_aliases_and_metadata_holds_cpu_addresses(split):
 
 def test_kernel_handed_cpu_addresses_faults(split):
     """The guard that would have caught the seed: bypass the boundary, put CPU addresses in a table."""
-    from kvtier.kernels import ChunkCopy
+    from kvtier.kernels import ChunkCopy, KernelLauncher
     from kvtier.memory import DeviceAddress
     from kvtier.pools import build_pointer_table
 
     g = geometry("mha", 2, 16)
-    with engine_on(split, g, "layer_first", device_pages=4, host_pages=4) as (dev, host, engine):
-            wrong = [DeviceAddress(c.value, 0) for t in range(g.tensors) for c in host.layer_cpu_addresses(t)]
-            bad_table = build_pointer_table(split, 0, wrong)
-            (src_index, dst_index), _ = engine.rings["h2d"].upload(engine.unit_arrays(np.array([1]), np.array([2])))
-            call = ChunkCopy(engine.plan.host_side(bad_table), engine.plan.device_side(engine.device_table), src_index,
-                             dst_index, 8, 1, 0, 1, 1, g.page_bytes, g.tensors, g.layers)
-            engine.launcher.copy_chunks(call, device=0, stream=engine.streams["h2d"])
-            with pytest.raises(IllegalAddress):
-                engine.streams["h2d"].synchronize()
-            bad_table.close()
+    dev = DevicePool.allocate(g, 4, 0, runtime=split)
+    host = HostPool.allocate(g, "layer_first", pages=4, runtime=split)
+    engine = TransferEngine(dev, host)
+    backend = engine._backend
+    wrong = [DeviceAddress(c.value, 0) for t in range(g.tensors) for c in host.layer_cpu_addresses(t)]
+    bad_table = build_pointer_table(split, 0, wrong)
+    (src_index, dst_index), _ = backend.rings["h2d"].upload([np.array([1]), np.array([2])])
+    call = ChunkCopy(engine.plan.host_side(bad_table), engine.plan.device_side(backend.device_table), src_index,
+                     dst_index, 8, 1, 0, 1, 1, g.page_bytes, g.tensors, g.layers)
+    KernelLauncher(split).copy_chunks(call, device=0, stream=engine.streams["h2d"])
+    with pytest.raises(IllegalAddress, match="not mapped"):
+        engine.streams["h2d"].synchronize()
+    with pytest.raises(IllegalAddress, match="poisoned"):
+        engine.close()
+    bad_table.close(), host.close(), dev.close()
 
 
 def test_bad_input_is_refused_before_anything_is_written(runtime):

@@ -71,9 +71,9 @@ def test_per_layer_loads_on_both_devices_at_once_share_one_host_pool(two_devices
     engines = [TransferEngine(pool, host, backend="kernel") for pool in pools]
     try:
         for device, engine in enumerate(engines):
-            aliases = host.layer_addresses(0, device)
+            aliases = [get_device_accessible_ptr(region, device) for region in host.layer_regions(0)]
             assert [a.device for a in aliases] == [device] * g.layers
-            assert engine.host_table.entries[:g.layers] == tuple(aliases)
+            assert engine._backend.host_table.entries[:g.layers] == tuple(aliases)
         slots = rng.permutation(16)[:8].reshape(2, 4)
         sources = [rng.choice(8, 4, replace=False) for _ in engines]
         data = [fill_device(pool) for pool in pools]

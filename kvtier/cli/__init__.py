@@ -11,7 +11,7 @@ from kvtier.runtime import get as get_runtime
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier.cli import doctor
+    from kvtier.cli import doctor, shm
 
     runtime_help = (f"cuda | emulated:split | emulated:unified (default: ${ENV_VAR}, else cuda when a GPU is "
                     "usable, else emulated:split)")
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_parser.add_argument("--runtime", default=argparse.SUPPRESS, help=runtime_help)
     doctor.add_arguments(doctor_parser)
     doctor_parser.set_defaults(run=doctor.command)
+    shm.add_parser(commands)
     return parser
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 import kvtier
-from kvtier.memory import DeviceBuffer, HostBuffer, HostKind
+from kvtier.memory import CpuAddress, DeviceAddress, DeviceBuffer, HostBuffer, HostKind, get_device_accessible_ptr
 from kvtier.runtime import Runtime
 
 GIB = 1 << 30
@@ -46,12 +46,15 @@ def probe_host_kind(runtime: Runtime, kind: HostKind, nbytes: int) -> HostKindRe
             report.register_s_per_gib = buffer.register_seconds / (nbytes / GIB)
         if buffer.device_accessible:
             for device in range(runtime.device_count()):
-                alias = buffer.device_address(device)
+                alias = get_device_accessible_ptr(buffer, device)
                 report.alias_equals_cpu[device] = alias.value == buffer.cpu_address.value
     return report
 
 
-def _timed_copies(runtime: Runtime, copies: list[tuple[int, int]], nbytes: int, repeats: int) -> float:
+Copy = tuple[CpuAddress | DeviceAddress, CpuAddress | DeviceAddress]
+
+
+def _timed_copies(runtime: Runtime, copies: list[Copy], nbytes: int, repeats: int) -> float:
     """Median GB/s of running ``copies`` (dst, src) concurrently, one stream each."""
     streams = [runtime.create_stream(0) for _ in copies]
     start, stop = runtime.create_event(0), runtime.create_event(0)
@@ -80,7 +83,7 @@ def probe_bandwidth(runtime: Runtime, nbytes: int, repeats: int = 5) -> dict[str
     with HostBuffer.allocate(2 * nbytes, HostKind.PINNED, runtime=runtime) as host, \
             DeviceBuffer(2 * nbytes, 0, runtime=runtime) as dev:
         host.as_tensor().numpy()[:] = np.random.default_rng().integers(0, 256, 2 * nbytes, dtype=np.uint8)
-        h, d = host.cpu_address.value, dev.address.value
+        h, d = host.cpu_address, dev.address
         return {
             "bytes": nbytes,
             "h2d_gbps": _timed_copies(runtime, [(d, h)], nbytes, repeats),
@@ -116,7 +119,7 @@ def run(runtime: Runtime, probe_bytes: int, step: Step = lambda _: None, bandwid
         kinds.append(probe_host_kind(runtime, kind, probe_bytes))
     report: dict[str, Any] = {"kvtier": kvtier.__version__, "runtime": runtime.name, "devices": devices,
                               "host_buffers": [asdict(k) for k in kinds], "bandwidth": None}
-    if runtime.runs_python_kernels:
+    if runtime.name.startswith("emulated"):
         report["bandwidth_note"] = "not measured: the emulated runtime has no link to measure"
     elif bandwidth:
         step("contiguous copy bandwidth")

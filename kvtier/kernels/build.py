@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from kvtier.errors import KernelBuildError
 from kvtier.kernels.source import DEFAULT_UNROLL, SOURCE_PATH, source_hash, source_text
@@ -58,52 +57,17 @@ def build_aot(out_dir: Path | None = None, archs: tuple[str, ...] = AOT_ARCHS, n
     return fatbin
 
 
-def _nvrtc() -> Any:
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError as exc:
-        raise KernelBuildError(f"JIT build needs cuda-bindings' NVRTC ({exc})") from exc
-    return nvrtc
-
-
-def _nvrtc_check(nvrtc: Any, result: Any, call: str, program: Any = None) -> Any:
-    status, values = result[0], result[1:]
-    if status == nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        return values[0] if len(values) == 1 else values
-    log = ""
-    if program is not None:
-        size = nvrtc.nvrtcGetProgramLogSize(program)[1]
-        buffer = b" " * size
-        nvrtc.nvrtcGetProgramLog(program, buffer)
-        log = buffer.decode(errors="replace")
-    raise KernelBuildError(f"{call}: {nvrtc.nvrtcGetErrorString(status)[1].decode()}\n{log}")
-
-
 def compile_jit(arch: str, unroll: int = DEFAULT_UNROLL, max_threads: int = 1024) -> bytes:
     """A cubin for ``arch`` (e.g. ``sm_90``) from NVRTC, through the on-disk cache."""
-    try:
-        nvrtc = _nvrtc()
-        version = _nvrtc_check(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion")
-    except KernelBuildError:
-        raise
-    except Exception as exc:
-        raise KernelBuildError(f"NVRTC is not usable here: {exc}") from exc
+    from kvtier.runtime.cuda import nvrtc_compile, nvrtc_version
+
     options = [f"--gpu-architecture={arch}", "-std=c++17", f"-DKVTIER_UNROLL={unroll}",
                f"-DKVTIER_MAX_THREADS={max_threads}"]
-    key = hashlib.sha256(repr((source_hash(), options, version)).encode()).hexdigest()[:24]
+    key = hashlib.sha256(repr((source_hash(), options, nvrtc_version())).encode()).hexdigest()[:24]
     cached = cache_dir() / f"transfer-{arch}-{key}.cubin"
     if cached.exists():
         return cached.read_bytes()
-    program = _nvrtc_check(nvrtc, nvrtc.nvrtcCreateProgram(source_text().encode(), b"transfer.cu", 0, [], []),
-                           "nvrtcCreateProgram")
-    try:
-        _nvrtc_check(nvrtc, nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options]),
-                     "nvrtcCompileProgram", program)
-        size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
+    cubin = nvrtc_compile(source_text(), "transfer.cu", options)
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=cached.parent, delete=False) as tmp:
         tmp.write(cubin)

@@ -2,28 +2,31 @@
 
 Buffer operands arrive as objects (device buffers, pointer tables, host buffers, tensors) and are resolved here with
 ``get_device_accessible_ptr`` for the device the kernel runs on; a raw integer is refused, so no CPU address can slip
-into a kernel. The caller's current device is unchanged. On the emulated runtime the Python reference runs instead,
-through the same resolution.
+into a kernel, and every address the kernel will read is checked for its alignment (16 bytes for the vector copies).
+The runtime then loads the program once per device and launches it its own way: CUDA packs the arguments for
+cuLaunchKernel, the emulator runs the Python reference through the device's address map. The caller's current device
+is unchanged.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.errors import AddressDomainError, KvtierError
+from kvtier.address import DeviceAddress
+from kvtier.errors import AddressDomainError, KvtierError, MisalignedAddress
 from kvtier.kernels import reference
 from kvtier.kernels.loader import kernel_image
-from kvtier.kernels.source import DEFAULT_UNROLL, KERNEL_NAMES
+from kvtier.kernels.source import DEFAULT_UNROLL, KERNEL_NAMES, source_hash
 from kvtier.memory import get_device_accessible_ptr
-from kvtier.runtime import Runtime, Stream
+from kvtier.runtime import KernelArg, ProgramSpec, Runtime, Stream, i32, i64
 
 MAX_THREADS = 1024
 MAX_GROUP = 64
 MAX_COUNT = (1 << 31) - 1
 PIECE_BYTES = 4096
+VECTOR_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -35,11 +38,6 @@ class ChunkSide:
     unit_stride: int
     piece_stride: int = 0
     units_per_page: int = 1
-
-
-class _Side(ctypes.Structure):
-    _fields_ = [("table", ctypes.c_uint64), ("page_stride", ctypes.c_int64), ("unit_stride", ctypes.c_int64),
-                ("piece_stride", ctypes.c_int64), ("units_per_page", ctypes.c_int64)]
 
 
 @dataclass(frozen=True)
@@ -133,7 +131,9 @@ def chunk_group(vectors: int, unroll: int) -> int:
 
 
 class KernelLauncher:
-    """Loads the transfer kernels per device (AOT or JIT) and launches them; one per runtime user."""
+    """Resolves, checks and launches the transfer kernels (AOT or JIT images, or the Python reference).
+
+    Cheap to create: the runtime keeps one loaded program per build and device, shared by every launcher."""
 
     def __init__(self, runtime: Runtime, *, mode: str | None = None, unroll: int = DEFAULT_UNROLL,
                  max_threads: int = MAX_THREADS) -> None:
@@ -142,13 +142,18 @@ class KernelLauncher:
         if unroll < 1 or not 32 <= max_threads <= MAX_THREADS or max_threads % 32:
             raise KvtierError(f"bad kernel specialization: unroll={unroll}, max_threads={max_threads}")
         self.runtime, self.mode, self.unroll, self.max_threads = runtime, mode, unroll, max_threads
-        self._functions: dict[tuple[int, int], Any] = {}
-        self.origins: dict[int, str] = {}
+        self.spec = _transfer_program(mode, unroll, max_threads)
 
-    def resolve(self, operand: Any, device: int) -> int:
+    def origin(self, device: int) -> str:
+        """Where the device's kernel code comes from: ``aot:<fatbin>``, ``jit:...`` or ``reference``."""
+        return self.runtime.load_program(self.spec, device).origin
+
+    def resolve(self, operand: Any, device: int, align: int) -> DeviceAddress:
         if isinstance(operand, int):
             raise AddressDomainError(f"kernel operand 0x{operand:x} is a raw integer: pass the buffer, not its address")
-        return get_device_accessible_ptr(operand, device, runtime=self.runtime).value
+        address = get_device_accessible_ptr(operand, device, runtime=self.runtime)
+        _check_aligned(address, align, "kernel operand")
+        return address
 
     def copy_chunks(self, call: ChunkCopy, *, device: int, stream: Stream, max_blocks: int = 2,
                     threads: int = MAX_THREADS) -> None:
@@ -163,31 +168,41 @@ class KernelLauncher:
         if group * call.chunk_bytes // 16 > MAX_COUNT:
             raise KvtierError(f"chunks of {call.chunk_bytes} bytes are too large for one kernel copy (the kernel "
                               f"counts 16-byte vectors in 31 bits)")
-        sides = [(self.resolve(s.table, device), s.page_stride, s.unit_stride, s.piece_stride, s.units_per_page)
-                 for s in (call.src, call.dst)]
-        indices = [self.resolve(i, device) for i in (call.src_index, call.dst_index)]
-        scalars = (call.n_units, call.layer_begin, call.n_layers, call.n_tensors, call.rows_per_tensor,
-                   call.n_pieces, call.chunk_bytes)
-        if self.runtime.runs_python_kernels:
-            self.runtime.launch_python(reference.copy_chunks, *sides, *indices, *scalars,  # type: ignore[attr-defined]
-                                       call.index_bytes, device=device, stream=stream)
-            return
-        args = [_Side(*sides[0]), _Side(*sides[1]), ctypes.c_uint64(indices[0]), ctypes.c_uint64(indices[1]),
-                ctypes.c_int64(call.n_units), ctypes.c_int(call.layer_begin), ctypes.c_int(call.n_layers),
-                ctypes.c_int(call.n_tensors), ctypes.c_int(call.rows_per_tensor), ctypes.c_int(call.n_pieces),
-                ctypes.c_int64(call.chunk_bytes), ctypes.c_int(group)]
-        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        function = self._function(device, call.index_bytes)
-        self.runtime.launch_function(function, device, max_blocks, threads,  # type: ignore[attr-defined]
-                                     ctypes.addressof(params), stream=stream)
+        sides = []
+        for side in (call.src, call.dst):
+            _check_entries(side.table, call)
+            sides.append((self.resolve(side.table, device, 8), i64(side.page_stride), i64(side.unit_stride),
+                          i64(side.piece_stride), i64(side.units_per_page)))
+        indices = [self.resolve(index, device, call.index_bytes) for index in (call.src_index, call.dst_index)]
+        args: list[KernelArg] = [*sides, *indices, i64(call.n_units), i32(call.layer_begin), i32(call.n_layers),
+                                 i32(call.n_tensors), i32(call.rows_per_tensor), i32(call.n_pieces),
+                                 i64(call.chunk_bytes), i32(group)]
+        program = self.runtime.load_program(self.spec, device)
+        self.runtime.launch(program, KERNEL_NAMES[call.index_bytes], grid=max_blocks, block=threads, args=args,
+                            stream=stream)
 
-    def _function(self, device: int, index_bytes: int) -> Any:
-        key = (device, index_bytes)
-        if key not in self._functions:
-            major, minor = self.runtime.device_attributes(device).compute_capability
-            image, origin = kernel_image(f"sm_{major}{minor}", self.mode, self.unroll, self.max_threads)
-            module = self.runtime.load_module(image, device)  # type: ignore[attr-defined]
-            for size, name in KERNEL_NAMES.items():
-                self._functions[(device, size)] = self.runtime.get_function(module, name)  # type: ignore[attr-defined]
-            self.origins[device] = origin
-        return self._functions[key]
+
+def _check_aligned(address: DeviceAddress, align: int, what: str) -> None:
+    if address.value % align:
+        raise MisalignedAddress(f"{what} {address} is not {align}-byte aligned: the kernel reads it {align} bytes "
+                                f"at a time, and a misaligned access faults the whole device")
+
+
+def _check_entries(table: Any, call: ChunkCopy) -> None:
+    """Every per-layer base in a pointer table must allow the kernel's 16-byte vector accesses."""
+    for entry in getattr(table, "entries", ()):
+        _check_aligned(entry, VECTOR_BYTES, "pointer-table entry")
+
+
+@functools.cache
+def _transfer_program(mode: str | None, unroll: int, max_threads: int) -> ProgramSpec:
+    """The transfer kernels as a program: images built AOT or JIT for the device's compute capability, and the
+    Python reference for the emulator. One spec per specialization, so the runtime's cache key is stable."""
+
+    def image(capability: tuple[int, int]) -> tuple[bytes, str]:
+        return kernel_image(f"sm_{capability[0]}{capability[1]}", mode, unroll, max_threads)
+
+    references = {name: functools.partial(reference.copy_chunks, index_bytes=size)
+                  for size, name in KERNEL_NAMES.items()}
+    key = f"transfer-{source_hash()}-{mode or 'auto'}-u{unroll}-t{max_threads}"
+    return ProgramSpec(key, tuple(KERNEL_NAMES.values()), image, references)

@@ -1,51 +1,86 @@
-"""Device memory owned by kvtier: staging buffers, test targets, doctor's copy probes."""
+"""Device memory owned by kvtier: pools, staging areas, index rings, test targets, doctor's copy probes."""
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.errors import BufferClosed, KvtierError
-from kvtier.memory.address import DeviceAddress
+from kvtier.address import CpuAddress, DeviceAddress
+from kvtier.checks import integer
+from kvtier.errors import BufferClosed, InvalidArgument
+from kvtier.memory.lifetime import Drainable, Users
 from kvtier.runtime import Runtime
 from kvtier.runtime import get as get_runtime
 
 
+@dataclass(frozen=True)
+class DeviceRegion:
+    """An offset view of a device buffer (a layer of a pool, a staging slice); resolve it like the buffer."""
+
+    buffer: DeviceBuffer
+    offset: int
+    nbytes: int
+
+
 class DeviceBuffer:
     def __init__(self, nbytes: int, device: int, *, runtime: Runtime | None = None) -> None:
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise KvtierError(f"DeviceBuffer size must be a positive int, got {nbytes!r}")
+        integer(nbytes, "DeviceBuffer size", low=1)
         self.runtime = runtime or get_runtime()
         self.device, self.nbytes = self.runtime.check_device(device), nbytes
         self._value = self.runtime.device_alloc(nbytes, device)
         self._finalizer = weakref.finalize(self, self.runtime.device_free, self._value)
+        self._users = Users()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
     @property
     def address(self) -> DeviceAddress:
-        if not self._finalizer.alive:
+        if self.closed:
             raise BufferClosed(f"{self!r} is closed")
         return DeviceAddress(self._value, self.device)
 
+    def region(self, offset: int, nbytes: int) -> DeviceRegion:
+        self.check_span(offset, nbytes, "region")
+        return DeviceRegion(self, offset, nbytes)
+
     def upload(self, data: bytes | np.ndarray, offset: int = 0) -> None:
-        """Copy host bytes in through the runtime's copy API (a CPU-side call)."""
+        """Copy host bytes in; returns once they are on the device (a pageable copy alone may return earlier)."""
         source = np.ascontiguousarray(np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data)
-        self._check_span(offset, source.nbytes)
-        self.runtime.memcpy(self.address.value + offset, source.ctypes.data, source.nbytes)
+        self.check_span(offset, source.nbytes, "upload")
+        self.runtime.memcpy(self.address + offset, CpuAddress(source.ctypes.data), source.nbytes)
+        self.runtime.legacy_stream(self.device).synchronize()
 
     def download(self, offset: int = 0, nbytes: int | None = None) -> bytes:
         nbytes = self.nbytes - offset if nbytes is None else nbytes
-        self._check_span(offset, nbytes)
+        self.check_span(offset, nbytes, "download")
         out = np.empty(nbytes, np.uint8)
-        self.runtime.memcpy(out.ctypes.data, self.address.value + offset, nbytes)
+        self.runtime.memcpy(CpuAddress(out.ctypes.data), self.address + offset, nbytes)
         return out.tobytes()
 
-    def _check_span(self, offset: int, nbytes: int) -> None:
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
-            raise KvtierError(f"[{offset}, +{nbytes}) is outside {self!r}")
+    def check_span(self, offset: int, nbytes: int, what: str = "span") -> None:
+        if self.closed:
+            raise BufferClosed(f"{self!r} is closed")
+        integer(offset, f"{what} offset", low=0)
+        integer(nbytes, f"{what} size", low=0)
+        if offset + nbytes > self.nbytes:
+            raise InvalidArgument(f"{what} [{offset}, +{nbytes}) is outside {self!r}")
+
+    def add_user(self, user: Drainable) -> None:
+        """``user`` queues device work over this buffer: :meth:`close` waits for it first."""
+        self._users.add(user)
 
     def close(self) -> None:
-        self._finalizer()
+        """Wait for every user's queued work, then free (cudaFree itself would also wait for the device). Idempotent."""
+        if self.closed:
+            return
+        try:
+            self._users.drain()
+        finally:
+            self._finalizer()
 
     def __enter__(self) -> DeviceBuffer:
         return self

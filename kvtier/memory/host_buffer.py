@@ -8,7 +8,6 @@ because unmapping under a live tensor turns the next read into a crash.
 from __future__ import annotations
 
 import ctypes
-import enum
 import math
 import sys
 import time
@@ -17,38 +16,45 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier import osmem
-from kvtier.errors import BufferClosed, BufferInUse, KvtierError, NotDeviceAccessible
+from kvtier.address import CpuAddress
+from kvtier.checks import integer
+from kvtier.errors import BufferClosed, BufferInUse, InvalidArgument, KvtierError
 from kvtier.memory import host_memory
-from kvtier.memory.address import CpuAddress, DeviceAddress
-from kvtier.memory.alias import span_alias
+from kvtier.memory.lifetime import Drainable, Users
 from kvtier.memory.registration import DEFAULT_REGISTER_CHUNK_BYTES, register_chunks, unregister_chunks
-from kvtier.runtime import Runtime
+from kvtier.runtime import HostKind, Runtime
 from kvtier.runtime import get as get_runtime
 
 if TYPE_CHECKING:
     import torch
 
 
-class HostKind(str, enum.Enum):
-    PINNED = "pinned"
-    REGISTERED = "registered"
-    SHM = "shm"
-    HUGETLB = "hugetlb"
-    PAGEABLE = "pageable"
-
-
 class _Resources:
-    """What a buffer must give back; shared with the finalizer, so it holds no reference to the buffer."""
+    """What a buffer must give back; shared with the finalizer, so it holds no reference to the buffer.
+
+    Only the process that created them gives them back. A fork child inherits this object and its finalizer, which
+    runs at the child's normal exit; unregistering there would call a runtime that does not survive fork, and
+    releasing the memory would remove an shm file the parent still owns. So in any other process ``release`` only
+    marks the buffer closed: the runtime, the file and the mapping are left alone (the child's copy of the mapping
+    goes when the child exits).
+    """
 
     def __init__(self, runtime: Runtime, memory: host_memory.HostMemory) -> None:
+        import os  # local: this class is the only part of the module that needs it
+
         self.runtime, self.memory = runtime, memory
         self.chunks: list[tuple[int, int]] = []
         self.released = False
+        self.creator_pid = os.getpid()
 
     def release(self) -> None:
+        import os
+
         if self.released:
             return
         self.released = True
+        if os.getpid() != self.creator_pid:
+            return
         try:
             unregister_chunks(self.runtime, self.chunks)
         finally:
@@ -57,7 +63,8 @@ class _Resources:
 
 @dataclass(frozen=True)
 class HostRegion:
-    """An offset view of a host buffer: what a page or a layer slice of a pool is."""
+    """An offset view of a host buffer: what a page or a layer slice of a pool is. Its CPU address is here; its
+    device address comes from ``get_device_accessible_ptr(region, device)``, the one resolver."""
 
     buffer: "HostBuffer"
     offset: int
@@ -66,9 +73,6 @@ class HostRegion:
     @property
     def cpu_address(self) -> CpuAddress:
         return self.buffer.cpu_address + self.offset
-
-    def device_address(self, device: int) -> DeviceAddress:
-        return self.buffer.device_address(device, self.offset, self.nbytes)
 
 
 class HostBuffer:
@@ -82,6 +86,7 @@ class HostBuffer:
         self._anchor = anchor_type.from_address(memory.address)
         self._anchor.owner = self
         self._baseline_refs = sys.getrefcount(self._anchor)
+        self._users = Users()
         #: seconds spent pinning: registration of every chunk, or the runtime's pinned allocation
         self.register_seconds = 0.0
 
@@ -92,8 +97,9 @@ class HostBuffer:
         """``granularity`` is the KV page size in bytes: no registration chunk boundary falls inside a page."""
         kind = HostKind(kind)
         runtime = runtime or get_runtime()
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise KvtierError(f"HostBuffer size must be a positive int, got {nbytes!r}")
+        integer(nbytes, "HostBuffer size", low=1)
+        integer(granularity, "granularity", low=1)
+        integer(register_chunk_bytes, "register_chunk_bytes", low=1)
         if name is not None and kind is not HostKind.SHM:
             raise KvtierError(f"only shm buffers have names (kind={kind.value})")
         started = time.perf_counter()
@@ -164,24 +170,23 @@ class HostBuffer:
         state = "closed" if self.closed else f"0x{self._resources.memory.address:x}"
         return f"<HostBuffer {self.kind.value} {self.nbytes} bytes {state} on {self.runtime.name}>"
 
+    @property
+    def registration_boundaries(self) -> tuple[int, ...]:
+        """Buffer offsets where a new registration chunk starts (none for one chunk): no DMA may cross one."""
+        base = self._resources.memory.address
+        return tuple(start - base for start, _ in self._resources.chunks[1:])
+
     # -- addresses and views ---------------------------------------------------------------------------------------
-    def device_address(self, device: int, offset: int = 0, nbytes: int = 1) -> DeviceAddress:
-        """The address kernels on ``device`` use for [offset, offset + nbytes) of this buffer."""
+    def check_span(self, offset: int, nbytes: int, what: str = "span") -> None:
+        """Refuse [offset, offset + nbytes) unless it lies inside the open buffer; offsets are ints, never bools."""
         self._check_open()
-        if offset < 0 or nbytes < 0 or offset + max(nbytes, 1) > self.nbytes:
-            raise KvtierError(f"[{offset}, +{nbytes}) is outside {self!r}")
-        address = self._resources.memory.address + offset
-        if self.kind is HostKind.PAGEABLE:
-            if self.runtime.device_attributes(self.runtime.check_device(device)).pageable_memory_access:
-                return DeviceAddress(address, device)
-            raise NotDeviceAccessible(
-                f"{self!r} is pageable host memory, which device {device} cannot access; allocate kind "
-                f"'registered', 'pinned' or 'shm' for anything a kernel reads or writes")
-        return DeviceAddress(span_alias(self.runtime, address, nbytes, device), device)
+        integer(offset, f"{what} offset", low=0)
+        integer(nbytes, f"{what} size", low=0)
+        if offset + nbytes > self.nbytes:
+            raise InvalidArgument(f"{what} [{offset}, +{nbytes}) is outside {self!r}")
 
     def region(self, offset: int, nbytes: int) -> HostRegion:
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
-            raise KvtierError(f"region [{offset}, +{nbytes}) is outside {self!r}")
+        self.check_span(offset, nbytes, "region")
         return HostRegion(self, offset, nbytes)
 
     def as_tensor(self, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
@@ -200,13 +205,25 @@ class HostBuffer:
         return sys.getrefcount(self._anchor) - self._baseline_refs
 
     # -- lifetime --------------------------------------------------------------------------------------------------
+    def add_user(self, user: Drainable) -> None:
+        """``user`` queues device work over this buffer: :meth:`close` waits for it first."""
+        self._check_open()
+        self._users.add(user)
+
+    def remove_user(self, user: Drainable) -> None:
+        self._users.discard(user)
+
     def close(self) -> None:
-        """Unregister every chunk by its CPU address, unmap, and (shm owner) remove the file. Idempotent."""
+        """Wait for the transfers of every user (engine) still working on the buffer, then unregister every chunk by
+        its CPU address, unmap, and (shm owner) remove the file. Idempotent. Refused while tensor views are alive."""
         if self.closed:
             return
         if self.live_views() > 0:
             raise BufferInUse(f"{self!r} still has {self.live_views()} tensor view(s) alive; delete them first")
-        self._finalizer()
+        try:
+            self._users.drain()
+        finally:
+            self._finalizer()
 
     def _check_open(self) -> None:
         if self.closed:
@@ -215,5 +232,11 @@ class HostBuffer:
     def __enter__(self) -> HostBuffer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        """A view still alive when the body raised must not hide the body's exception: the buffer then stays open
+        until its views go (the finalizer releases it at the latest at exit)."""
+        try:
+            self.close()
+        except BufferInUse:
+            if exc is None:
+                raise

@@ -1,5 +1,8 @@
 """Where host buffer bytes come from: anonymous, shared-memory, hugetlb and runtime-pinned memory.
 
+Shared-memory files (their directory, names, owner locks and the sweep of dead owners' files) are in
+:mod:`kvtier.memory.shm`; this module maps them.
+
 Each source returns a :class:`HostMemory` with the CPU address and a ``release`` that gives the memory back; the
 ``HostBuffer`` above decides what gets registered. Read-write registration of disk-file mappings is deliberately
 absent: Linux refuses long-term pins of writable file mappings (cudaErrorInvalidValue on the H200).
@@ -9,17 +12,15 @@ from __future__ import annotations
 
 import errno
 import os
-import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 from kvtier import osmem
 from kvtier.errors import HugePagesUnavailable, KvtierError
+from kvtier.memory import shm
+from kvtier.memory.shm import new_shm_name as new_shm_name
+from kvtier.memory.shm import shm_path
 from kvtier.runtime import Runtime
-
-SHM_DIR = "/dev/shm"
-_SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
 @dataclass
@@ -79,52 +80,51 @@ def hugetlb(nbytes: int) -> HostMemory:
     return HostMemory(address, nbytes, lambda: osmem.unmap_memory(address, mapped), mapped_bytes=mapped)
 
 
-def shm_path(name: str) -> str:
-    if not _SHM_NAME.match(name):
-        raise KvtierError(f"shm name {name!r} must be 1-200 characters of letters, digits, '.', '_' or '-'")
-    return os.path.join(SHM_DIR, name)
-
-
-def new_shm_name() -> str:
-    return f"kvtier-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-
-
 def shm_create(name: str, nbytes: int) -> HostMemory:
-    """A new /dev/shm file, mode 0600, mapped MAP_SHARED; the creator owns it and removes it on release."""
-    path = shm_path(name)
+    """A new shm file (see :mod:`kvtier.memory.shm`), mapped MAP_SHARED; the creator owns it.
+
+    Only the creating process gives it back: its release unmaps, removes the file and drops the owner's lock. A fork
+    child inherits the release but not the ownership, so there it does nothing (the file and the lock stay the
+    creator's, and the child's mapping goes when the child exits).
+    """
+    path, fd = shm.create_owned(name, nbytes)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError as exc:
-        raise KvtierError(f"shm {path} already exists: attach to it with HostBuffer.attach_shm({name!r})") from exc
-    try:
-        os.fchmod(fd, 0o600)
-        os.ftruncate(fd, nbytes)
         address = osmem.map_memory(nbytes, osmem.MAP_SHARED, fd)
     except BaseException:
-        os.close(fd)
-        os.unlink(path)
+        shm.remove_owned(path, fd)
         raise
-    os.close(fd)
     try:
         osmem.populate(address, nbytes)
     except BaseException:
         osmem.unmap_memory(address, nbytes)
-        os.unlink(path)
+        shm.remove_owned(path, fd)
         raise
+    return HostMemory(address, nbytes, _owner_release(address, nbytes, path, fd), path=path, owner=True,
+                      mapped_bytes=nbytes)
+
+
+def _owner_release(address: int, nbytes: int, path: str, fd: int) -> Callable[[], None]:
+    creator = os.getpid()
 
     def release() -> None:
-        osmem.unmap_memory(address, nbytes)
-        if os.path.exists(path):
-            os.unlink(path)
+        if os.getpid() != creator:
+            return  # a fork child: removing the file or dropping the lock would pull it from under the creator
+        try:
+            osmem.unmap_memory(address, nbytes)
+        finally:
+            shm.remove_owned(path, fd)
 
-    return HostMemory(address, nbytes, release, path=path, owner=True, mapped_bytes=nbytes)
+    return release
 
 
 def shm_attach(name: str) -> HostMemory:
-    """Map an existing /dev/shm file made by another process; releasing it leaves the file to its owner."""
+    """Map an existing shm file made by another process; releasing it leaves the file to its owner.
+
+    An attacher holds no lock: it does not keep a dead owner's file from being swept (its mapping stays valid).
+    """
     path = shm_path(name)
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError as exc:
         raise KvtierError(f"no shm buffer named {name!r} ({path} does not exist)") from exc
     try:

@@ -7,6 +7,10 @@ aliases: a page that straddled them would have no single device address.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 from kvtier.errors import RegistrationError
 from kvtier.runtime import Runtime
 
@@ -63,3 +67,27 @@ def unregister_chunks(runtime: Runtime, chunks: list[tuple[int, int]]) -> None:
             failures.append(f"0x{start:x}: {exc}")
     if failures:
         raise RegistrationError("unregistering failed for " + "; ".join(failures))
+
+
+def split_at_boundaries(starts: np.ndarray, sizes: np.ndarray, boundaries: Sequence[int]
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Cut each span [start, start + size) at every registration boundary inside it.
+
+    A copy may not span two registrations (the copy APIs refuse it: cudaErrorInvalidValue), so every DMA over a host
+    buffer registered in chunks goes through here. Returns (starts, sizes, origin, shift): piece i comes from span
+    ``origin[i]`` and begins ``shift[i]`` bytes into it, so the other side of the copy moves by the same amount.
+    """
+    starts, sizes = np.asarray(starts, np.int64), np.asarray(sizes, np.int64)
+    origin, shift = np.arange(starts.size, dtype=np.int64), np.zeros(starts.size, np.int64)
+    for boundary in boundaries:
+        inside = np.flatnonzero((starts < boundary) & (boundary < starts + sizes))
+        if not inside.size:
+            continue
+        head = boundary - starts[inside]
+        starts = np.concatenate((starts, np.full(inside.size, boundary, np.int64)))
+        sizes = np.concatenate((sizes, sizes[inside] - head))
+        origin = np.concatenate((origin, origin[inside]))
+        shift = np.concatenate((shift, shift[inside] + head))
+        sizes[inside] = head
+    order = np.lexsort((shift, origin))
+    return starts[order], sizes[order], origin[order], shift[order]

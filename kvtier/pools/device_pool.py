@@ -1,7 +1,9 @@
-"""The engine's layer-first device pool, seen by kvtier as per-tensor, per-layer base addresses.
+"""The engine's layer-first device pool, seen by kvtier as per-tensor, per-layer operands.
 
-Engines own their KV tensors; ``DevicePool.from_tensors`` wraps them (torch CUDA tensors). ``DevicePool.allocate``
-makes one from device buffers — what tests, benchmarks and the emulator use.
+Engines own their KV tensors; ``DevicePool.from_tensors`` wraps them (torch CUDA tensors) and keeps them alive as long
+as the pool: holding only their addresses would let torch's caching allocator hand the memory to other tensors while
+kvtier still writes there. ``DevicePool.allocate`` makes one from device buffers — what tests, benchmarks and the
+emulator use. A closed pool refuses every use; closing waits for the transfers engines queued over it.
 """
 
 from __future__ import annotations
@@ -9,19 +11,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.errors import KvtierError
+import numpy as np
+
+from kvtier.checks import integer
+from kvtier.errors import BufferClosed, InvalidArgument, MisalignedAddress
 from kvtier.memory import DeviceAddress, DeviceBuffer, get_device_accessible_ptr
+from kvtier.memory.lifetime import Drainable, Users
 from kvtier.pools.geometry import KVGeometry
 from kvtier.runtime import Runtime
 from kvtier.runtime import get as get_runtime
 
+ALIGNMENT = 16
+"""Layer bases must allow the transfer kernel's 16-byte vector accesses."""
+
 
 class DevicePool:
-    def __init__(self, geometry: KVGeometry, pages: int, device: int, runtime: Runtime,
-                 layers: list[list[DeviceAddress]], owned: Sequence[DeviceBuffer] = ()) -> None:
+    def __init__(self, geometry: KVGeometry, pages: int, device: int, runtime: Runtime, layers: list[list[Any]],
+                 owned: Sequence[DeviceBuffer] = ()) -> None:
+        """``layers[t][layer]``: an operand the resolver understands (a DeviceBuffer, a region, a CUDA tensor)."""
         self.geometry, self.pages, self.device, self.runtime = geometry, pages, device, runtime
         self.layers = layers
+        self._addresses = [[get_device_accessible_ptr(op, device, runtime=runtime) for op in row] for row in layers]
+        for tensor, row in enumerate(self._addresses):
+            for layer, address in enumerate(row):
+                if address.value % ALIGNMENT:
+                    raise MisalignedAddress(f"tensor {tensor} layer {layer} starts at {address}, not {ALIGNMENT}-byte "
+                                            f"aligned: the transfer kernels copy 16 bytes at a time")
         self._owned = list(owned)
+        self._users = Users()
+        self._closed = False
 
     @property
     def layer_bytes(self) -> int:
@@ -30,46 +48,93 @@ class DevicePool:
     @classmethod
     def allocate(cls, geometry: KVGeometry, pages: int, device: int, *, runtime: Runtime | None = None) -> DevicePool:
         runtime = runtime or get_runtime()
-        buffers = [[DeviceBuffer(pages * geometry.page_bytes, device, runtime=runtime) for _ in range(geometry.layers)]
-                   for _ in range(geometry.tensors)]
-        layers = [[b.address for b in per_tensor] for per_tensor in buffers]
-        return cls(geometry, pages, device, runtime, layers, [b for per_tensor in buffers for b in per_tensor])
+        integer(pages, "pages", low=1)
+        buffers: list[list[DeviceBuffer]] = []
+        try:
+            for _ in range(geometry.tensors):
+                buffers.append([])
+                for _ in range(geometry.layers):
+                    buffers[-1].append(DeviceBuffer(pages * geometry.page_bytes, device, runtime=runtime))
+        except BaseException:
+            for buffer in (b for row in buffers for b in row):
+                buffer.close()
+            raise
+        return cls(geometry, pages, device, runtime, [list(row) for row in buffers],
+                   [b for row in buffers for b in row])
 
     @classmethod
     def from_tensors(cls, geometry: KVGeometry, tensors: Sequence[Sequence[Any]], *,
                      runtime: Runtime | None = None) -> DevicePool:
-        """``tensors[t][layer]``: contiguous CUDA tensors of one device, each ``pages * page_size`` rows."""
+        """``tensors[t][layer]``: contiguous CUDA tensors of one device, each ``pages * page_size`` rows, each
+        starting 16-byte aligned. The pool holds references to them until it is closed."""
         runtime = runtime or get_runtime()
         if len(tensors) != geometry.tensors or any(len(t) != geometry.layers for t in tensors):
-            raise KvtierError(f"expected {geometry.tensors} tensor lists of {geometry.layers} layers")
+            raise InvalidArgument(f"expected {geometry.tensors} tensor lists of {geometry.layers} layers")
         first = tensors[0][0]
         device = first.device.index
         nbytes = first.numel() * first.element_size()
-        if nbytes % geometry.page_bytes:
-            raise KvtierError(f"a layer of {nbytes} bytes is not a whole number of {geometry.page_bytes}-byte pages")
-        layers = []
-        for per_tensor in tensors:
-            row = []
-            for tensor in per_tensor:
+        if nbytes == 0 or nbytes % geometry.page_bytes:
+            raise InvalidArgument(f"a layer of {nbytes} bytes is not a whole number of {geometry.page_bytes}-byte "
+                                  f"pages")
+        for t, row in enumerate(tensors):
+            for layer, tensor in enumerate(row):
                 if not tensor.is_contiguous() or tensor.numel() * tensor.element_size() != nbytes:
-                    raise KvtierError("every layer tensor must be contiguous and of the same size")
-                row.append(get_device_accessible_ptr(tensor, device, runtime=runtime))
-            layers.append(row)
-        return cls(geometry, nbytes // geometry.page_bytes, device, runtime, layers)
+                    raise InvalidArgument(f"tensor {t} layer {layer}: every layer tensor must be contiguous and of "
+                                          f"the same size ({nbytes} bytes)")
+                if tensor.device != first.device:
+                    raise InvalidArgument(f"tensor {t} layer {layer} is on {tensor.device}, not {first.device}")
+        return cls(geometry, nbytes // geometry.page_bytes, device, runtime, [list(row) for row in tensors])
 
-    def check_pages(self, pages: Any, what: str = "device page") -> None:
-        _check_range(pages, self.pages, what)
+    def layer_device_addresses(self, tensor: int) -> list[DeviceAddress]:
+        """Per-layer base addresses of one tensor, in the pool's device domain (resolved once, at construction)."""
+        self.check_open()
+        return list(self._addresses[tensor])
+
+    def check_pages(self, pages: np.ndarray, what: str = "device page") -> None:
+        check_range(pages, self.pages, what)
+
+    # -- lifetime --------------------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed or any(buffer.closed for buffer in self._owned)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise BufferClosed(f"{self!r} is closed")
+
+    def add_user(self, user: Drainable) -> None:
+        """``user`` (an engine) queues device work over this pool: :meth:`close` waits for it first."""
+        self.check_open()
+        self._users.add(user)
+
+    def remove_user(self, user: Drainable) -> None:
+        self._users.discard(user)
 
     def close(self) -> None:
-        for buffer in self._owned:
-            buffer.close()
-        self._owned.clear()
+        """Wait for the transfers engines queued over the pool, then free owned memory and drop held tensors."""
+        if self._closed:
+            return
+        try:
+            self._users.drain()
+        finally:
+            self._closed = True
+            for buffer in self._owned:
+                buffer.close()
+            self._owned.clear()
+            self.layers = []
+
+    def __enter__(self) -> DevicePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.pages} pages"
+        return f"<DevicePool {self.geometry.kind.value} {state} on device {self.device} of {self.runtime.name}>"
 
 
-def _check_range(pages: Any, limit: int, what: str) -> None:
-    import numpy as np
-
-    values = np.asarray(pages)
-    if values.size and (values.min() < 0 or values.max() >= limit):
-        bad = values[(values < 0) | (values >= limit)][0]
-        raise KvtierError(f"{what} index {int(bad)} is out of range (pool has {limit} pages)")
+def check_range(pages: np.ndarray, limit: int, what: str) -> None:
+    if pages.size and (pages.min() < 0 or pages.max() >= limit):
+        bad = pages[(pages < 0) | (pages >= limit)][0]
+        raise InvalidArgument(f"{what} index {int(bad)} is out of range (pool has {limit} pages)")

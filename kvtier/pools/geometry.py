@@ -14,16 +14,26 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvtier.errors import KvtierError
+from kvtier.errors import InvalidArgument, KvtierError
 
 
-class PoolKind(str, enum.Enum):
+class _Named(str, enum.Enum):
+    """A name from a fixed set; an unknown one is refused with the list of choices."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> None:
+        choices = ", ".join(repr(member.value) for member in cls)
+        what = {"PoolKind": "pool kind", "HostLayout": "host layout"}.get(cls.__name__, cls.__name__)
+        raise InvalidArgument(f"unknown {what} {value!r}: choose one of {choices}")
+
+
+class PoolKind(_Named):
     MHA = "mha"
     MLA = "mla"
     K_ONLY = "k_only"
 
 
-class HostLayout(str, enum.Enum):
+class HostLayout(_Named):
     LAYER_FIRST = "layer_first"
     PAGE_FIRST = "page_first"
     PAGE_FIRST_DIRECT = "page_first_direct"

@@ -1,8 +1,8 @@
 """The host pool: a HostBuffer holding a pool's pages in one of the four layouts.
 
-It answers two kinds of question, one per pointer domain: where a tensor's layers start *for a device* (aliases, for
-pointer tables and kernels) and where a page's bytes are *for the CPU* (``page_metadata``, for storage backends and
-disaggregation).
+It answers two kinds of question, one per pointer domain: which region of the buffer a tensor's layer covers (regions
+go through the one resolver to become device addresses, for pointer tables and kernels) and where a page's bytes are
+*for the CPU* (``layer_cpu_addresses``, ``page_metadata``: DMA copies, storage backends and disaggregation).
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.errors import KvtierError
-from kvtier.memory import CpuAddress, DeviceAddress, HostBuffer, HostKind
+from kvtier.checks import index_array, integer
+from kvtier.errors import InvalidArgument
+from kvtier.memory import CpuAddress, HostBuffer, HostKind, HostRegion
+from kvtier.memory.lifetime import Drainable
 from kvtier.memory.registration import DEFAULT_REGISTER_CHUNK_BYTES
 from kvtier.pools.budget import check_host_budget
-from kvtier.pools.device_pool import _check_range
+from kvtier.pools.device_pool import check_range
 from kvtier.pools.geometry import HostLayout, KVGeometry, Strides, host_strides
 from kvtier.runtime import Runtime
 
@@ -32,22 +34,22 @@ class HostPool:
                  runtime: Runtime | None = None, register_chunk_bytes: int = DEFAULT_REGISTER_CHUNK_BYTES,
                  name: str | None = None) -> HostPool:
         """Size by exactly one of ``pages``, ``tokens`` (rounded up to pages) or ``nbytes`` (rounded down)."""
-        given = [v for v in (pages, tokens, nbytes) if v is not None]
+        layout = HostLayout(layout)
+        given = {k: v for k, v in (("pages", pages), ("tokens", tokens), ("nbytes", nbytes)) if v is not None}
         if len(given) != 1:
-            raise KvtierError("size a host pool by exactly one of pages=, tokens= or nbytes=")
-        if tokens is not None:
-            pages = -(-tokens // geometry.page_size)
-        elif nbytes is not None:
-            pages = nbytes // geometry.bytes_per_page
-        if not pages or pages < 1:
-            raise KvtierError(f"a host pool needs at least one page ({geometry.bytes_per_page} bytes each)")
-        total = pages * geometry.bytes_per_page
+            raise InvalidArgument("size a host pool by exactly one of pages=, tokens= or nbytes=")
+        (what, value), = given.items()
+        integer(value, what, low=1)
+        count = {"pages": value, "tokens": -(-value // geometry.page_size),
+                 "nbytes": value // geometry.bytes_per_page}[what]
+        if count < 1:
+            raise InvalidArgument(f"a host pool needs at least one page ({geometry.bytes_per_page} bytes each)")
+        total = count * geometry.bytes_per_page
         check_host_budget(total)
-        granularity = geometry.page_bytes if HostLayout(layout) is HostLayout.LAYER_FIRST else (
-            geometry.layers * geometry.page_bytes)
+        granularity = geometry.page_bytes if layout is HostLayout.LAYER_FIRST else geometry.layers * geometry.page_bytes
         buffer = HostBuffer.allocate(total, kind, runtime=runtime, granularity=granularity,
                                      register_chunk_bytes=register_chunk_bytes, name=name)
-        return cls(geometry, HostLayout(layout), pages, buffer)
+        return cls(geometry, layout, count, buffer)
 
     @property
     def runtime(self) -> Runtime:
@@ -55,20 +57,24 @@ class HostPool:
 
     def tensor_offset(self, tensor: int) -> int:
         if not 0 <= tensor < self.geometry.tensors:
-            raise KvtierError(f"{self.geometry.kind.value} pools have {self.geometry.tensors} tensor(s), not {tensor}")
+            raise InvalidArgument(f"{self.geometry.kind.value} pools have {self.geometry.tensors} tensor(s), not "
+                                  f"{tensor}")
         return tensor * self.tensor_bytes
 
-    def layer_addresses(self, tensor: int, device: int) -> list[DeviceAddress]:
-        """Per-layer base aliases for ``device``: what goes in this pool's pointer table."""
-        base = self.buffer.device_address(device, self.tensor_offset(tensor), self.tensor_bytes)
-        return [base + layer * self.strides.layer for layer in range(self.geometry.layers)]
+    def layer_regions(self, tensor: int) -> list[HostRegion]:
+        """Per layer, the region from the layer's base to the end of the tensor: every byte a kernel walking that
+        layer may touch. Resolve them (``get_device_accessible_ptr``) to fill a pointer table."""
+        base = self.tensor_offset(tensor)
+        return [self.buffer.region(base + layer * self.strides.layer, self.tensor_bytes - layer * self.strides.layer)
+                for layer in range(self.geometry.layers)]
 
     def layer_cpu_addresses(self, tensor: int) -> list[CpuAddress]:
+        """Per-layer base addresses in the CPU domain: what copy engines and CPU-side consumers use."""
         base = self.buffer.cpu_address + self.tensor_offset(tensor)
         return [base + layer * self.strides.layer for layer in range(self.geometry.layers)]
 
-    def check_pages(self, pages: Any) -> None:
-        _check_range(pages, self.pages, "host page")
+    def check_pages(self, pages: np.ndarray) -> None:
+        check_range(pages, self.pages, "host page")
 
     def page_spans(self, page: int) -> list[tuple[int, int]]:
         """(offset, size) of the contiguous pieces holding ``page``, per tensor, in buffer offsets."""
@@ -84,10 +90,35 @@ class HostPool:
 
     def page_metadata(self, pages: Any) -> list[list[tuple[CpuAddress, int]]]:
         """CPU-domain (address, length) pieces of each page, for storage and disaggregation consumers."""
-        values = np.asarray(pages, dtype=np.int64).reshape(-1)
+        values = index_array(pages, "pages")
         self.check_pages(values)
         cpu = self.buffer.cpu_address
         return [[(cpu + offset, size) for offset, size in self.page_spans(int(p))] for p in values]
 
+    # -- lifetime --------------------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.buffer.closed
+
+    def check_open(self) -> None:
+        self.buffer.check_span(0, 0, "host pool")
+
+    def add_user(self, user: Drainable) -> None:
+        """``user`` (an engine) queues device work over this pool: closing the pool or its buffer waits for it."""
+        self.buffer.add_user(user)
+
+    def remove_user(self, user: Drainable) -> None:
+        self.buffer.remove_user(user)
+
     def close(self) -> None:
+        """Wait for the transfers engines queued over the pool, then release its buffer. Idempotent."""
         self.buffer.close()
+
+    def __enter__(self) -> HostPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<HostPool {self.layout.value} {self.pages} pages, {self.buffer!r}>"

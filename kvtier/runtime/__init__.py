@@ -1,7 +1,8 @@
 """Platform runtimes behind one interface, and the choice between them.
 
 ``get()`` picks CUDA when a GPU is usable and the emulator otherwise; ``KVTIER_RUNTIME`` (or the CLI's
-``--runtime``) overrides with ``cuda``, ``emulated:split``, ``emulated:unified`` or ``emulated:<mode>:<devices>``.
+``--runtime``) overrides with ``cuda`` or ``emulated:<mode>[:<devices>][:<schedule>]`` (mode ``split`` or
+``unified``, devices 1-64, schedule ``eager`` or ``lazy``), e.g. ``emulated:split``, ``emulated:unified:4:lazy``.
 One runtime object exists per spec in a process, because registrations are process-wide facts.
 """
 
@@ -15,17 +16,26 @@ from kvtier.runtime.base import (
     DeviceAttributes,
     Event,
     Graph,
+    HostKind,
     HostRegisterFlags,
+    KernelArg,
     MemoryType,
     PointerAttributes,
+    Program,
+    ProgramSpec,
     Runtime,
+    Scalar,
     Stream,
+    i32,
+    i64,
 )
 
-__all__ = ["DeviceAttributes", "Event", "Graph", "HostRegisterFlags", "MemoryType", "PointerAttributes", "Runtime",
-           "Stream", "get", "create", "ENV_VAR"]
+__all__ = ["DeviceAttributes", "Event", "Graph", "HostKind", "HostRegisterFlags", "KernelArg", "MemoryType",
+           "PointerAttributes", "Program", "ProgramSpec", "Runtime", "Scalar", "Stream", "i32", "i64", "get", "create",
+           "ENV_VAR", "SPEC_HELP"]
 
 ENV_VAR = "KVTIER_RUNTIME"
+SPEC_HELP = "'cuda' or 'emulated:<split|unified>[:<devices 1-64>][:<eager|lazy>]'"
 
 
 def create(spec: str) -> Runtime:
@@ -36,15 +46,31 @@ def create(spec: str) -> Runtime:
 
         return CudaRuntime()
     if name == "emulated":
-        from kvtier.runtime.emulated import EmulatedRuntime
+        return _emulated(spec, rest)
+    raise RuntimeUnavailable(f"unknown runtime {spec!r}: use {SPEC_HELP}")
 
-        mode, _, devices = rest.partition(":")
-        try:
-            return EmulatedRuntime(mode or "split", int(devices) if devices else 2)
-        except ValueError as exc:
-            raise RuntimeUnavailable(f"bad runtime spec {spec!r}: {exc}") from exc
-    raise RuntimeUnavailable(
-        f"unknown runtime {spec!r}: use 'cuda', 'emulated:split', 'emulated:unified' or 'emulated:<mode>:<devices>'")
+
+def _emulated(spec: str, rest: str) -> Runtime:
+    from kvtier.runtime.emulated import MODES, EmulatedRuntime
+    from kvtier.runtime.emulated_scheduler import SCHEDULES
+
+    mode, *fields = rest.split(":") if rest else ["split"]
+    options: dict = {}
+    for text in fields:
+        if text.isdigit() and "devices" not in options:
+            options["devices"] = int(text)
+        elif text in SCHEDULES and "schedule" not in options:
+            options["schedule"] = text
+        else:
+            raise RuntimeUnavailable(f"bad runtime spec {spec!r}: {text!r} is neither a device count nor a schedule "
+                                     f"({', '.join(SCHEDULES)}); use {SPEC_HELP}")
+    if mode not in MODES:
+        raise RuntimeUnavailable(f"bad runtime spec {spec!r}: mode {mode!r} is not one of {', '.join(MODES)}; "
+                                 f"use {SPEC_HELP}")
+    try:
+        return EmulatedRuntime(mode, **options)
+    except ValueError as exc:
+        raise RuntimeUnavailable(f"bad runtime spec {spec!r}: {exc}") from exc
 
 
 @functools.cache

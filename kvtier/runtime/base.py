@@ -3,18 +3,22 @@
 A backend (``cuda``, ``emulated``) fills in the underscore hooks; the public methods here keep the bookkeeping that
 must be identical everywhere: which host ranges kvtier registered, that nothing is registered twice, that
 unregistering uses each registration's own CPU address, that resolving an alias for a device leaves the caller's
-current device alone, and that an alias is looked up once per registration and device.
+current device alone, that an alias is looked up once per registration and device, that copies and kernel operands
+are typed addresses (never bare integers), and that a program is loaded once per device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import struct
 import threading
-from dataclasses import dataclass
-from typing import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Union
 
-from kvtier.errors import InvalidDevice, RegistrationError
+from kvtier.address import Address, CpuAddress, DeviceAddress
+from kvtier.errors import AddressDomainError, InvalidArgument, InvalidDevice, RegistrationError, WrongDeviceError
 from kvtier.runtime.ranges import Range, RangeIndex
 
 
@@ -23,6 +27,16 @@ class MemoryType(enum.Enum):
     HOST = "host"
     DEVICE = "device"
     MANAGED = "managed"
+
+
+class HostKind(str, enum.Enum):
+    """Where host memory comes from. The runtime records only PINNED (its own allocation) and REGISTERED ranges."""
+
+    PINNED = "pinned"
+    REGISTERED = "registered"
+    SHM = "shm"
+    HUGETLB = "hugetlb"
+    PAGEABLE = "pageable"
 
 
 @dataclass(frozen=True)
@@ -59,13 +73,73 @@ class HostRegisterFlags(enum.IntFlag):
 PORTABLE_MAPPED = HostRegisterFlags.PORTABLE | HostRegisterFlags.MAPPED
 
 
-class HostMemoryKind(enum.Enum):
-    REGISTERED = "registered"
-    PINNED = "pinned"
+class Scalar(NamedTuple):
+    """A kernel scalar argument: a ``struct`` format character ('i' int32, 'q' int64, 'Q' uint64) and its value."""
+
+    format: str
+    value: int
+
+
+def i32(value: int) -> Scalar:
+    return Scalar("i", int(value))
+
+
+def i64(value: int) -> Scalar:
+    return Scalar("q", int(value))
+
+
+#: A kernel argument: a device address (a pointer), a scalar, or a tuple of them (a C struct passed by value).
+KernelArg = Union[DeviceAddress, Scalar, tuple]
+
+
+def pack_argument(arg: KernelArg, device: int) -> bytes:
+    """The bytes of one kernel parameter, C layout; pointers must be addresses of ``device``."""
+    if isinstance(arg, DeviceAddress):
+        if arg.device != device:
+            raise WrongDeviceError(f"kernel operand {arg} is not an address of device {device}")
+        return struct.pack("<Q", arg.value)
+    if isinstance(arg, Scalar):
+        return struct.pack("<" + arg.format, arg.value)
+    if isinstance(arg, tuple):
+        out = b""
+        for member in arg:
+            piece = pack_argument(member, device)
+            out += b"\0" * (-len(out) % len(piece)) + piece
+        return out + b"\0" * (-len(out) % 8)
+    raise AddressDomainError(f"kernel argument {arg!r} must be a DeviceAddress, a Scalar or a struct tuple; raw "
+                             f"integers cannot be kernel operands")
+
+
+def argument_values(arg: KernelArg, device: int) -> Any:
+    """The Python values a reference kernel receives for one argument, with the same device check as packing."""
+    if isinstance(arg, tuple) and not isinstance(arg, Scalar):
+        return tuple(argument_values(member, device) for member in arg)
+    pack_argument(arg, device)
+    return arg.value
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """A set of kernels as every runtime needs it: a compiled image for a compute capability (CUDA/HIP) and the
+    Python reference of each kernel (the emulator). ``key`` identifies the build: a runtime loads a key once per
+    device and keeps it for its lifetime, so engines share modules instead of loading one each."""
+
+    key: str
+    names: tuple[str, ...]
+    image: Callable[[tuple[int, int]], tuple[bytes, str]]
+    reference: Mapping[str, Callable[..., None]] = field(default_factory=dict)
+
+
+class Program:
+    """A program loaded on one device; ``origin`` says where its code came from (aot/jit/reference)."""
+
+    device: int
+    origin: str
+    spec: ProgramSpec
 
 
 class Stream:
-    """An in-order queue of work on one device. ``handle`` is the native handle (0 for none)."""
+    """An in-order queue of work on one device. ``handle`` is the native handle (0 for the legacy stream)."""
 
     device: int
     handle: int
@@ -73,7 +147,7 @@ class Stream:
     def synchronize(self) -> None:
         raise NotImplementedError("need Stream.synchronize")
 
-    def wait(self, event: "Event") -> None:
+    def wait(self, event: Event) -> None:
         raise NotImplementedError("need Stream.wait")
 
     def begin_capture(self) -> None:
@@ -93,7 +167,7 @@ class Stream:
 class Graph:
     """Work captured from a stream, replayed with :meth:`launch`; replays read memory as it is at replay time."""
 
-    def launch(self, stream: "Stream") -> None:
+    def launch(self, stream: Stream) -> None:
         raise NotImplementedError("need Graph.launch")
 
     def close(self) -> None:
@@ -102,6 +176,8 @@ class Graph:
 
 class Event:
     """A marker in a stream; ``elapsed_ms`` gives the device time between two recorded events."""
+
+    device: int
 
     def record(self, stream: Stream) -> None:
         raise NotImplementedError("need Event.record")
@@ -112,7 +188,7 @@ class Event:
     def synchronize(self) -> None:
         raise NotImplementedError("need Event.synchronize")
 
-    def elapsed_ms(self, end: "Event") -> float:
+    def elapsed_ms(self, end: Event) -> float:
         raise NotImplementedError("need Event.elapsed_ms")
 
     def close(self) -> None:
@@ -120,15 +196,15 @@ class Event:
 
 
 class Runtime:
-    """One GPU platform: devices, host memory registration, device memory, copies, streams and events."""
+    """One GPU platform: devices, host memory registration, device memory, copies, streams, events and kernels."""
 
     name = "abstract"
-    #: the emulator runs Python kernels; compiled-kernel runtimes launch modules instead
-    runs_python_kernels = False
 
     def __init__(self) -> None:
-        self._host = RangeIndex[HostMemoryKind]()
+        self._host = RangeIndex[HostKind]()
         self._lock = threading.RLock()
+        self._programs: dict[tuple[str, int], Program] = {}
+        self._stream_override = threading.local()
 
     # -- devices -----------------------------------------------------------------------------------------------
     def device_count(self) -> int:
@@ -168,16 +244,16 @@ class Runtime:
     # -- host memory ---------------------------------------------------------------------------------------------
     def host_alloc(self, nbytes: int) -> int:
         """Pinned, mapped, portable host memory; returns its CPU address."""
-        if nbytes <= 0:
-            raise ValueError(f"host_alloc: size must be positive, got {nbytes}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgument(f"host_alloc: size must be a positive int, got {nbytes!r}")
         with self._lock:
             address = self._host_alloc(nbytes)
-            self._host.add(address, nbytes, HostMemoryKind.PINNED)
+            self._host.add(address, nbytes, HostKind.PINNED)
         return address
 
     def host_free(self, address: int) -> None:
         with self._lock:
-            self._own_range(address, HostMemoryKind.PINNED, "host_free")
+            self._own_range(address, HostKind.PINNED, "host_free")
             self._host_free(address)
             self._host.pop(address)
 
@@ -193,21 +269,21 @@ class Runtime:
                     f"(overlaps the {clash.value.value} range at 0x{clash.start:x}, {clash.nbytes} bytes)"
                 )
             self._host_register(address, nbytes, HostRegisterFlags(flags))
-            self._host.add(address, nbytes, HostMemoryKind.REGISTERED)
+            self._host.add(address, nbytes, HostKind.REGISTERED)
 
     def host_unregister(self, address: int) -> None:
         """Unregister by the CPU address the range was registered with: never by an alias, never mid-range."""
         with self._lock:
-            self._own_range(address, HostMemoryKind.REGISTERED, "host_unregister")
+            self._own_range(address, HostKind.REGISTERED, "host_unregister")
             self._host_unregister(address)
             self._host.pop(address)
 
-    def host_range(self, address: int, nbytes: int = 1) -> Range[HostMemoryKind] | None:
+    def host_range(self, address: int, nbytes: int = 1) -> Range[HostKind] | None:
         """The kvtier-registered or kvtier-allocated host range holding the address, if any."""
         with self._lock:
             return self._host.find(address, nbytes)
 
-    def host_overlap(self, address: int, nbytes: int) -> Range[HostMemoryKind] | None:
+    def host_overlap(self, address: int, nbytes: int) -> Range[HostKind] | None:
         """A kvtier-registered or kvtier-allocated host range overlapping [address, address + nbytes), if any."""
         with self._lock:
             return self._host.overlapping(address, nbytes)
@@ -225,7 +301,7 @@ class Runtime:
                     known.aliases[device] = self._host_get_device_pointer(known.start)
             return known.aliases[device] + (address - known.start)
 
-    def _own_range(self, address: int, kind: HostMemoryKind, call: str) -> None:
+    def _own_range(self, address: int, kind: HostKind, call: str) -> None:
         entry = self._host.find(address)
         if entry is None or entry.start != address or entry.value is not kind:
             where = "not a range kvtier knows" if entry is None else (
@@ -242,24 +318,114 @@ class Runtime:
         raise NotImplementedError("need device_alloc")
 
     def device_free(self, address: int) -> None:
+        """Free device memory; like cudaFree it first waits for every queued operation on the device."""
         raise NotImplementedError("need device_free")
 
-    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
-        raise NotImplementedError("need memcpy")
+    def memcpy(self, dst: Address, src: Address, nbytes: int) -> None:
+        """A copy on the legacy default stream. From pageable host memory to a device it may return before the bytes
+        land (as cudaMemcpy does): order device work after the caller's stream, or synchronize, before reading."""
+        if self._copy_size(dst, src, nbytes, "memcpy"):
+            self._memcpy(dst, src, nbytes)
 
-    def memcpy_async(self, dst: int, src: int, nbytes: int, *, stream: Stream) -> None:
-        raise NotImplementedError("need memcpy_async")
+    def memcpy_async(self, dst: Address, src: Address, nbytes: int, *, stream: Stream) -> None:
+        if self._copy_size(dst, src, nbytes, "memcpy_async"):
+            self._memcpy_async(dst, src, nbytes, stream)
 
-    def memcpy_batch_async(self, dsts: list[int], srcs: list[int], sizes: list[int], *, stream: Stream) -> None:
+    def memcpy_batch_async(self, dsts: Sequence[Address], srcs: Sequence[Address], sizes: Sequence[int], *,
+                           stream: Stream) -> None:
         """Many copies in one call where the platform batches them; here, one memcpy_async each."""
+        if not len(dsts) == len(srcs) == len(sizes):
+            raise InvalidArgument(f"memcpy_batch_async: {len(dsts)} destinations, {len(srcs)} sources and "
+                                  f"{len(sizes)} sizes")
         for dst, src, nbytes in zip(dsts, srcs, sizes, strict=True):
             self.memcpy_async(dst, src, nbytes, stream=stream)
 
+    @staticmethod
+    def _copy_size(dst: Address, src: Address, nbytes: int, call: str) -> int:
+        for what, address in (("destination", dst), ("source", src)):
+            if not isinstance(address, (CpuAddress, DeviceAddress)):
+                raise AddressDomainError(f"{call}: the {what} must be a CpuAddress or DeviceAddress, not "
+                                         f"{type(address).__name__} {address!r}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidArgument(f"{call}: nbytes must be a non-negative int, got {nbytes!r}")
+        return nbytes
+
+    def _memcpy(self, dst: Address, src: Address, nbytes: int) -> None:
+        raise NotImplementedError("need memcpy")
+
+    def _memcpy_async(self, dst: Address, src: Address, nbytes: int, stream: Stream) -> None:
+        raise NotImplementedError("need memcpy_async")
+
+    # -- streams and events ---------------------------------------------------------------------------------------
     def create_stream(self, device: int | None = None) -> Stream:
         raise NotImplementedError("need create_stream")
 
     def create_event(self, device: int | None = None) -> Event:
         raise NotImplementedError("need create_event")
+
+    def current_stream(self, device: int | None = None) -> Stream:
+        """The stream the caller's device work goes to: the one set by :meth:`use_stream` in this thread, else the
+        platform's notion (torch's current stream on CUDA when torch is in use, else the legacy default stream)."""
+        device = self.current_device() if device is None else self.check_device(device)
+        chosen = getattr(self._stream_override, "streams", {}).get(device)
+        return chosen if chosen is not None else self._current_stream(device)
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Stream) -> Iterator[Stream]:
+        """Make ``stream`` the current stream of its device in this thread, inside the block."""
+        stream = self.as_stream(stream)
+        streams = self._stream_override.__dict__.setdefault("streams", {})
+        previous = streams.get(stream.device)
+        streams[stream.device] = stream
+        try:
+            yield stream
+        finally:
+            streams[stream.device] = previous
+
+    def legacy_stream(self, device: int) -> Stream:
+        """The device's legacy default stream: where the synchronous copy API queues its work."""
+        raise NotImplementedError("need legacy_stream")
+
+    def as_stream(self, stream: Any) -> Stream:
+        """This runtime's stream for ``stream`` (one of its own; the CUDA runtime also takes torch streams)."""
+        raise NotImplementedError("need as_stream")
+
+    def as_event(self, event: Any) -> Event:
+        """This runtime's event for ``event`` (one of its own; the CUDA runtime also takes torch events)."""
+        raise NotImplementedError("need as_event")
+
+    def _current_stream(self, device: int) -> Stream:
+        raise NotImplementedError("need current_stream")
+
+    # -- kernels ---------------------------------------------------------------------------------------------------
+    def load_program(self, spec: ProgramSpec, device: int) -> Program:
+        """The program of ``spec`` on ``device``, loaded on first use and kept for the runtime's lifetime."""
+        self.check_device(device)
+        with self._lock:
+            key = (spec.key, device)
+            if key not in self._programs:
+                self._programs[key] = self._load_program(spec, device)
+            return self._programs[key]
+
+    def launch(self, program: Program, name: str, *, grid: int, block: int, args: Sequence[KernelArg],
+               stream: Stream) -> None:
+        """Queue kernel ``name`` of ``program`` on ``stream``; every pointer argument must be a DeviceAddress of the
+        program's device (the launch boundary above resolved it), so no CPU address reaches a kernel."""
+        if name not in program.spec.names:
+            raise InvalidArgument(f"program {program.spec.key} has no kernel {name!r} (it has {program.spec.names})")
+        if stream.device != program.device:
+            raise WrongDeviceError(f"a program of device {program.device} launched on a stream of device "
+                                   f"{stream.device}")
+        if grid < 1 or block < 1:
+            raise InvalidArgument(f"launch of {grid} blocks x {block} threads")
+        self._launch(program, name, grid, block, list(args), stream)
+
+    def _load_program(self, spec: ProgramSpec, device: int) -> Program:
+        raise NotImplementedError("need load_program")
+
+    def _launch(self, program: Program, name: str, grid: int, block: int, args: list[KernelArg],
+                stream: Stream) -> None:
+        raise NotImplementedError("need launch")
 
     # -- hooks -----------------------------------------------------------------------------------------------------
     def _host_alloc(self, nbytes: int) -> int:

@@ -8,19 +8,27 @@ be wrapped with :meth:`CudaRuntime.wrap_stream`.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
-from kvtier.errors import RuntimeCallError, RuntimeUnavailable
+from kvtier.address import Address
+from kvtier.errors import InvalidArgument, KernelBuildError, RuntimeCallError, RuntimeUnavailable, WrongRuntime
 from kvtier.runtime.base import (
     DeviceAttributes,
     Event,
     Graph,
     HostRegisterFlags,
+    KernelArg,
     MemoryType,
     PointerAttributes,
+    Program,
+    ProgramSpec,
     Runtime,
     Stream,
+    pack_argument,
 )
 
 
@@ -78,7 +86,7 @@ class CudaStream(Stream):
 
     def wait(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
-            raise TypeError(f"a CUDA stream can only wait on a CUDA event, not {event!r}")
+            raise WrongRuntime(f"a CUDA stream can only wait on a CUDA event, not {event!r}")
         check(self._cudart.cudaStreamWaitEvent(self._handle, event.native, 0), "cudaStreamWaitEvent")
 
     @property
@@ -112,7 +120,7 @@ class CudaGraph(Graph):
 
     def launch(self, stream: Stream) -> None:
         if not isinstance(stream, CudaStream):
-            raise TypeError(f"a CUDA graph launches on a CUDA stream, not {stream!r}")
+            raise WrongRuntime(f"a CUDA graph launches on a CUDA stream, not {stream!r}")
         check(self._cudart.cudaGraphLaunch(self._executable, stream.native), "cudaGraphLaunch")
 
     def close(self) -> None:
@@ -125,14 +133,20 @@ def _destroy_graph(cudart: Any, graph: Any, executable: Any) -> None:
 
 
 class CudaEvent(Event):
-    def __init__(self, cudart: Any, device: int) -> None:
+    def __init__(self, cudart: Any, device: int, borrowed: Any = None) -> None:
+        """A new event, or (``borrowed``) a handle someone else owns, such as a torch event's."""
         self._cudart, self.device = cudart, device
+        self._finalizer: Any
+        if borrowed is not None:
+            self.native = borrowed
+            self._finalizer = weakref.finalize(self, lambda: None)
+            return
         self.native = check(cudart.cudaEventCreate(), "cudaEventCreate")
         self._finalizer = weakref.finalize(self, _destroy, cudart.cudaEventDestroy, self.native)
 
     def record(self, stream: Stream) -> None:
         if not isinstance(stream, CudaStream):
-            raise TypeError(f"a CUDA event can only be recorded on a CUDA stream, not {stream!r}")
+            raise WrongRuntime(f"a CUDA event can only be recorded on a CUDA stream, not {stream!r}")
         check(self._cudart.cudaEventRecord(self.native, stream.native), "cudaEventRecord")
 
     def query(self) -> bool:
@@ -147,7 +161,7 @@ class CudaEvent(Event):
 
     def elapsed_ms(self, end: Event) -> float:
         if not isinstance(end, CudaEvent):
-            raise TypeError("elapsed_ms needs two CUDA events")
+            raise WrongRuntime("elapsed_ms needs two CUDA events")
         return float(check(self._cudart.cudaEventElapsedTime(self.native, end.native), "cudaEventElapsedTime"))
 
     def close(self) -> None:
@@ -237,30 +251,33 @@ class CudaRuntime(Runtime):
     def device_free(self, address: int) -> None:
         check(self._cudart.cudaFree(address), "cudaFree")
 
-    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
-        if nbytes:
-            check(self._cudart.cudaMemcpy(dst, src, nbytes, self._memcpy_default), "cudaMemcpy")
+    def _memcpy(self, dst: Address, src: Address, nbytes: int) -> None:
+        check(self._cudart.cudaMemcpy(dst.value, src.value, nbytes, self._memcpy_default), "cudaMemcpy")
 
-    def memcpy_async(self, dst: int, src: int, nbytes: int, *, stream: Stream) -> None:
-        if not isinstance(stream, CudaStream):
-            raise TypeError(f"cuda runtime needs a CUDA stream, got {stream!r}")
-        if nbytes:
-            check(self._cudart.cudaMemcpyAsync(dst, src, nbytes, self._memcpy_default, stream.native),
-                  "cudaMemcpyAsync")
+    def _memcpy_async(self, dst: Address, src: Address, nbytes: int, stream: Stream) -> None:
+        check(self._cudart.cudaMemcpyAsync(dst.value, src.value, nbytes, self._memcpy_default,
+                                           self.as_stream(stream).native), "cudaMemcpyAsync")
 
-    def memcpy_batch_async(self, dsts: list[int], srcs: list[int], sizes: list[int], *, stream: Stream) -> None:
+    def memcpy_batch_async(self, dsts: Sequence[Address], srcs: Sequence[Address], sizes: Sequence[int], *,
+                           stream: Stream) -> None:
         """cudaMemcpyBatchAsync in calls of BATCH_LIMIT copies. It refuses the legacy default stream and stream
         capture, and older drivers lack it: those fall back to one cudaMemcpyAsync per copy."""
-        if not isinstance(stream, CudaStream):
-            raise TypeError(f"cuda runtime needs a CUDA stream, got {stream!r}")
+        stream = self.as_stream(stream)
+        if not len(dsts) == len(srcs) == len(sizes):
+            raise InvalidArgument(f"memcpy_batch_async: {len(dsts)} destinations, {len(srcs)} sources and "
+                                  f"{len(sizes)} sizes")
+        for address in (*dsts, *srcs):
+            self._copy_size(address, address, 0, "memcpy_batch_async")
         cudart = self._cudart
         if self._batch_supported and stream.handle != 0 and not stream.capturing:
             attrs = cudart.cudaMemcpyAttributes()
             attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            dst_values, src_values = [a.value for a in dsts], [a.value for a in srcs]
             for start in range(0, len(sizes), BATCH_LIMIT):
                 end = min(start + BATCH_LIMIT, len(sizes))
-                status = cudart.cudaMemcpyBatchAsync(dsts[start:end], srcs[start:end], sizes[start:end],
-                                                     end - start, [attrs], [0], 1, stream.native)[0]
+                status = cudart.cudaMemcpyBatchAsync(dst_values[start:end], src_values[start:end],
+                                                     list(sizes[start:end]), end - start, [attrs], [0], 1,
+                                                     stream.native)[0]
                 if status in (cudart.cudaError_t.cudaErrorNotSupported,
                               cudart.cudaError_t.cudaErrorCallRequiresNewerDriver) and start == 0:
                     self._batch_supported = False
@@ -277,29 +294,109 @@ class CudaRuntime(Runtime):
                            "cudaStreamCreateWithFlags")
         return CudaStream(self._cudart, device, handle, owned=True)
 
-    def load_module(self, image: bytes, device: int) -> Any:
-        """Load a cubin/fatbin into ``device``'s primary context; the module lives as long as the process."""
+    def _load_program(self, spec: ProgramSpec, device: int) -> Program:
+        """Load the image for the device's compute capability into its primary context, once per runtime."""
         driver = _driver()
+        image, origin = spec.image(self.device_attributes(device).compute_capability)
         with self.using_device(device):
-            return check_driver(driver.cuModuleLoadData(image), "cuModuleLoadData")
+            module = check_driver(driver.cuModuleLoadData(image), "cuModuleLoadData")
+        functions = {name: check_driver(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+                     for name in spec.names}
+        return CudaProgram(spec, device, origin, module, functions)
 
-    def get_function(self, module: Any, name: str) -> Any:
-        return check_driver(_driver().cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
-
-    def launch_function(self, function: Any, device: int, grid: int, block: int, params_address: int, *,
-                        stream: Stream) -> None:
-        """``params_address`` points at an array of pointers to each argument (cuLaunchKernel's kernelParams)."""
-        if not isinstance(stream, CudaStream) or stream.device != device:
-            raise TypeError(f"launch on device {device} needs a CUDA stream of that device, got {stream!r}")
-        with self.using_device(device):
-            check_driver(_driver().cuLaunchKernel(function, grid, 1, 1, block, 1, 1, 0, stream.native,
-                                                  params_address, 0), "cuLaunchKernel")
+    def _launch(self, program: Program, name: str, grid: int, block: int, args: list[KernelArg],
+                stream: Stream) -> None:
+        """cuLaunchKernel with each parameter packed in C layout; the pointer array and the packed values live until
+        the call returns, which is all the driver needs."""
+        if not isinstance(program, CudaProgram):
+            raise WrongRuntime(f"{program!r} was not loaded by the CUDA runtime")
+        native = self.as_stream(stream).native
+        packed = [ctypes.create_string_buffer(pack_argument(arg, program.device)) for arg in args]
+        params = (ctypes.c_void_p * len(packed))(*[ctypes.cast(p, ctypes.c_void_p) for p in packed])
+        with self.using_device(program.device):
+            check_driver(_driver().cuLaunchKernel(program.functions[name], grid, 1, 1, block, 1, 1, 0, native,
+                                                  ctypes.addressof(params), 0), "cuLaunchKernel")
 
     def wrap_stream(self, handle: int, device: int) -> CudaStream:
         """Borrow a stream someone else owns (``torch.cuda.Stream.cuda_stream``); closing it does not destroy it."""
         return CudaStream(self._cudart, self.check_device(device), self._cudart.cudaStream_t(handle), owned=False)
 
+    def as_stream(self, stream: Any) -> CudaStream:
+        if isinstance(stream, CudaStream):
+            return stream
+        if hasattr(stream, "cuda_stream") and hasattr(stream, "device"):
+            return self.wrap_stream(int(stream.cuda_stream), int(stream.device.index or 0))
+        raise WrongRuntime(f"cuda runtime needs a CUDA or torch.cuda stream, got {stream!r}")
+
+    def as_event(self, event: Any) -> CudaEvent:
+        if isinstance(event, CudaEvent):
+            return event
+        if hasattr(event, "cuda_event") and hasattr(event, "record"):
+            device = getattr(getattr(event, "device", None), "index", None)
+            return CudaEvent(self._cudart, self.current_device() if device is None else int(device),
+                             borrowed=self._cudart.cudaEvent_t(int(event.cuda_event)))
+        raise WrongRuntime(f"cuda runtime needs a CUDA or torch.cuda event, got {event!r}")
+
+    def _current_stream(self, device: int) -> CudaStream:
+        """torch's current stream where torch has initialised CUDA (kvtier orders after the work torch queued),
+        else the legacy default stream."""
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return self.wrap_stream(int(torch.cuda.current_stream(device).cuda_stream), device)
+        return self.wrap_stream(0, device)
+
+    def legacy_stream(self, device: int) -> CudaStream:
+        return self.wrap_stream(0, device)
+
     def create_event(self, device: int | None = None) -> CudaEvent:
         device = self.current_device() if device is None else device
         with self.using_device(device):
             return CudaEvent(self._cudart, device)
+
+
+class CudaProgram(Program):
+    def __init__(self, spec: ProgramSpec, device: int, origin: str, module: Any, functions: dict[str, Any]) -> None:
+        self.spec, self.device, self.origin, self.module, self.functions = spec, device, origin, module, functions
+
+
+def nvrtc_compile(source: str, filename: str, options: list[str]) -> bytes:
+    """A cubin from NVRTC (cuda-bindings); a failed compile raises KernelBuildError carrying the program log."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:
+        raise KernelBuildError(f"JIT build needs cuda-bindings' NVRTC ({exc})") from exc
+
+    def checked(result: Any, call: str, program: Any = None) -> Any:
+        status, values = result[0], result[1:]
+        if status == nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            return values[0] if len(values) == 1 else values
+        log = ""
+        if program is not None:
+            size = nvrtc.nvrtcGetProgramLogSize(program)[1]
+            buffer = b" " * size
+            nvrtc.nvrtcGetProgramLog(program, buffer)
+            log = buffer.decode(errors="replace")
+        raise KernelBuildError(f"{call}: {nvrtc.nvrtcGetErrorString(status)[1].decode()}\n{log}")
+
+    program = checked(nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        checked(nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options]),
+                "nvrtcCompileProgram", program)
+        size = checked(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        checked(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+    return cubin
+
+
+def nvrtc_version() -> tuple[int, int]:
+    try:
+        from cuda.bindings import nvrtc
+
+        status, major, minor = nvrtc.nvrtcVersion()
+    except Exception as exc:
+        raise KernelBuildError(f"NVRTC is not usable here: {exc}") from exc
+    if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise KernelBuildError(f"nvrtcVersion failed: {status}")
+    return int(major), int(minor)

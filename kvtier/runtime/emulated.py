@@ -9,14 +9,39 @@ both, as real ones do, which is why that bug stays hidden until a kernel runs.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
-import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
 
 from kvtier import osmem
-from kvtier.errors import IllegalAddress, RegistrationError, RuntimeCallError
-from kvtier.runtime.base import DeviceAttributes, HostRegisterFlags, MemoryType, PointerAttributes, Runtime, Stream
-from kvtier.runtime.emulated_device import AddressMap, DeviceMemory, EmulatedEvent, EmulatedStream, Mapping, MappingKind
+from kvtier.address import Address, CpuAddress, DeviceAddress
+from kvtier.errors import IllegalAddress, InvalidArgument, RegistrationError, RuntimeCallError, WrongRuntime
+from kvtier.runtime.base import (
+    DeviceAttributes,
+    Event,
+    HostRegisterFlags,
+    KernelArg,
+    MemoryType,
+    PointerAttributes,
+    Program,
+    ProgramSpec,
+    Runtime,
+    Stream,
+    argument_values,
+)
+from kvtier.runtime.emulated_device import (
+    AddressMap,
+    DeviceMemory,
+    EmulatedEvent,
+    EmulatedStream,
+    Mapping,
+    MappingKind,
+    Op,
+)
+from kvtier.runtime.emulated_scheduler import SCHEDULES, Scheduler
 
 MODES = ("split", "unified")
 EMULATED_SPACE = 0x1000_0000_0000_0000
@@ -29,18 +54,21 @@ GUARD_BYTES = 1 << 20
 class EmulatedRuntime(Runtime):
     """Real host memory behind per-device address maps; Python reference kernels run through those maps.
 
-    ``max_registration_bytes`` models drivers that refuse single registrations above a size (seen at 96–512 GiB);
-    ``pinnable_bytes`` models the limit on pinned memory. Both make registration fail the way real systems do.
+    ``schedule`` and ``seed`` choose when queued work runs (see ``emulated_scheduler``; default eager, seed from
+    ``$KVTIER_EMULATOR_SEED`` or 0). ``max_registration_bytes`` models drivers that refuse single registrations above
+    a size (seen at 96–512 GiB); ``pinnable_bytes`` models the limit on pinned memory. Both make registration fail
+    the way real systems do.
     """
 
-    runs_python_kernels = True
-
-    def __init__(self, mode: str = "split", devices: int = 2, *, max_registration_bytes: int | None = None,
-                 pinnable_bytes: int | None = None, device_memory_bytes: int = 16 << 30) -> None:
+    def __init__(self, mode: str = "split", devices: int = 2, *, schedule: str = "eager", seed: int | None = None,
+                 max_registration_bytes: int | None = None, pinnable_bytes: int | None = None,
+                 device_memory_bytes: int = 16 << 30) -> None:
         if mode not in MODES:
-            raise ValueError(f"emulated runtime mode must be one of {MODES}, got {mode!r}")
-        if not 1 <= devices <= 64:
-            raise ValueError(f"emulated runtime needs 1..64 devices, got {devices}")
+            raise InvalidArgument(f"emulated runtime mode must be one of {MODES}, got {mode!r}")
+        if isinstance(devices, bool) or not isinstance(devices, int) or not 1 <= devices <= 64:
+            raise InvalidArgument(f"emulated runtime needs 1..64 devices, got {devices!r}")
+        if schedule not in SCHEDULES:
+            raise InvalidArgument(f"emulated schedule must be one of {SCHEDULES}, got {schedule!r}")
         super().__init__()
         self.mode, self.name = mode, f"emulated:{mode}"
         self.max_registration_bytes, self.pinnable_bytes = max_registration_bytes, pinnable_bytes
@@ -54,8 +82,11 @@ class EmulatedRuntime(Runtime):
         self._pinned_bytes = 0
         self._current = threading.local()
         self._handles = itertools.count(1)
-        self._default_streams = [EmulatedStream(d, 0) for d in range(devices)]
-        self._streams: list[weakref.WeakSet[EmulatedStream]] = [weakref.WeakSet() for _ in range(devices)]
+        seed = int(os.environ.get("KVTIER_EMULATOR_SEED", "0")) if seed is None else seed
+        self.scheduler = Scheduler(schedule, seed, self._lock)
+        self._default_streams = [EmulatedStream(self.scheduler, d, 0) for d in range(devices)]
+        for stream in self._default_streams:
+            self.scheduler.add(stream)
 
     # -- devices ---------------------------------------------------------------------------------------------
     def device_count(self) -> int:
@@ -77,9 +108,15 @@ class EmulatedRuntime(Runtime):
 
     def synchronize(self, device: int | None = None) -> None:
         device = self.current_device() if device is None else self.check_device(device)
-        self._default_streams[device].synchronize()
-        for stream in list(self._streams[device]):
-            stream.synchronize()
+        with self._lock:
+            self.scheduler.drain(device, "cudaDeviceSynchronize")
+
+    def _drain_before_free(self, devices: Iterable[int], call: str) -> None:
+        """cudaFree and cudaFreeHost wait for the device first; on a faulted device there is nothing left to run, and
+        releasing still works here so that cleanup after a fault does not leak (CUDA returns the sticky error)."""
+        for device in devices:
+            if not self.scheduler.faulted(device):
+                self.scheduler.drain(device, call)
 
     # -- host memory -----------------------------------------------------------------------------------------
     def _host_alloc(self, nbytes: int) -> int:
@@ -92,6 +129,7 @@ class EmulatedRuntime(Runtime):
         return address
 
     def _host_free(self, address: int) -> None:
+        self._drain_before_free(range(self.device_count()), "cudaFreeHost")
         nbytes = self._unmap_host(address)
         osmem.unmap_memory(address, nbytes)
 
@@ -146,26 +184,31 @@ class EmulatedRuntime(Runtime):
     # -- device memory and pointers ------------------------------------------------------------------------------
     def device_alloc(self, nbytes: int, device: int) -> int:
         self.check_device(device)
-        if nbytes <= 0:
-            raise ValueError(f"device_alloc: size must be positive, got {nbytes}")
-        if self._device_used[device] + nbytes > self.device_memory_bytes:
-            raise RuntimeCallError("cudaMalloc", "cudaErrorMemoryAllocation",
-                                   f"emulated device {device} has {self.device_memory_bytes} bytes")
-        backing = osmem.map_memory(nbytes)
-        address = self._device_next[device]
-        self._maps[device].add(address, nbytes, backing, MappingKind.DEVICE_MEMORY)
-        self._device_next[device] += osmem.round_up(nbytes, osmem.PAGE_SIZE) + GUARD_BYTES
-        self._device_used[device] += nbytes
-        self._device_allocs[address] = (device, backing, nbytes)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgument(f"device_alloc: size must be a positive int, got {nbytes!r}")
+        with self._lock:
+            self.scheduler.check_alive(device)
+            if self._device_used[device] + nbytes > self.device_memory_bytes:
+                raise RuntimeCallError("cudaMalloc", "cudaErrorMemoryAllocation",
+                                       f"emulated device {device} has {self.device_memory_bytes} bytes")
+            backing = osmem.map_memory(nbytes)
+            address = self._device_next[device]
+            self._maps[device].add(address, nbytes, backing, MappingKind.DEVICE_MEMORY)
+            self._device_next[device] += osmem.round_up(nbytes, osmem.PAGE_SIZE) + GUARD_BYTES
+            self._device_used[device] += nbytes
+            self._device_allocs[address] = (device, backing, nbytes)
         return address
 
     def device_free(self, address: int) -> None:
-        if address not in self._device_allocs:
-            raise RuntimeCallError("cudaFree", "cudaErrorInvalidValue", f"0x{address:x} is not a device allocation")
-        device, backing, nbytes = self._device_allocs.pop(address)
-        self._maps[device].ranges.pop(address)
-        self._device_used[device] -= nbytes
-        osmem.unmap_memory(backing, nbytes)
+        with self._lock:
+            if address not in self._device_allocs:
+                raise RuntimeCallError("cudaFree", "cudaErrorInvalidValue", f"0x{address:x} is not a device allocation")
+            device, backing, nbytes = self._device_allocs[address]
+            self._drain_before_free([device], "cudaFree")
+            del self._device_allocs[address]
+            self._maps[device].ranges.pop(address)
+            self._device_used[device] -= nbytes
+            osmem.unmap_memory(backing, nbytes)
 
     def _find_mapped(self, address: int, nbytes: int = 1) -> tuple[int, int, Mapping] | None:
         for device, address_map in enumerate(self._maps):
@@ -184,62 +227,120 @@ class EmulatedRuntime(Runtime):
         alias = self.host_get_device_pointer(host, self.current_device())
         return PointerAttributes(MemoryType.HOST, self.current_device(), alias, host)
 
-    # -- copies, streams, kernels --------------------------------------------------------------------------------
-    def _to_host(self, address: int, nbytes: int, call: str) -> int:
-        """Copy APIs accept CPU addresses, aliases of any device and device memory alike."""
-        if address < EMULATED_SPACE:
-            entry = self.host_range(address)
-            if entry is not None and not entry.holds(address, nbytes):
-                raise RuntimeCallError(call, "cudaErrorInvalidValue", f"0x{address:x} +{nbytes} runs past its buffer")
-            return address
-        mapped = self._find_mapped(address, nbytes)
-        if mapped is None:
-            raise RuntimeCallError(call, "cudaErrorInvalidValue", f"0x{address:x} +{nbytes} is not mapped memory")
-        return mapped[1]
+    # -- copies ------------------------------------------------------------------------------------------------------
+    def _locate(self, address: Address, nbytes: int, call: str) -> Callable[[], int]:
+        """Check a copy operand now, as the real API does, and return what finds its bytes when the copy runs:
+        memory freed or unregistered in between faults then instead of being touched."""
+        if isinstance(address, DeviceAddress):
+            self.check_device(address.device)
+            address_map, value = self._maps[address.device], address.value
+            if address_map.lookup(value, nbytes) is None:
+                raise RuntimeCallError(call, "cudaErrorInvalidValue", f"{address} +{nbytes} is not mapped memory of "
+                                                                      f"device {address.device} (or spans two "
+                                                                      f"allocations or registrations)")
+            return lambda: address_map.translate(value, nbytes)
+        value = address.value
+        if value >= EMULATED_SPACE:
+            raise RuntimeCallError(call, "cudaErrorInvalidValue", f"{address} is a device address, not a CPU one")
+        entry = self.host_overlap(value, nbytes)
+        if entry is None:
+            return lambda: value
+        if not entry.holds(value, nbytes):
+            raise RuntimeCallError(call, "cudaErrorInvalidValue",
+                                   f"{address} +{nbytes} runs past its registered range [0x{entry.start:x}, "
+                                   f"+{entry.nbytes}): a copy may not span two registrations or leave one")
 
-    def _copy_op(self, dst: int, src: int, nbytes: int, call: str) -> Callable[[], None]:
-        real_dst, real_src = self._to_host(dst, nbytes, call), self._to_host(src, nbytes, call)
-        return lambda: osmem.copy(real_dst, real_src, nbytes)
+        def registered() -> int:
+            if self.host_range(entry.start) is not entry:
+                raise IllegalAddress(f"{address} +{nbytes}: its host memory was unregistered before the copy ran")
+            return value
 
-    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
-        if nbytes:
+        return registered
+
+    def _pageable(self, address: Address) -> bool:
+        return isinstance(address, CpuAddress) and self.host_range(address.value) is None
+
+    def _copy_op(self, dst: Address, src: Address, nbytes: int, call: str) -> Op:
+        """The copy as a queued operation. A pageable source is read now, as the driver stages it at the call."""
+        find_dst, find_src = self._locate(dst, nbytes, call), self._locate(src, nbytes, call)
+        if self._pageable(src):
+            staged = np.ctypeslib.as_array(osmem.byte_array(find_src(), nbytes)).copy()
+            return lambda: osmem.copy(find_dst(), staged.ctypes.data, nbytes)
+        return lambda: osmem.copy(find_dst(), find_src(), nbytes)
+
+    def _copy_device(self, dst: Address, src: Address) -> int:
+        side = dst if isinstance(dst, DeviceAddress) else src
+        return side.device if isinstance(side, DeviceAddress) else self.current_device()
+
+    def _memcpy(self, dst: Address, src: Address, nbytes: int) -> None:
+        """On the legacy stream. Pageable host → device returns once the source is staged, before the bytes land
+        (cudaMemcpy does the same); every other direction returns when the copy is done."""
+        stream = self._default_streams[self._copy_device(dst, src)]
+        with self._lock:
             op = self._copy_op(dst, src, nbytes, "cudaMemcpy")
-            self.synchronize()
-            op()
+            stream.enqueue(op)
+            if not (self._pageable(src) and isinstance(dst, DeviceAddress)):
+                stream.synchronize()
 
-    def memcpy_async(self, dst: int, src: int, nbytes: int, *, stream: Stream) -> None:
-        if nbytes:
-            self._stream(stream).enqueue(self._copy_op(dst, src, nbytes, "cudaMemcpyAsync"))
+    def _memcpy_async(self, dst: Address, src: Address, nbytes: int, stream: Stream) -> None:
+        """A pageable destination makes the call synchronous, as on CUDA."""
+        queue = self._stream(stream)
+        with self._lock:
+            queue.enqueue(self._copy_op(dst, src, nbytes, "cudaMemcpyAsync"))
+            if self._pageable(dst):
+                queue.synchronize()
 
+    # -- streams and events ----------------------------------------------------------------------------------------
     def create_stream(self, device: int | None = None) -> EmulatedStream:
         device = self.current_device() if device is None else self.check_device(device)
-        stream = EmulatedStream(device, next(self._handles))
-        self._streams[device].add(stream)
+        with self._lock:
+            self.scheduler.check_alive(device)
+            stream = EmulatedStream(self.scheduler, device, next(self._handles))
+            self.scheduler.add(stream)
         return stream
 
     def create_event(self, device: int | None = None) -> EmulatedEvent:
-        return EmulatedEvent(self.current_device() if device is None else self.check_device(device))
+        return EmulatedEvent(self.scheduler, self.current_device() if device is None else self.check_device(device))
 
     def default_stream(self, device: int | None = None) -> EmulatedStream:
         return self._default_streams[self.current_device() if device is None else self.check_device(device)]
 
-    def _stream(self, stream: Stream) -> EmulatedStream:
-        if not isinstance(stream, EmulatedStream):
-            raise TypeError(f"{self.name} needs one of its own streams, got {stream!r}")
+    def _current_stream(self, device: int) -> Stream:
+        return self._default_streams[device]
+
+    def legacy_stream(self, device: int) -> EmulatedStream:
+        return self._default_streams[self.check_device(device)]
+
+    def as_stream(self, stream: Any) -> EmulatedStream:
+        return self._stream(stream)
+
+    def as_event(self, event: Any) -> Event:
+        if not isinstance(event, EmulatedEvent) or event.scheduler is not self.scheduler:
+            raise WrongRuntime(f"{self.name} needs one of its own events, got {event!r}")
+        return event
+
+    def _stream(self, stream: Any) -> EmulatedStream:
+        if not isinstance(stream, EmulatedStream) or stream.scheduler is not self.scheduler:
+            raise WrongRuntime(f"{self.name} needs one of its own streams, got {stream!r}")
         return stream
 
-    def launch_python(self, kernel: Callable[..., Any], *args: Any, device: int | None = None,
-                      stream: Stream | None = None) -> None:
-        """Queue ``kernel(memory, *args)`` on a device; ``memory`` translates addresses as that device sees them."""
-        device = self.current_device() if device is None else self.check_device(device)
-        queue = self._default_streams[device] if stream is None else self._stream(stream)
-        if queue.device != device:
-            raise IllegalAddress(f"stream of device {queue.device} used to launch on device {device}")
-        memory = DeviceMemory(self._maps[device])
-        queue.enqueue(lambda: kernel(memory, *args))
+    # -- kernels -----------------------------------------------------------------------------------------------------
+    def _load_program(self, spec: ProgramSpec, device: int) -> Program:
+        missing = [name for name in spec.names if name not in spec.reference]
+        if missing:
+            raise InvalidArgument(f"program {spec.key} has no Python reference for {missing}: the emulated runtime "
+                                  f"runs references")
+        return EmulatedProgram(spec, device)
 
-    def run_python(self, kernel: Callable[..., Any], *args: Any, device: int | None = None) -> None:
-        """Launch on the default stream and wait: the synchronous form tests and tools use."""
-        device = self.current_device() if device is None else self.check_device(device)
-        self.launch_python(kernel, *args, device=device)
-        self._default_streams[device].synchronize()
+    def _launch(self, program: Program, name: str, grid: int, block: int, args: list[KernelArg],
+                stream: Stream) -> None:
+        """Queue the kernel's Python reference; ``memory`` translates addresses as the program's device sees them."""
+        queue = self._stream(stream)
+        values = [argument_values(arg, program.device) for arg in args]
+        memory, kernel = DeviceMemory(self._maps[program.device]), program.spec.reference[name]
+        queue.enqueue(lambda: kernel(memory, *values))
+
+
+class EmulatedProgram(Program):
+    def __init__(self, spec: ProgramSpec, device: int) -> None:
+        self.spec, self.device, self.origin = spec, device, "reference"

@@ -1,8 +1,11 @@
-"""The pieces of an emulated GPU: its address map, the memory view its kernels get, its streams and events.
+"""The pieces of an emulated GPU: its address map, the memory view its kernels get, its streams, events and graphs.
 
 Device memory and registered-host aliases are entries of a per-device :class:`AddressMap` that point at real host
 memory underneath. A kernel only ever sees a :class:`DeviceMemory`, which translates every address through the map of
-the device it runs on, so a CPU address (split mode) or another device's address faults exactly as on a GPU.
+the device it runs on, so a CPU address (split mode) or another device's address faults exactly as on a GPU, and so
+does a vector access that is not aligned to its width.
+
+Streams hold queued operations; the :class:`~kvtier.runtime.emulated_scheduler.Scheduler` decides when they run.
 """
 
 from __future__ import annotations
@@ -11,14 +14,17 @@ import collections
 import enum
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from kvtier import osmem
-from kvtier.errors import IllegalAddress, RuntimeCallError
+from kvtier.errors import IllegalAddress, MisalignedAddress, RuntimeCallError, WrongRuntime
 from kvtier.runtime.base import Event, Graph, Stream
 from kvtier.runtime.ranges import RangeIndex
+
+if TYPE_CHECKING:
+    from kvtier.runtime.emulated_scheduler import Scheduler
 
 
 class MappingKind(enum.Enum):
@@ -65,8 +71,12 @@ class DeviceMemory:
         self._map = address_map
         self.device = address_map.device
 
-    def view(self, address: int, nbytes: int) -> np.ndarray:
-        """A writable uint8 array over [address, address + nbytes) as this device sees it."""
+    def view(self, address: int, nbytes: int, *, align: int = 1) -> np.ndarray:
+        """A writable uint8 array over [address, address + nbytes) as this device sees it; ``align`` is the width of
+        the vector accesses the kernel makes there (a GPU faults on a misaligned vector access)."""
+        if int(address) % align:
+            raise MisalignedAddress(f"emulated device {self.device}: misaligned address 0x{int(address):x} for a "
+                                    f"{align}-byte vector access")
         if nbytes == 0:
             return np.empty(0, dtype=np.uint8)
         backing = self._map.translate(int(address), nbytes)
@@ -80,26 +90,52 @@ class DeviceMemory:
         self.view(address, source.size)[:] = source.reshape(-1)
 
 
+class Marker:
+    """The point an event recorded in a stream: done once the stream's work before it has run."""
+
+    def __init__(self, stream: EmulatedStream) -> None:
+        self.stream = stream
+        self.done = False
+        self.timestamp: float | None = None
+
+    def __call__(self) -> None:
+        self.done, self.timestamp = True, time.perf_counter()
+
+
+class WaitOp:
+    """A stream's wait on a marker: the stream cannot run past it until the marker is done."""
+
+    def __init__(self, marker: Marker) -> None:
+        self.marker = marker
+
+    def __call__(self) -> None:
+        pass
+
+
+Op = Callable[[], None]
+
+
 class EmulatedStream(Stream):
-    """Work is queued and runs, in order, when someone waits on the stream or on an event recorded in it.
+    """An in-order queue of operations on one device; the scheduler runs them when their waits allow."""
 
-    Deferring the work (rather than running it at enqueue) is deliberate: code that reads a destination before
-    synchronizing sees stale bytes here just as it would on a GPU.
-    """
-
-    def __init__(self, device: int, handle: int) -> None:
+    def __init__(self, scheduler: Scheduler, device: int, handle: int) -> None:
         self.device, self.handle = device, handle
-        self._pending: collections.deque[Callable[[], None]] = collections.deque()
-        self._captured: list[Callable[[], None]] | None = None
-        self._closed = False
+        self.scheduler = scheduler
+        self.pending: collections.deque[Op] = collections.deque()
+        self._captured: list[Op] | None = None
+        self.closed = False
 
-    def enqueue(self, op: Callable[[], None]) -> None:
-        if self._closed:
-            raise ValueError(f"stream {self.handle} on emulated device {self.device} is closed")
-        if self._captured is not None:
-            self._captured.append(op)
-        else:
-            self._pending.append(op)
+    def enqueue(self, op: Op) -> None:
+        with self.scheduler.lock:
+            self.scheduler.check_alive(self.device)
+            if self.closed:
+                raise RuntimeCallError("cudaStreamQuery", "cudaErrorInvalidResourceHandle",
+                                       f"stream {self.handle} on emulated device {self.device} is destroyed")
+            if self._captured is not None:
+                self._captured.append(op)
+                return
+            self.pending.append(op)
+            self.scheduler.advance()
 
     @property
     def capturing(self) -> bool:
@@ -113,51 +149,40 @@ class EmulatedStream(Stream):
             raise RuntimeCallError("cudaStreamBeginCapture", "cudaErrorIllegalState", "already capturing")
         self._captured = []
 
-    def end_capture(self) -> "EmulatedGraph":
+    def end_capture(self) -> EmulatedGraph:
         if self._captured is None:
             raise RuntimeCallError("cudaStreamEndCapture", "cudaErrorIllegalState", "stream is not capturing")
         ops, self._captured = self._captured, None
         return EmulatedGraph(self.device, ops)
 
-    def run_until_done(self, marker: Callable[[], None]) -> None:
-        """Run queued work up to ``marker`` if it is still queued; if it already ran, there is nothing to wait for."""
-        if any(op is marker for op in self._pending):
-            self.run_until(marker)
-
-    def run_until(self, marker: Callable[[], None] | None = None) -> None:
-        while self._pending:
-            op = self._pending.popleft()
-            try:
-                op()
-            except BaseException:
-                self._pending.clear()
-                raise
-            if op is marker:
-                return
-
     def synchronize(self) -> None:
-        self.run_until(None)
+        with self.scheduler.lock:
+            self.scheduler.run_until(lambda: not self.pending, self, "cudaStreamSynchronize")
 
     def wait(self, event: Event) -> None:
         if not isinstance(event, EmulatedEvent):
-            raise TypeError(f"an emulated stream waits on emulated events, not {event!r}")
-        self.enqueue(event.wait_op())
+            raise WrongRuntime(f"an emulated stream waits on emulated events, not {event!r}")
+        marker = event.marker
+        if marker is not None:
+            self.enqueue(WaitOp(marker))
 
     def close(self) -> None:
-        if not self._closed:
-            self.synchronize()
-            self._closed = True
+        """cudaStreamDestroy: queued work still completes; the handle is gone at once."""
+        self.closed = True
+
+    def __repr__(self) -> str:
+        return f"<EmulatedStream {self.handle} of device {self.device}>"
 
 
 class EmulatedGraph(Graph):
     """The captured operations; each replay runs them again against memory as it is then."""
 
-    def __init__(self, device: int, ops: list[Callable[[], None]]) -> None:
+    def __init__(self, device: int, ops: list[Op]) -> None:
         self.device, self._ops = device, ops
 
     def launch(self, stream: Stream) -> None:
         if not isinstance(stream, EmulatedStream):
-            raise TypeError(f"an emulated graph launches on an emulated stream, not {stream!r}")
+            raise WrongRuntime(f"an emulated graph launches on an emulated stream, not {stream!r}")
         for op in self._ops:
             stream.enqueue(op)
 
@@ -166,50 +191,45 @@ class EmulatedGraph(Graph):
 
 
 class EmulatedEvent(Event):
-    def __init__(self, device: int) -> None:
-        self.device = device
-        self._stream: EmulatedStream | None = None
-        self._marker: Callable[[], None] | None = None
-        self.timestamp: float | None = None
+    def __init__(self, scheduler: Scheduler, device: int) -> None:
+        self.scheduler, self.device = scheduler, device
+        self.marker: Marker | None = None
 
     def record(self, stream: Stream) -> None:
         if not isinstance(stream, EmulatedStream):
-            raise TypeError(f"an emulated event can only be recorded on an emulated stream, not {stream!r}")
-        self.timestamp = None
-
-        def marker() -> None:
-            self.timestamp = time.perf_counter()
-
-        self._stream, self._marker = stream, marker
+            raise WrongRuntime(f"an emulated event can only be recorded on an emulated stream, not {stream!r}")
+        marker = Marker(stream)
         stream.enqueue(marker)
-
-    def wait_op(self) -> Callable[[], None]:
-        """What a waiting stream runs: the work this event marked as of now (a later re-record does not count)."""
-        stream, marker = self._stream, self._marker
-
-        def wait() -> None:
-            if stream is not None and marker is not None:
-                stream.run_until_done(marker)
-
-        return wait
+        if not stream.capturing:
+            self.marker = marker
 
     def query(self) -> bool:
-        """The emulator makes progress when observed: querying runs the stream up to this event."""
-        self.synchronize()
-        return True
+        """Like cudaEventQuery: never blocks; the emulator makes some progress when observed."""
+        with self.scheduler.lock:
+            self.scheduler.check_alive(self.device)
+            if self.marker is None:
+                return True
+            self.scheduler.progress(self.marker.stream)
+            self.scheduler.check_alive(self.device)
+            return self.marker.done
 
     def synchronize(self) -> None:
-        if self._stream is not None and self._marker is not None and self.timestamp is None:
-            self._stream.run_until_done(self._marker)
+        marker = self.marker
+        if marker is None:
+            self.scheduler.check_alive(self.device)
+            return
+        with self.scheduler.lock:
+            self.scheduler.run_until(lambda: marker.done, marker.stream, "cudaEventSynchronize")
 
     def elapsed_ms(self, end: Event) -> float:
         if not isinstance(end, EmulatedEvent):
-            raise TypeError("elapsed_ms needs two emulated events")
+            raise WrongRuntime("elapsed_ms needs two emulated events")
         self.synchronize()
         end.synchronize()
-        if self.timestamp is None or end.timestamp is None:
-            raise ValueError("elapsed_ms: both events must have been recorded")
-        return (end.timestamp - self.timestamp) * 1e3
+        if self.marker is None or end.marker is None or self.marker.timestamp is None or end.marker.timestamp is None:
+            raise RuntimeCallError("cudaEventElapsedTime", "cudaErrorInvalidResourceHandle",
+                                   "both events must have been recorded")
+        return (end.marker.timestamp - self.marker.timestamp) * 1e3
 
     def close(self) -> None:
-        self._stream = self._marker = None
+        self.marker = None

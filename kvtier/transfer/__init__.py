@@ -1,5 +1,6 @@
 """Moving KV pages between a device pool and a host pool."""
 
-from kvtier.transfer.engine import BACKENDS, CapturedLoad, Transfer, TransferEngine
+from kvtier.transfer.engine import BACKENDS, CURRENT, CapturedLoad, TransferEngine
+from kvtier.transfer.job import Transfer
 
-__all__ = ["BACKENDS", "CapturedLoad", "Transfer", "TransferEngine"]
+__all__ = ["BACKENDS", "CURRENT", "CapturedLoad", "Transfer", "TransferEngine"]

@@ -2,242 +2,275 @@
 
 Backups and loads run on their own streams, so both directions overlap. A load records one event per layer, so a
 consumer can wait for layer i only (layer-wise overlap in prefill); every transfer ends with an event the caller can
-poll. Backends: ``kernel`` (SM copies under an SM budget; CUDA-graph capturable), ``staged`` (device relayout into a
-staging area, then large DMAs: see ``staged.py``), ``direct`` (one memcpy per
-contiguous run; also serves pageable host pools), ``batch`` (runs through the runtime's batched memcpy, falling back to
-``direct`` where it is unavailable or capture is on).
+poll or make a stream wait on. By default a transfer is ordered after the caller's current stream (torch's current
+CUDA stream where torch is in use): the KV a backup reads was written there a moment ago, and the pages a load
+overwrites may still be read there. ``after=None`` opts out for callers that order things themselves.
+
+The engine is safe to call from several threads (one lock around queuing; waiting happens outside it). Closing the
+engine, or either pool, first waits for the transfers queued over them; afterwards every use raises BufferClosed.
+Backends (``BACKENDS``): ``kernel`` (SM copies under an SM budget; CUDA-graph capturable), ``staged`` (device relayout
+into a staging area, then large DMAs), ``direct`` (one memcpy per contiguous run; also serves pageable host pools),
+``batch`` (the runtime's batched memcpy).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvtier.errors import KvtierError
-from kvtier.kernels import ChunkCopy, KernelLauncher
-from kvtier.memory import HostKind
-from kvtier.pools import DevicePool, HostPool, build_pointer_table, device_strides
+from kvtier.checks import index_array, integer
+from kvtier.errors import BufferClosed, InvalidArgument
+from kvtier.kernels import KernelLauncher
+from kvtier.pools import DevicePool, HostPool
 from kvtier.runtime import Event, Graph, Stream
-from kvtier.transfer.indices import IndexRing
-from kvtier.transfer.plan import layer_spans, merge_runs, plan_for
-from kvtier.transfer.staged import StagingArea
+from kvtier.transfer.dma import BatchBackend, DirectBackend
+from kvtier.transfer.indices import IndexRing, arena_bytes
+from kvtier.transfer.job import D2H, H2D, Backend, Context, Job, Transfer
+from kvtier.transfer.kernel import KernelBackend
+from kvtier.transfer.plan import plan_for
+from kvtier.transfer.staged import StagedBackend
 
-BACKENDS = ("kernel", "staged", "direct", "batch")
-KERNEL_BACKENDS = ("kernel", "staged")
-D2H, H2D = "d2h", "h2d"
-
-
-@dataclass
-class Transfer:
-    """A queued transfer: ``done()`` polls, ``wait()`` blocks, ``layer_events[i]`` marks layer i (loads)."""
-
-    finished: Event
-    layer_events: dict[int, Event] = field(default_factory=dict)
-
-    def done(self) -> bool:
-        return self.finished.query()
-
-    def wait(self) -> None:
-        self.finished.synchronize()
-
-    def wait_layer(self, layer: int) -> None:
-        if layer not in self.layer_events:
-            raise KvtierError(f"layer {layer} is not part of this transfer (layers {sorted(self.layer_events)})")
-        self.layer_events[layer].synchronize()
+BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (KernelBackend, StagedBackend, DirectBackend, BatchBackend)}
+CURRENT = "current"
+"""``after=CURRENT`` (the default): order the transfer after the caller's current stream."""
+INT32_LIMIT = 1 << 31
 
 
-@dataclass
 class CapturedLoad:
-    """A per-layer load captured as a graph; each ``replay`` copies the host pages as they are then."""
+    """A per-layer load captured as a graph; each ``replay`` copies the host pages as they are then. It lives no
+    longer than its engine: after ``close()`` (its own or the engine's) a replay raises BufferClosed."""
 
-    graph: Graph
-    stream: Stream
-    keep: list[Any]
+    def __init__(self, engine: TransferEngine, graph: Graph, stream: Stream, ring: IndexRing) -> None:
+        self._engine, self.graph, self.stream, self._ring = engine, graph, stream, ring
+        self.closed = False
 
     def replay(self) -> None:
-        self.graph.launch(self.stream)
+        with self._engine._lock:
+            if self.closed:
+                raise BufferClosed("this captured load is closed")
+            self._engine._check_open()
+            self.graph.launch(self.stream)
+
+    def drain(self) -> None:
+        if not self.closed:
+            self.stream.synchronize()
 
     def close(self) -> None:
-        self.graph.close()
-        for handle in self.keep:
-            handle.close()
-
-
-def _pages(values: Any, what: str) -> np.ndarray:
-    array = np.asarray(values.cpu() if hasattr(values, "cpu") else values)
-    if array.size == 0:
-        return np.empty(0, np.int64)
-    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
-        raise KvtierError(f"{what} indices must be integers, got dtype {array.dtype}")
-    return array.astype(np.int64).reshape(-1)
+        """Wait for replays in flight, then free the graph, its indices and its stream. Idempotent."""
+        if self.closed:
+            return
+        try:
+            self.stream.synchronize()
+        finally:
+            self.closed = True
+            self.graph.close()
+            self._ring.close()
+            self.stream.close()
 
 
 class TransferEngine:
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, backend: str = "kernel",
                  max_blocks: int = 2, threads: int = 1024, index_bytes: int = 8,
                  launcher: KernelLauncher | None = None, staging_bytes: int = 256 << 20,
-                 relayout_blocks: int | None = None) -> None:
+                 relayout_blocks: int | None = None, index_ring_bytes: int | None = None) -> None:
         """``max_blocks`` is the SM budget of kernel copies; ``staging_bytes`` the device staging area of each
-        direction (staged backend), whose relayout kernels use ``relayout_blocks`` (default: every SM)."""
+        direction (staged backend), whose relayout kernels use ``relayout_blocks`` (default: every SM);
+        ``index_ring_bytes`` the index arena of each stream (default: two transfers of the whole device pool)."""
         if backend not in BACKENDS:
-            raise KvtierError(f"unknown io backend {backend!r}: choose one of {BACKENDS}")
+            raise InvalidArgument(f"unknown io backend {backend!r}: choose one of {tuple(BACKENDS)}")
+        device_pool.check_open()
+        host_pool.check_open()
         if device_pool.geometry != host_pool.geometry:
-            raise KvtierError(f"pool geometries differ: {device_pool.geometry} vs {host_pool.geometry}")
+            raise InvalidArgument(f"pool geometries differ: {device_pool.geometry} vs {host_pool.geometry}")
         if device_pool.runtime is not host_pool.runtime:
-            raise KvtierError("device and host pools belong to different runtimes")
-        if backend == "kernel" and host_pool.buffer.kind is HostKind.PAGEABLE:
-            raise KvtierError("the kernel backend needs a device-accessible host pool, and this one is pageable: "
-                              "allocate it 'registered', 'pinned' or 'shm', or use backend='direct'")
-        if index_bytes not in (4, 8):
-            raise KvtierError(f"index_bytes must be 4 (int32) or 8 (int64), got {index_bytes}")
+            raise InvalidArgument("device and host pools belong to different runtimes")
+        if index_bytes not in (4, 8) or isinstance(index_bytes, bool):
+            raise InvalidArgument(f"index_bytes must be 4 (int32) or 8 (int64), got {index_bytes!r}")
+        integer(max_blocks, "max_blocks", low=1)
+        integer(threads, "threads", low=32, high=1025)
+        integer(staging_bytes, "staging_bytes", low=1)
         self.device_pool, self.host_pool, self.backend = device_pool, host_pool, backend
         self.runtime, self.device = device_pool.runtime, device_pool.device
         self.geometry, self.plan = device_pool.geometry, plan_for(device_pool.geometry, host_pool.strides)
         self.max_blocks, self.threads, self.index_bytes = max_blocks, threads, index_bytes
+        self._lock = threading.RLock()
+        self._closed = False
+        self._captures: weakref.WeakSet[CapturedLoad] = weakref.WeakSet()
         self.streams = {D2H: self.runtime.create_stream(self.device), H2D: self.runtime.create_stream(self.device)}
-        self._closables: list[Any] = list(self.streams.values())
-        if backend in KERNEL_BACKENDS:
-            self.launcher = launcher or KernelLauncher(self.runtime)
-            tensors = range(self.geometry.tensors)
-            self.device_table = build_pointer_table(self.runtime, self.device,
-                                                    [a for t in tensors for a in device_pool.layers[t]])
-            self.rings = {d: IndexRing(self.runtime, self.device, s) for d, s in self.streams.items()}
-            self._closables += [self.device_table, *self.rings.values()]
-        if backend == "kernel":
-            self.host_table = build_pointer_table(
-                self.runtime, self.device, [a for t in tensors for a in host_pool.layer_addresses(t, self.device)])
-            self._closables.append(self.host_table)
-        if backend == "staged":
-            self.staging = {d: StagingArea(self, staging_bytes, relayout_blocks) for d in (D2H, H2D)}
-            self._closables += list(self.staging.values())
+        units = self.plan.units_per_page * device_pool.pages
+        ring_bytes = integer(index_ring_bytes, "index_ring_bytes", low=1) if index_ring_bytes is not None else (
+            arena_bytes(units, index_bytes))
+        context = Context(self.runtime, self.device, self.geometry, self.plan, device_pool, host_pool,
+                          launcher or KernelLauncher(self.runtime), self.streams, index_bytes, max_blocks, threads)
+        try:
+            self._backend = BACKENDS[backend](context, ring_bytes=ring_bytes, staging_bytes=staging_bytes,
+                                              relayout_blocks=relayout_blocks)
+        except BaseException:
+            for stream in self.streams.values():
+                stream.close()
+            raise
+        device_pool.add_user(self)
+        host_pool.add_user(self)
 
     # -- public operations ----------------------------------------------------------------------------------------
-    def backup(self, device_pages: Any, host_pages: Any, *, after: Event | None = None) -> Transfer:
-        """All layers of ``device_pages`` → ``host_pages``, on the D2H stream."""
-        dev, host = self._check(device_pages, host_pages)
-        return self._run(D2H, dev, host, range(self.geometry.layers), after, per_layer=False)
+    def backup(self, device_pages: Any, host_pages: Any, *, after: Any = CURRENT) -> Transfer:
+        """All layers of ``device_pages`` → ``host_pages``, on the D2H stream. ``after``: ``CURRENT`` (default, the
+        caller's current stream), an event or stream (kvtier's or torch's) or a list of them, or None (no ordering)."""
+        with self._lock:
+            self._check_open()
+            dev, host = self._pages(device_pages, host_pages, D2H)
+            return self._submit(D2H, dev, host, range(self.geometry.layers), after, per_layer=False)
 
     def load(self, host_pages: Any, device_pages: Any, *, layers: Sequence[int] | None = None,
-             after: Event | None = None, per_layer: bool = True) -> Transfer:
+             after: Any = CURRENT, per_layer: bool = True) -> Transfer:
         """``host_pages`` → ``device_pages`` layer by layer on the H2D stream, one event per layer.
 
         ``per_layer=False`` moves each run of consecutive layers in one operation and records only the final event:
         fewer launches and no per-layer tails, for loads that no layer-wise compute waits on."""
-        dev, host = self._check(device_pages, host_pages)
-        chosen = list(range(self.geometry.layers)) if layers is None else [int(x) for x in layers]
-        bad = [x for x in chosen if not 0 <= x < self.geometry.layers]
-        if bad:
-            raise KvtierError(f"layer {bad[0]} is out of range (pool has {self.geometry.layers} layers)")
-        return self._run(H2D, host, dev, chosen, after, per_layer=per_layer)
+        with self._lock:
+            self._check_open()
+            dev, host = self._pages(device_pages, host_pages, H2D)
+            return self._submit(H2D, dev, host, self._layers(layers), after, per_layer=bool(per_layer))
 
     def capture_load(self, host_pages: Any, device_pages: Any, *, layer: int) -> CapturedLoad:
-        """Capture a one-layer load as a graph (kernel backend).
-
-        The graph owns its indices; the host bytes are read when it replays.
-        """
-        if self.backend != "kernel":
-            raise KvtierError(f"graph capture needs the kernel backend, not {self.backend!r}")
-        dev, host = self._check(device_pages, host_pages)
-        if not 0 <= layer < self.geometry.layers:
-            raise KvtierError(f"layer {layer} is out of range (pool has {self.geometry.layers} layers)")
-        stream = self.runtime.create_stream(self.device)
-        ring = IndexRing(self.runtime, self.device, stream, slots=1)
-        (src_index, dst_index), slot = ring.upload(self.unit_arrays(host, dev))
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            self.kernel(H2D, src_index, dst_index, len(self.plan.units(host)), layer, 1, stream)
-        finally:
-            graph = stream.end_capture()
-        return CapturedLoad(graph, stream, [ring, stream])
+        """Capture a one-layer load as a graph (kernel backend). The graph owns its indices; the host bytes are read
+        when it replays. Order replays yourself (they run on ``captured.stream``)."""
+        with self._lock:
+            self._check_open()
+            if not isinstance(self._backend, KernelBackend):
+                raise InvalidArgument(f"graph capture needs the kernel backend, not {self.backend!r}")
+            dev, host = self._pages(device_pages, host_pages, H2D)
+            layer = integer(layer, "layer", low=0, high=self.geometry.layers)
+            stream = self.runtime.create_stream(self.device)
+            try:
+                graph, ring = self._backend.capture(self._units(host), self._units(dev), layer, stream)
+            except BaseException:
+                stream.close()
+                raise
+            captured = CapturedLoad(self, graph, stream, ring)
+            self._captures.add(captured)
+            return captured
 
     def synchronize(self) -> None:
-        for stream in self.streams.values():
-            stream.synchronize()
+        """Wait for every transfer queued so far (and every replay of a captured load)."""
+        self.drain()
+
+    def drain(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            for stream in self.streams.values():
+                stream.synchronize()
+            self._backend.drain()
+            for captured in list(self._captures):
+                captured.drain()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
-        self.synchronize()
-        for handle in reversed(self._closables):
-            handle.close()
-        self._closables.clear()
+        """Wait for queued transfers, then free the engine's tables, rings and streams. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self.drain()
+            finally:
+                self._closed = True
+                self.device_pool.remove_user(self)
+                self.host_pool.remove_user(self)
+                for captured in list(self._captures):
+                    captured.close()
+                self._backend.close()
+                for stream in self.streams.values():
+                    stream.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- internals --------------------------------------------------------------------------------------------------
-    def _check(self, device_pages: Any, host_pages: Any) -> tuple[np.ndarray, np.ndarray]:
-        dev, host = _pages(device_pages, "device page"), _pages(host_pages, "host page")
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosed("this TransferEngine is closed")
+        self.device_pool.check_open()
+        self.host_pool.check_open()
+
+    def _pages(self, device_pages: Any, host_pages: Any, direction: str) -> tuple[np.ndarray, np.ndarray]:
+        dev, host = index_array(device_pages, "device_pages"), index_array(host_pages, "host_pages")
         if dev.size != host.size:
-            raise KvtierError(f"{dev.size} device pages but {host.size} host pages: index lists must match")
+            raise InvalidArgument(f"{dev.size} device pages but {host.size} host pages: index lists must match")
         self.device_pool.check_pages(dev)
         self.host_pool.check_pages(host)
+        destination, name = (host, "host_pages") if direction == D2H else (dev, "device_pages")
+        values, counts = np.unique(destination, return_counts=True)
+        if (counts > 1).any():
+            raise InvalidArgument(f"{name} names page {int(values[counts > 1][0])} more than once: a destination page "
+                                  f"written twice in one transfer would mix the bytes of both sources")
+        if self.index_bytes == 4:
+            largest = (max(self.device_pool.pages, self.host_pool.pages) * self.plan.units_per_page) - 1
+            if largest >= INT32_LIMIT:
+                raise InvalidArgument(f"index_bytes=4 cannot address unit {largest} of these pools (int32 indices "
+                                      f"stop at {INT32_LIMIT - 1}): use index_bytes=8")
         return dev, host
 
-    def unit_arrays(self, src: np.ndarray, dst: np.ndarray) -> list[np.ndarray]:
-        dtype = np.int64 if self.index_bytes == 8 else np.int32
-        return [self.plan.units(src).astype(dtype), self.plan.units(dst).astype(dtype)]
+    def _layers(self, layers: Sequence[int] | None) -> list[int]:
+        count = self.geometry.layers
+        if layers is None:
+            return list(range(count))
+        chosen = [integer(x, f"layers[{i}]") for i, x in enumerate(index_list(layers))]
+        bad = [x for x in chosen if not 0 <= x < count]
+        if bad:
+            raise InvalidArgument(f"layer {bad[0]} is out of range (pool has {count} layers)")
+        if len(set(chosen)) != len(chosen):
+            raise InvalidArgument(f"layers {chosen} repeat a layer")
+        return chosen
 
-    def _run(self, direction: str, src: np.ndarray, dst: np.ndarray, layers: Sequence[int], after: Event | None,
-             per_layer: bool) -> Transfer:
+    def _units(self, pages: np.ndarray) -> np.ndarray:
+        return self.plan.units(pages).astype(np.int64 if self.index_bytes == 8 else np.int32)
+
+    def _order(self, stream: Stream, after: Any) -> None:
+        if after is None:
+            return
+        if isinstance(after, str):
+            if after != CURRENT:
+                raise InvalidArgument(f"after={after!r}: use {CURRENT!r}, an event, a stream, a list or None")
+            after = self.runtime.current_stream(self.device)
+        for item in after if isinstance(after, (list, tuple)) else [after]:
+            if isinstance(item, Event) or hasattr(item, "cuda_event"):
+                stream.wait(self.runtime.as_event(item))
+                continue
+            source = self.runtime.as_stream(item)
+            if source is stream:
+                continue
+            marker = self.runtime.create_event(self.device)
+            marker.record(source)
+            stream.wait(marker)
+
+    def _submit(self, direction: str, dev: np.ndarray, host: np.ndarray, layers: Sequence[int], after: Any,
+                per_layer: bool) -> Transfer:
         stream = self.streams[direction]
-        if after is not None:
-            stream.wait(after)
-        transfer = Transfer(self.runtime.create_event(self.device))
-        if src.size and self.backend == "staged":
-            self.staging[direction].run(direction, src, dst, layers, per_layer, stream, transfer)
-        elif src.size and self.backend == "kernel":
-            ring = self.rings[direction]
-            (src_index, dst_index), slot = ring.upload(self.unit_arrays(src, dst))
-            units = len(self.plan.units(src))
-            for begin, count in layer_spans(layers, per_layer):
-                self.kernel(direction, src_index, dst_index, units, begin, count, stream)
-                self.mark(transfer, begin, count, stream, per_layer)
-            ring.fence(slot)
-        elif src.size:
-            runs = self._runs(direction, src, dst)
-            for begin, count in layer_spans(layers, per_layer):
-                for layer in range(begin, begin + count):
-                    self._dma(direction, runs, layer, stream)
-                self.mark(transfer, begin, count, stream, per_layer)
+        self._order(stream, after)
+        transfer = Transfer(self.runtime, self.runtime.create_event(self.device))
+        job = Job(direction, dev, host, self._units(dev), self._units(host), list(layers), per_layer, stream,
+                  transfer)
+        if dev.size:
+            self._backend.run(job)
         else:
-            for layer in layers if per_layer else ():
-                self.mark(transfer, layer, 1, stream, per_layer)
+            for layer in job.layers:
+                job.mark(self.runtime, self.device, layer, stream)
         transfer.finished.record(stream)
         return transfer
 
-    def mark(self, transfer: Transfer, begin: int, count: int, stream: Stream, per_layer: bool) -> None:
-        if per_layer:
-            event = self.runtime.create_event(self.device)
-            event.record(stream)
-            transfer.layer_events[begin] = event
 
-    def kernel(self, direction: str, src_index: Any, dst_index: Any, units: int, begin: int, count: int,
-               stream: Stream, host_table: Any = None, blocks: int | None = None) -> None:
-        """One launch for every tensor; ``host_table`` may name a staging area laid out like the host pool."""
-        device_side = self.plan.device_side(self.device_table)
-        host_side = self.plan.host_side(self.host_table if host_table is None else host_table)
-        src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
-        call = ChunkCopy(src, dst, src_index, dst_index, self.index_bytes, units, begin, count, self.plan.pieces,
-                         self.plan.chunk_bytes, self.geometry.tensors, self.geometry.layers)
-        self.launcher.copy_chunks(call, device=self.device, stream=stream, max_blocks=blocks or self.max_blocks,
-                                  threads=self.threads)
-
-    def _runs(self, direction: str, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, ...]:
-        device_offsets = self.plan.offsets(src if direction == D2H else dst, device_strides(self.geometry))
-        host_offsets = self.plan.offsets(dst if direction == D2H else src, self.host_pool.strides)
-        if direction == D2H:
-            return merge_runs(device_offsets, host_offsets, self.plan.chunk_bytes)
-        return merge_runs(host_offsets, device_offsets, self.plan.chunk_bytes)
-
-    def _dma(self, direction: str, runs: tuple[np.ndarray, ...], layer: int, stream: Stream) -> None:
-        src_offsets, dst_offsets, sizes = runs
-        for tensor in range(self.geometry.tensors):
-            device_base = self.device_pool.layers[tensor][layer].value
-            host_base = self.host_pool.layer_cpu_addresses(tensor)[layer].value
-            src_base, dst_base = (device_base, host_base) if direction == D2H else (host_base, device_base)
-            srcs, dsts = (src_base + src_offsets).tolist(), (dst_base + dst_offsets).tolist()
-            if self.backend == "batch":
-                self.runtime.memcpy_batch_async(dsts, srcs, sizes.tolist(), stream=stream)
-            else:
-                for d, s, n in zip(dsts, srcs, sizes.tolist(), strict=True):
-                    self.runtime.memcpy_async(d, s, n, stream=stream)
+def index_list(values: Any) -> list[Any]:
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise InvalidArgument(f"layers must be a sequence of layer indices, got {values!r}")
+    return list(values)

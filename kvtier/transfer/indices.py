@@ -1,82 +1,129 @@
-"""Index arrays on the device, uploaded on the transfer's own stream.
+"""Index arrays on the device, uploaded on the transfer's own stream from an arena sized up front.
 
-A ring of slots (pinned host staging + device buffer each): a slot is rewritten only after the event recorded behind
-the work that read it has completed, so queuing many transfers never overwrites indices still in use.
+The arena is a pinned host buffer and a device buffer of the same size, used as a ring of byte ranges: each upload
+takes the next range, and a range is rewritten only after the event recorded behind the work that read it has
+completed. Both buffers are allocated when the engine is built, because ``cudaHostAlloc``/``cudaMalloc``/``cudaFree``
+wait for every stream of the device: allocating inside ``load()`` made a load queued beside 95 ms of compute return
+after 95 ms and lost layer-wise overlap (H200). Only a transfer larger than the whole arena grows it (and pays that
+wait once); size the arena with ``index_ring_bytes`` to avoid even that.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
 
 import numpy as np
 
+from kvtier.errors import BufferClosed, InvalidArgument
 from kvtier.memory import DeviceAddress, DeviceBuffer, HostBuffer, HostKind
 from kvtier.runtime import Event, Runtime, Stream
 
+ALIGN = 16
+MIN_BYTES = 1 << 16
 
-@dataclass
-class _Slot:
-    host: HostBuffer
-    device: DeviceBuffer
-    view: np.ndarray
-    done: Event | None = None
 
-    @property
-    def capacity(self) -> int:
-        return self.host.nbytes
+class Lease:
+    """A byte range of the arena in use by one transfer until :meth:`IndexRing.fence` marks its end."""
 
-    def close(self) -> None:
-        if self.done is not None:
-            self.done.synchronize()
-            self.done.close()
-        del self.view
-        self.host.close()
-        self.device.close()
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        self.done: Event | None = None
 
 
 class IndexRing:
-    def __init__(self, runtime: Runtime, device: int, stream: Stream, slots: int = 4) -> None:
+    def __init__(self, runtime: Runtime, device: int, stream: Stream, capacity: int) -> None:
         self.runtime, self.device, self.stream = runtime, device, stream
-        self._slots: list[_Slot | None] = [None] * slots
-        self._next = 0
+        self._leases: deque[Lease] = deque()
+        self._head = 0
+        self._host: HostBuffer | None = None
+        self._device: DeviceBuffer | None = None
+        self._allocate(max(capacity, MIN_BYTES))
 
-    def _slot(self, index: int, nbytes: int) -> _Slot:
-        """Slot ``index``, once the work that last read it is done, with room for ``nbytes``."""
-        slot = self._slots[index]
-        if slot is not None and slot.done is not None:
-            slot.done.synchronize()
-        if slot is None or slot.capacity < nbytes:
-            capacity = max(nbytes, 2 * slot.capacity if slot else 0, 1 << 16)
-            if slot is not None:
-                slot.close()
-            host = HostBuffer.allocate(capacity, HostKind.PINNED, runtime=self.runtime)
-            slot = _Slot(host, DeviceBuffer(capacity, self.device, runtime=self.runtime), host.as_tensor().numpy())
-            self._slots[index] = slot
-        return slot
+    @property
+    def capacity(self) -> int:
+        return 0 if self._host is None else self._host.nbytes
 
-    def upload(self, arrays: list[np.ndarray]) -> tuple[list[DeviceAddress], int]:
-        """Queue the arrays' upload on the stream; returns their device addresses and the slot to fence."""
-        index = self._next
-        self._next = (self._next + 1) % len(self._slots)
-        offsets = np.concatenate(([0], np.cumsum([-(-a.nbytes // 16) * 16 for a in arrays]))).astype(int).tolist()
-        slot = self._slot(index, max(offsets[-1], 16))
-        for array, offset in zip(arrays, offsets, strict=False):
-            slot.view[offset:offset + array.nbytes] = array.view(np.uint8).reshape(-1)
-        self.runtime.memcpy_async(slot.device.address.value, slot.host.cpu_address.value, offsets[-1],
-                                  stream=self.stream)
-        return [slot.device.address + offset for offset in offsets[:-1]], index
+    def _allocate(self, capacity: int) -> None:
+        capacity = -(-capacity // ALIGN) * ALIGN
+        host = HostBuffer.allocate(capacity, HostKind.PINNED, runtime=self.runtime)
+        try:
+            device = DeviceBuffer(capacity, self.device, runtime=self.runtime)
+        except BaseException:
+            host.close()
+            raise
+        self._release()
+        self._host, self._device, self._head = host, device, 0
+        self._view = host.as_tensor().numpy()
 
-    def fence(self, index: int) -> None:
-        """Mark the end of the work that reads slot ``index``."""
-        slot = self._slots[index]
-        if slot is None:
-            return
-        if slot.done is None:
-            slot.done = self.runtime.create_event(self.device)
-        slot.done.record(self.stream)
+    def upload(self, arrays: list[np.ndarray]) -> tuple[list[DeviceAddress], Lease]:
+        """Queue the arrays' upload on the stream; returns their device addresses and the lease to fence."""
+        sizes = [-(-a.nbytes // ALIGN) * ALIGN for a in arrays]
+        need = max(sum(sizes), ALIGN)
+        if need > self.capacity:
+            self._drain()
+            self._allocate(2 * need)
+        start = self._head if self._head + need <= self.capacity else 0
+        lease = Lease(start, start + need)
+        self._wait_for(lease)
+        offset = start
+        for array, size in zip(arrays, sizes, strict=True):
+            self._view[offset:offset + array.nbytes] = array.view(np.uint8).reshape(-1)
+            offset += size
+        host, device = self._buffers()
+        self.runtime.memcpy_async(device.address + start, host.cpu_address + start, need, stream=self.stream)
+        self._head = lease.end
+        self._leases.append(lease)
+        addresses, offset = [], start
+        for size in sizes:
+            addresses.append(device.address + offset)
+            offset += size
+        return addresses, lease
+
+    def _buffers(self) -> tuple[HostBuffer, DeviceBuffer]:
+        if self._host is None or self._device is None:
+            raise BufferClosed("index ring is closed")
+        return self._host, self._device
+
+    def fence(self, lease: Lease) -> None:
+        """Mark the end of the work that reads ``lease``: its range is reused once the stream gets here."""
+        if lease not in self._leases:
+            raise InvalidArgument("fence of a lease this ring did not hand out, or fenced twice")
+        lease.done = self.runtime.create_event(self.device)
+        lease.done.record(self.stream)
+
+    def _wait_for(self, lease: Lease) -> None:
+        """Wait for (and drop) every earlier lease that overlaps ``lease``'s range. A lease never fenced (its launch
+        failed) has no reader; its upload ran in order on the same stream, so its range is free."""
+        for old in list(self._leases):
+            if old.start < lease.end and lease.start < old.end:
+                if old.done is not None:
+                    old.done.synchronize()
+                    old.done.close()
+                self._leases.remove(old)
+
+    def _drain(self) -> None:
+        for lease in self._leases:
+            if lease.done is not None:
+                lease.done.synchronize()
+                lease.done.close()
+        self._leases.clear()
+
+    def _release(self) -> None:
+        if self._host is not None:
+            del self._view
+            self._host.close()
+        if self._device is not None:
+            self._device.close()
+        self._host = self._device = None
 
     def close(self) -> None:
-        for slot in self._slots:
-            if slot is not None:
-                slot.close()
-        self._slots = [None] * len(self._slots)
+        try:
+            self._drain()
+        finally:
+            self._release()
+
+
+def arena_bytes(units: int, index_bytes: int, transfers: int = 2) -> int:
+    """Room for ``transfers`` transfers of ``units`` units each (two index arrays per transfer)."""
+    return transfers * 2 * (-(-units * index_bytes // ALIGN) * ALIGN)
+

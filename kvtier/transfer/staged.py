@@ -10,24 +10,20 @@ slots with one DMA; a load does the reverse. The relayout kernel uses many SMs f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-from kvtier.errors import KvtierError
+from kvtier.address import Address, CpuAddress
+from kvtier.errors import InvalidArgument
 from kvtier.memory import DeviceBuffer
-from kvtier.pools import HostLayout, build_pointer_table, host_strides
+from kvtier.pools import HostLayout, PointerTable, build_pointer_table, host_strides
 from kvtier.runtime import Stream
+from kvtier.transfer.dma import host_pieces, queue_copies
 from kvtier.transfer.indices import IndexRing
+from kvtier.transfer.job import D2H, H2D, Backend, Context, Job
+from kvtier.transfer.kernel import device_table, launch_copy
 from kvtier.transfer.plan import layer_spans
-
-RING_SLOTS = 32
-"""Index slots of the relayout stream. Queuing a transfer must not wait for the GPU: with 4 slots the Python thread
-blocked on batch i-4, so the per-layer relayouts of the last batch were queued only after the DMAs had drained
-(H200, DeepSeek-V3 MLA, 61 layers: per-layer loads 86% of the link vs 95% without layer events)."""
-
-if TYPE_CHECKING:
-    from kvtier.transfer.engine import Transfer, TransferEngine
 
 
 def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
@@ -40,110 +36,172 @@ def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(k), int(slots[k]), int(n)) for k, n in zip(starts, lengths, strict=True)]
 
 
+def units_at(units: np.ndarray, per_page: int, positions: np.ndarray) -> np.ndarray:
+    """The units of the pages at ``positions`` of a job, from the job's units (computed once per transfer)."""
+    return units.reshape(-1, per_page)[positions].reshape(-1)
+
+
 class StagingArea:
-    def __init__(self, engine: TransferEngine, staging_bytes: int, relayout_blocks: int | None) -> None:
-        g = engine.geometry
-        self.engine, self.geometry = engine, g
+    """One direction's staging: a device buffer laid out like the host pool, its relayout stream, its index ring.
+
+    The ring is sized for every batch of the largest transfer: queuing must not wait for the GPU (with 4 index slots
+    the Python thread blocked on batch i-4, so the per-layer relayouts of the last batch were queued only after the
+    DMAs had drained; H200, DeepSeek-V3 MLA, 61 layers: per-layer loads 86% of the link vs 95% without)."""
+
+    def __init__(self, context: Context, table: PointerTable, staging_bytes: int, relayout_blocks: int | None,
+                 ring_bytes: int) -> None:
+        g = context.geometry
+        self.context, self.geometry, self.device_table = context, g, table
         self.capacity = staging_bytes // g.bytes_per_page
         if self.capacity < 1:
-            raise KvtierError(f"staging_bytes={staging_bytes} holds no page ({g.bytes_per_page} bytes each)")
+            raise InvalidArgument(f"staging_bytes={staging_bytes} holds no page ({g.bytes_per_page} bytes each)")
         halves = 2 if self.capacity >= 2 else 1
         self.half = self.capacity // halves
-        runtime = engine.runtime
-        self.blocks = relayout_blocks or runtime.device_attributes(engine.device).multiprocessors
-        self.layout = engine.host_pool.layout
+        runtime, device = context.runtime, context.device
+        self.blocks = relayout_blocks or runtime.device_attributes(device).multiprocessors
+        self.layout = context.host_pool.layout
         self.strides = host_strides(g, self.layout, self.capacity)
         self.tensor_bytes = self.capacity * g.layers * g.page_bytes
-        self.buffer = DeviceBuffer(g.tensors * self.tensor_bytes, engine.device, runtime=runtime)
-        self.table = build_pointer_table(runtime, engine.device,
-                                         [a for t in range(g.tensors) for a in self.layer_addresses(t)])
-        self.stream = runtime.create_stream(engine.device)
-        self.ring = IndexRing(runtime, engine.device, self.stream, slots=RING_SLOTS)
-        self.free = [runtime.create_event(engine.device) for _ in range(halves)]
-        self.ready, self.idle = runtime.create_event(engine.device), runtime.create_event(engine.device)
+        self._owned: list[Any] = []
+        try:
+            self.buffer = self._own(DeviceBuffer(g.tensors * self.tensor_bytes, device, runtime=runtime))
+            self.table = self._own(build_pointer_table(
+                runtime, device, [r for t in range(g.tensors) for r in self.layer_regions(t)]))
+            self.stream = self._own(runtime.create_stream(device))
+            self.ring = self._own(IndexRing(runtime, device, self.stream, ring_bytes))
+            self.free = [self._own(runtime.create_event(device)) for _ in range(halves)]
+            self.ready, self.idle = self._own(runtime.create_event(device)), self._own(runtime.create_event(device))
+            self.start = self._own(runtime.create_event(device))
+        except BaseException:
+            self.close()
+            raise
 
-    def layer_addresses(self, tensor: int) -> list:
-        base = self.buffer.address + tensor * self.tensor_bytes
-        return [base + layer * self.strides.layer for layer in range(self.geometry.layers)]
+    def _own(self, handle: Any) -> Any:
+        self._owned.append(handle)
+        return handle
 
-    def run(self, direction: str, src: np.ndarray, dst: np.ndarray, layers: Sequence[int], per_layer: bool,
-            stream: Stream, transfer: Transfer) -> None:
+    def layer_regions(self, tensor: int) -> list:
+        base = tensor * self.tensor_bytes
+        return [self.buffer.region(base + layer * self.strides.layer, self.tensor_bytes - layer * self.strides.layer)
+                for layer in range(self.geometry.layers)]
+
+    def run(self, job: Job) -> None:
         """Batches alternate between the two halves of the staging area, so the relayout of one batch (on the
-        relayout stream) overlaps the DMA of the previous one (on the transfer's stream)."""
-        device_pages, host_pages = (src, dst) if direction == "d2h" else (dst, src)
-        order = np.argsort(host_pages, kind="stable")
+        relayout stream) overlaps the DMA of the previous one (on the job's stream). The relayout stream first waits
+        for the job's stream, which already waits for everything the caller ordered the transfer after: a relayout
+        that skipped it read KV the model had not written yet (H200: 50% stale)."""
+        self.start.record(job.stream)
+        self.stream.wait(self.start)
+        per_page = self.context.plan.units_per_page
+        order = np.argsort(job.host_pages, kind="stable")
         batches = [order[i:i + self.half] for i in range(0, order.size, self.half)]
         for number, batch in enumerate(batches):
             half = number % len(self.free)
             staged = half * self.half + np.arange(batch.size, dtype=np.int64)
-            runs = [(k + half * self.half, h, n) for k, h, n in slot_runs(host_pages[batch])]
-            last = transfer if number == len(batches) - 1 else None
-            if direction == "d2h":
-                self._backup_batch(half, device_pages[batch], staged, runs, layers, stream)
+            runs = [(k + half * self.half, h, n) for k, h, n in slot_runs(job.host_pages[batch])]
+            device_units = units_at(job.device_units, per_page, batch)
+            staged_units = self.context.plan.units(staged).astype(device_units.dtype)
+            if job.direction == D2H:
+                self._backup_batch(half, device_units, staged_units, runs, job)
             else:
-                self._load_batch(half, device_pages[batch], staged, runs, layers, stream, last, per_layer)
-        stream.wait(self.idle)
+                self._load_batch(half, device_units, staged_units, runs, job, number == len(batches) - 1)
+        job.stream.wait(self.idle)
 
-    def _relayout(self, direction: str, device_pages: np.ndarray, staged: np.ndarray, spans: list[tuple[int, int]],
-                  transfer: Transfer | None = None, per_layer: bool = False) -> None:
-        """Upload the batch's indices once, then one launch per span (marking each layer when ``transfer``)."""
-        engine = self.engine
-        pair = (device_pages, staged) if direction == "d2h" else (staged, device_pages)
-        (src_index, dst_index), slot = self.ring.upload(engine.unit_arrays(*pair))
-        units = len(engine.plan.units(device_pages))
-        for begin, count in spans:
-            engine.kernel(direction, src_index, dst_index, units, begin, count, self.stream, self.table, self.blocks)
-            if transfer is not None:
-                engine.mark(transfer, begin, count, self.stream, per_layer)
-        self.ring.fence(slot)
+    def _relayout(self, job: Job, indices_of: list[np.ndarray], spans: list[tuple[int, int]], mark: bool) -> None:
+        """Upload the batch's indices once, then one launch per span (marking each layer when ``mark``)."""
+        context = self.context
+        indices, lease = self.ring.upload(indices_of)
+        try:
+            for begin, count in spans:
+                launch_copy(context, job.direction, indices, indices_of[0].size, begin, count, self.stream,
+                            self.table, self.device_table, self.blocks)
+                if mark:
+                    job.mark(context.runtime, context.device, begin, self.stream)
+        finally:
+            self.ring.fence(lease)
 
-    def _backup_batch(self, half: int, device_pages: np.ndarray, staged: np.ndarray,
-                      runs: list[tuple[int, int, int]], layers: Sequence[int], stream: Stream) -> None:
+    def _backup_batch(self, half: int, device_units: np.ndarray, staged_units: np.ndarray,
+                      runs: list[tuple[int, int, int]], job: Job) -> None:
         self.stream.wait(self.free[half])
-        self._relayout("d2h", device_pages, staged, layer_spans(layers, False))
+        self._relayout(job, [device_units, staged_units], layer_spans(job.layers, False), False)
         self.ready.record(self.stream)
-        stream.wait(self.ready)
-        self._dma("d2h", runs, layers, stream)
-        self.free[half].record(stream)
+        job.stream.wait(self.ready)
+        self._dma(D2H, runs, job.layers, job.stream)
+        self.free[half].record(job.stream)
         self.idle.record(self.stream)
 
-    def _load_batch(self, half: int, device_pages: np.ndarray, staged: np.ndarray, runs: list[tuple[int, int, int]],
-                    layers: Sequence[int], stream: Stream, transfer: Transfer | None, per_layer: bool) -> None:
-        stream.wait(self.free[half])
-        self._dma("h2d", runs, layers, stream)
-        self.ready.record(stream)
+    def _load_batch(self, half: int, device_units: np.ndarray, staged_units: np.ndarray,
+                    runs: list[tuple[int, int, int]], job: Job, last: bool) -> None:
+        job.stream.wait(self.free[half])
+        self._dma(H2D, runs, job.layers, job.stream)
+        self.ready.record(job.stream)
         self.stream.wait(self.ready)
-        spans = layer_spans(layers, per_layer and transfer is not None)
-        self._relayout("h2d", device_pages, staged, spans, transfer, per_layer)
+        marking = job.per_layer and last
+        self._relayout(job, [staged_units, device_units], layer_spans(job.layers, marking), marking)
         self.free[half].record(self.stream)
         self.idle.record(self.stream)
 
     def _dma(self, direction: str, runs: list[tuple[int, int, int]], layers: Sequence[int], stream: Stream) -> None:
-        """One copy per run of host slots: per tensor (pages contiguous across layers) or per tensor and layer."""
-        engine, g = self.engine, self.geometry
-        host = engine.host_pool
-        copies = []
+        """One copy per run of host slots (per tensor: pages contiguous across layers; or per tensor and layer), cut
+        at the host buffer's registration boundaries."""
+        context, g = self.context, self.geometry
+        host = context.host_pool
+        staged_first, host_first, lengths = (np.array(column, np.int64) for column in zip(*runs, strict=True))
+        pieces: list[tuple[int, int, np.ndarray]] = []
         for tensor in range(g.tensors):
+            host_base, staging_base = host.tensor_offset(tensor), tensor * self.tensor_bytes
             if self.layout is HostLayout.LAYER_FIRST:
-                staging = [a.value for a in self.layer_addresses(tensor)]
-                host_layers = [a.value for a in host.layer_cpu_addresses(tensor)]
-                for layer in layers:
-                    copies += [(host_layers[layer] + h * g.page_bytes, staging[layer] + k * g.page_bytes,
-                                n * g.page_bytes) for k, h, n in runs]
+                pieces += [(host_base + layer * host.strides.layer, staging_base + layer * self.strides.layer,
+                            np.array([g.page_bytes, g.page_bytes]))
+                           for layer in layers]
             else:
-                staging_base = self.buffer.address.value + tensor * self.tensor_bytes
-                host_base = host.buffer.cpu_address.value + host.tensor_offset(tensor)
-                copies += [(host_base + h * host.strides.page, staging_base + k * self.strides.page,
-                            n * host.strides.page) for k, h, n in runs]
-        for host_address, staging_address, nbytes in copies:
-            dst, src = (host_address, staging_address) if direction == "d2h" else (staging_address, host_address)
-            engine.runtime.memcpy_async(dst, src, nbytes, stream=stream)
+                pieces.append((host_base, staging_base, np.array([host.strides.page, self.strides.page])))
+        if not runs or not pieces:
+            return
+        host_offsets, staging_offsets, sizes = [], [], []
+        for host_base, staging_base, (host_page, staging_page) in pieces:
+            host_offsets.append(host_base + host_first * host_page)
+            staging_offsets.append(staging_base + staged_first * staging_page)
+            sizes.append(lengths * host_page)
+        offsets, staging, nbytes = host_pieces(context, np.concatenate(host_offsets), np.concatenate(staging_offsets),
+                                               np.concatenate(sizes))
+        cpu, device_base = host.buffer.cpu_address.value, self.buffer.address
+        host_addresses: list[Address] = [CpuAddress(cpu + int(o)) for o in offsets]
+        staging_addresses: list[Address] = [device_base + int(o) for o in staging]
+        queue_copies(context, direction, host_addresses, staging_addresses, nbytes.tolist(), stream, batched=False)
+
+    def drain(self) -> None:
+        self.stream.synchronize()
 
     def close(self) -> None:
-        self.stream.synchronize()
-        self.ring.close()
-        for event in (*self.free, self.ready, self.idle):
-            event.close()
-        self.stream.close()
+        while self._owned:
+            self._owned.pop().close()
+
+
+class StagedBackend(Backend):
+    name = "staged"
+
+    def __init__(self, context: Context, *, staging_bytes: int, relayout_blocks: int | None, ring_bytes: int,
+                 **_: Any) -> None:
+        super().__init__(context)
+        self.table = device_table(context)
+        self.areas: dict[str, StagingArea] = {}
+        try:
+            for direction in (D2H, H2D):
+                self.areas[direction] = StagingArea(context, self.table, staging_bytes, relayout_blocks, ring_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, job: Job) -> None:
+        self.areas[job.direction].run(job)
+
+    def drain(self) -> None:
+        for area in self.areas.values():
+            area.drain()
+
+    def close(self) -> None:
+        for area in self.areas.values():
+            area.close()
+        self.areas.clear()
         self.table.close()
-        self.buffer.close()

@@ -1,5 +1,7 @@
 """Typed addresses: a CPU address and a device address that knows its device.
 
+A leaf module: the runtime's copy and launch APIs take these types, and every layer above hands them down.
+
 Registered host memory has two addresses that are equal on some machines and different on others; code that keeps
 them as bare integers works on the first kind and faults on the second. These types make the domain part of the
 value: offsets keep the type, subtracting two addresses of one domain gives a byte count, and mixing domains (or
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from typing import Union
 
 from kvtier.errors import AddressDomainError
+
+Address = Union["CpuAddress", "DeviceAddress"]
 
 
 def _offset(value: object, what: str) -> int:

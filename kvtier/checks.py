@@ -1,0 +1,51 @@
+"""Argument checks shared by every public entry point, so a bad argument gets the same clear error everywhere.
+
+Python lets ``True`` pass for 1, ``0.5`` truncate to 0 and ``"1"`` compare oddly; numpy turns a ragged list into an
+object array or a ``ValueError`` of its own. These checks refuse all of that with :class:`InvalidArgument` naming the
+argument, before any state changes.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import InvalidArgument
+
+
+def integer(value: Any, name: str, *, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an int (Python or numpy integer, never bool), within [low, high) when given."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise InvalidArgument(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if low is not None and value < low:
+        raise InvalidArgument(f"{name} must be >= {low}, got {value}")
+    if high is not None and value >= high:
+        raise InvalidArgument(f"{name} must be < {high}, got {value}")
+    return value
+
+
+def index_array(values: Any, name: str) -> np.ndarray:
+    """A flat int64 array from a list, tuple, numpy array or torch tensor of integers (CPU or device)."""
+    if hasattr(values, "detach") and hasattr(values, "cpu"):
+        values = values.detach().cpu().numpy()
+    if isinstance(values, (str, bytes)) or np.isscalar(values):
+        raise InvalidArgument(f"{name} must be a sequence of integers, got {type(values).__name__} {values!r}")
+    try:
+        array = np.asarray(values)
+    except ValueError as exc:
+        raise InvalidArgument(f"{name} must be a flat sequence of integers: {exc}") from exc
+    if array.size == 0:
+        return np.empty(0, np.int64)
+    if array.ndim != 1:
+        raise InvalidArgument(f"{name} must be a flat sequence of integers, got shape {array.shape}")
+    integral = array.dtype != np.bool_ and np.issubdtype(array.dtype, np.integer)
+    if not integral and (array.dtype != object or not all(
+            isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in array)):
+        raise InvalidArgument(f"{name} must hold integers, got dtype {array.dtype} ({array[:4].tolist()}...)")
+    limits = np.iinfo(np.int64)
+    if array.dtype.kind in "uO" and not limits.min <= int(array.min()) <= int(array.max()) <= limits.max:
+        raise InvalidArgument(f"{name} holds values past the int64 range")
+    return array.astype(np.int64, copy=False)

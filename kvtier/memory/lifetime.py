@@ -1,0 +1,41 @@
+"""Who queues device work over a piece of memory, so that closing it first waits for that work.
+
+A host pool freed while a DMA still reads it crashes the process; a device pool freed under a queued kernel lets the
+kernel write into whatever reuses the memory. Engines register here as users of the memory they move; ``close()`` of
+that memory drains every live user before giving the memory back, so closing never races a transfer: it waits.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+
+class Drainable(Protocol):
+    def drain(self) -> None:
+        """Block until every operation this user queued has finished."""
+
+
+class Users:
+    def __init__(self) -> None:
+        self._users: weakref.WeakSet[Drainable] = weakref.WeakSet()
+
+    def add(self, user: Drainable) -> None:
+        self._users.add(user)
+
+    def discard(self, user: Drainable) -> None:
+        self._users.discard(user)
+
+    def drain(self) -> None:
+        """Drain every user; the first error propagates after all were asked."""
+        errors = []
+        for user in list(self._users):
+            try:
+                user.drain()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __len__(self) -> int:
+        return len(self._users)

@@ -1,0 +1,131 @@
+"""When an emulated GPU runs the work queued on its streams, and what a fault does to it.
+
+Two schedules:
+
+- ``eager`` (the default): as on a GPU, every stream runs ahead as far as its event waits allow. Queued work runs at
+  every enqueue and while anyone waits, one operation at a time, streams picked in a seeded random order. Code that
+  forgets to order two streams (a helper stream that skips the caller's ``after`` event, a kernel that reads a table
+  a non-blocking stream uploads) reads stale bytes here, as it does on a GPU — not only when the timing is unlucky.
+- ``lazy``: work runs only when someone waits, and only what they wait for, in order. Deterministic; useful to show
+  that reading a destination before synchronizing sees old bytes.
+
+A fault (an illegal or misaligned address in a kernel or copy) poisons the device as an illegal address poisons a CUDA
+context: the queued work of that device is dropped, the next call that observes the device raises the fault, and every
+later operation on the device raises too.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+
+from kvtier.errors import IllegalAddress, InvalidArgument, RuntimeCallError
+from kvtier.runtime.emulated_device import EmulatedStream, WaitOp
+
+SCHEDULES = ("eager", "lazy")
+RUN_AHEAD = 0.75
+"""At each enqueue the eager schedule keeps running ready operations with this probability per step."""
+
+
+class _Fault:
+    def __init__(self, error: BaseException) -> None:
+        self.error, self.reported = error, False
+
+
+class Scheduler:
+    def __init__(self, schedule: str, seed: int, lock: threading.RLock) -> None:
+        if schedule not in SCHEDULES:
+            raise InvalidArgument(f"emulated schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.schedule, self.seed, self.lock = schedule, seed, lock
+        self._rng = random.Random(seed)
+        self._streams: list[EmulatedStream] = []
+        self._faults: dict[int, _Fault] = {}
+
+    def add(self, stream: EmulatedStream) -> None:
+        with self.lock:
+            self._streams = [s for s in self._streams if not (s.closed and not s.pending)]
+            self._streams.append(stream)
+
+    def streams(self, device: int) -> list[EmulatedStream]:
+        return [s for s in self._streams if s.device == device]
+
+    # -- faults ----------------------------------------------------------------------------------------------------
+    def check_alive(self, device: int) -> None:
+        fault = self._faults.get(device)
+        if fault is None:
+            return
+        if not fault.reported:
+            fault.reported = True
+            raise fault.error
+        raise IllegalAddress(f"emulated device {device} is unusable: an earlier fault poisoned it ({fault.error}); "
+                             f"as with a CUDA context after an illegal address, restart the process")
+
+    def faulted(self, device: int) -> bool:
+        return device in self._faults
+
+    def _fault(self, stream: EmulatedStream, error: BaseException) -> None:
+        self._faults.setdefault(stream.device, _Fault(error))
+        for other in self.streams(stream.device):
+            other.pending.clear()
+
+    # -- running work ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _runnable(stream: EmulatedStream) -> bool:
+        if not stream.pending:
+            return False
+        head = stream.pending[0]
+        return not isinstance(head, WaitOp) or head.marker.done
+
+    def _pick(self, target: EmulatedStream | None) -> EmulatedStream | None:
+        if self.schedule == "eager" or target is None:
+            ready = [s for s in self._streams if self._runnable(s)]
+            return self._rng.choice(ready) if ready else None
+        stream = target
+        while stream.pending and not self._runnable(stream):
+            head = stream.pending[0]
+            if not isinstance(head, WaitOp):
+                break
+            stream = head.marker.stream
+        return stream if self._runnable(stream) else None
+
+    def _step(self, target: EmulatedStream | None = None) -> bool:
+        stream = self._pick(target)
+        if stream is None:
+            return False
+        op = stream.pending.popleft()
+        try:
+            op()
+        except BaseException as error:
+            self._fault(stream, error)
+        return True
+
+    def advance(self) -> None:
+        """Called at every enqueue: the eager schedule runs some ready work, as a GPU would meanwhile."""
+        if self.schedule == "eager":
+            while self._rng.random() < RUN_AHEAD and self._step():
+                pass
+
+    def progress(self, stream: EmulatedStream) -> None:
+        """Called when someone polls: eager runs at least one ready operation; lazy runs the stream dry."""
+        if self.schedule == "eager":
+            if self._step():
+                self.advance()
+        else:
+            self.run_until(lambda: not stream.pending, stream, "cudaEventQuery")
+
+    def run_until(self, condition: Callable[[], bool], stream: EmulatedStream, call: str) -> None:
+        """Run work until ``condition`` holds; raise the fault of ``stream``'s device if there is one."""
+        self.check_alive(stream.device)
+        while not condition():
+            progressed = self._step(stream)
+            self.check_alive(stream.device)
+            if not progressed and not condition():
+                raise RuntimeCallError(call, "cudaErrorLaunchFailure",
+                                       f"emulated {stream!r} waits on work that can never run (a stream of a faulted "
+                                       f"device, faults: {sorted(self._faults)})")
+
+    def drain(self, device: int, call: str) -> None:
+        """Run every queued operation of ``device``: what cudaDeviceSynchronize and cudaFree wait for."""
+        for stream in self.streams(device):
+            self.run_until(lambda s=stream: not s.pending, stream, call)  # type: ignore[misc]

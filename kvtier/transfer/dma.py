@@ -1,0 +1,74 @@
+"""The copy-engine backends: ``direct`` (one ``cudaMemcpyAsync`` per contiguous run; also serves pageable host
+pools) and ``batch`` (the runtime's batched memcpy, which falls back to ``direct`` where it is unavailable or capture is
+on). Runs merge chunks contiguous on both sides, and are cut at the host buffer's registration boundaries: a copy may
+not span two registrations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvtier.address import Address, CpuAddress, DeviceAddress
+from kvtier.memory.registration import split_at_boundaries
+from kvtier.pools import device_strides
+from kvtier.transfer.job import D2H, Backend, Context, Job
+from kvtier.transfer.plan import layer_spans, merge_runs
+
+
+def host_pieces(context: Context, host_offsets: np.ndarray, other: np.ndarray, sizes: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(host buffer offsets, other-side offsets, sizes) of the copies for runs given in host *buffer* offsets,
+    each cut where a registration boundary falls inside it."""
+    boundaries = context.host_pool.buffer.registration_boundaries
+    if not boundaries:
+        return host_offsets, other, sizes
+    starts, pieces, origin, shift = split_at_boundaries(host_offsets, sizes, boundaries)
+    return starts, other[origin] + shift, pieces
+
+
+def queue_copies(context: Context, direction: str, host: list[Address], device: list[Address], sizes: list[int],
+                 stream: Any, batched: bool) -> None:
+    """Host ↔ device copies in the job's direction, one call each or one batch."""
+    dsts, srcs = (host, device) if direction == D2H else (device, host)
+    if batched:
+        context.runtime.memcpy_batch_async(dsts, srcs, sizes, stream=stream)
+    else:
+        for dst, src, nbytes in zip(dsts, srcs, sizes, strict=True):
+            context.runtime.memcpy_async(dst, src, nbytes, stream=stream)
+
+
+class DirectBackend(Backend):
+    name = "direct"
+    batched = False
+
+    def __init__(self, context: Context, **_: Any) -> None:
+        super().__init__(context)
+
+    def run(self, job: Job) -> None:
+        context = self.context
+        plan = context.plan
+        device_offsets = plan.offsets(job.device_pages, device_strides(context.geometry))
+        host_offsets = plan.offsets(job.host_pages, context.host_pool.strides)
+        host_runs, device_runs, sizes = merge_runs(host_offsets, device_offsets, plan.chunk_bytes)
+        for begin, count in layer_spans(job.layers, job.per_layer):
+            for layer in range(begin, begin + count):
+                self._layer(job, layer, host_runs, device_runs, sizes)
+            job.mark(context.runtime, context.device, begin, job.stream)
+
+    def _layer(self, job: Job, layer: int, host_runs: np.ndarray, device_runs: np.ndarray, sizes: np.ndarray) -> None:
+        context = self.context
+        host_pool, cpu = context.host_pool, context.host_pool.buffer.cpu_address
+        for tensor in range(context.geometry.tensors):
+            base = host_pool.tensor_offset(tensor) + layer * host_pool.strides.layer
+            offsets, device, nbytes = host_pieces(context, base + host_runs, device_runs, sizes)
+            device_base: DeviceAddress = context.device_pool.layer_device_addresses(tensor)[layer]
+            host_addresses: list[Address] = [CpuAddress(cpu.value + int(o)) for o in offsets]
+            device_addresses: list[Address] = [device_base + int(o) for o in device]
+            queue_copies(context, job.direction, host_addresses, device_addresses, nbytes.tolist(), job.stream,
+                         self.batched)
+
+
+class BatchBackend(DirectBackend):
+    name = "batch"
+    batched = True

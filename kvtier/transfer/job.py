@@ -1,0 +1,117 @@
+"""What the engine hands a backend (a :class:`Job` over a :class:`Context`) and what it hands back to the caller (a
+:class:`Transfer`). Backends see these and nothing else of the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import InvalidArgument
+from kvtier.kernels import KernelLauncher
+from kvtier.pools import DevicePool, HostPool
+from kvtier.pools.geometry import KVGeometry
+from kvtier.runtime import Event, Runtime, Stream
+from kvtier.transfer.plan import ChunkPlan
+
+D2H, H2D = "d2h", "h2d"
+
+
+@dataclass
+class Transfer:
+    """A queued transfer: ``done()`` polls, ``wait()`` blocks the CPU, ``stream_wait()`` makes a stream wait on the
+    GPU (no CPU block: layer i's compute waits for layer i only); ``layer_events[i]`` marks layer i (loads)."""
+
+    runtime: Runtime
+    finished: Event
+    layer_events: dict[int, Event] = field(default_factory=dict)
+
+    def done(self) -> bool:
+        return self.finished.query()
+
+    def wait(self) -> None:
+        self.finished.synchronize()
+
+    def wait_layer(self, layer: int) -> None:
+        self._event(layer).synchronize()
+
+    def stream_wait(self, stream: Any = None, *, layer: int | None = None) -> None:
+        """Make ``stream`` (default: the caller's current stream of the transfer's device) wait for the transfer, or
+        for one layer of it, on the device."""
+        event = self.finished if layer is None else self._event(layer)
+        target = self.runtime.current_stream(event.device) if stream is None else self.runtime.as_stream(stream)
+        target.wait(event)
+
+    def _event(self, layer: int) -> Event:
+        if layer not in self.layer_events:
+            raise InvalidArgument(f"layer {layer} is not part of this transfer (layers {sorted(self.layer_events)})")
+        return self.layer_events[layer]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every backend may use: the pools, the plan, the kernel launcher and the engine's settings."""
+
+    runtime: Runtime
+    device: int
+    geometry: KVGeometry
+    plan: ChunkPlan
+    device_pool: DevicePool
+    host_pool: HostPool
+    launcher: KernelLauncher
+    streams: dict[str, Stream]
+    index_bytes: int
+    max_blocks: int
+    threads: int
+
+
+@dataclass
+class Job:
+    """One transfer as a backend runs it. ``stream`` already waits for everything the caller ordered it after;
+    a backend that uses another stream makes it wait for ``stream`` first."""
+
+    direction: str
+    device_pages: np.ndarray
+    host_pages: np.ndarray
+    device_units: np.ndarray
+    host_units: np.ndarray
+    layers: Sequence[int]
+    per_layer: bool
+    stream: Stream
+    transfer: Transfer
+
+    @property
+    def src_units(self) -> np.ndarray:
+        return self.device_units if self.direction == D2H else self.host_units
+
+    @property
+    def dst_units(self) -> np.ndarray:
+        return self.host_units if self.direction == D2H else self.device_units
+
+    def mark(self, runtime: Runtime, device: int, begin: int, stream: Stream) -> None:
+        """Record layer ``begin``'s event on ``stream`` (per-layer loads only)."""
+        if self.per_layer:
+            event = runtime.create_event(device)
+            event.record(stream)
+            self.transfer.layer_events[begin] = event
+
+
+class Backend:
+    """An io backend: moves the pages of a :class:`Job`. One ``run`` each; ``drain`` waits for its own streams."""
+
+    name = "abstract"
+
+    def __init__(self, context: Context, **options: Any) -> None:
+        """``options``: the engine's backend settings (ring_bytes, staging_bytes, ...); each backend takes its own."""
+        self.context = context
+
+    def run(self, job: Job) -> None:
+        raise NotImplementedError("need Backend.run")
+
+    def drain(self) -> None:
+        """Wait for streams the backend owns besides the engine's (the engine waits for its own)."""
+
+    def close(self) -> None:
+        """Free what the backend owns; the engine drained everything before."""

@@ -1,0 +1,99 @@
+"""The ``kernel`` backend: SM copies under an SM budget, one launch per layer (or per run of layers), K and V in one
+launch. Also the pointer tables and the one launch helper the ``staged`` backend's relayout shares."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import InvalidArgument
+from kvtier.kernels import ChunkCopy
+from kvtier.memory import HostKind
+from kvtier.pools import PointerTable, build_pointer_table
+from kvtier.runtime import Graph, Stream
+from kvtier.transfer.indices import IndexRing, arena_bytes
+from kvtier.transfer.job import D2H, H2D, Backend, Context, Job
+from kvtier.transfer.plan import layer_spans
+
+
+def device_table(context: Context) -> PointerTable:
+    """The device pool's per-layer bases, tensor-major, resolved for the engine's device."""
+    pool = context.device_pool
+    return build_pointer_table(context.runtime, context.device,
+                               [op for t in range(context.geometry.tensors) for op in pool.layers[t]])
+
+
+def launch_copy(context: Context, direction: str, indices: list[Any], units: int, begin: int, count: int,
+                stream: Stream, host_table: Any, device_table: Any, blocks: int | None = None) -> None:
+    """One launch for every tensor of layers [begin, begin + count); ``host_table`` may name a staging area laid
+    out like the host pool."""
+    plan, g = context.plan, context.geometry
+    device_side, host_side = plan.device_side(device_table), plan.host_side(host_table)
+    src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
+    call = ChunkCopy(src, dst, indices[0], indices[1], context.index_bytes, units, begin, count, plan.pieces,
+                     plan.chunk_bytes, g.tensors, g.layers)
+    context.launcher.copy_chunks(call, device=context.device, stream=stream, max_blocks=blocks or context.max_blocks,
+                                 threads=context.threads)
+
+
+class KernelBackend(Backend):
+    name = "kernel"
+
+    def __init__(self, context: Context, *, ring_bytes: int, **_: Any) -> None:
+        super().__init__(context)
+        if context.host_pool.buffer.kind is HostKind.PAGEABLE:
+            raise InvalidArgument("the kernel backend needs a device-accessible host pool, and this one is pageable: "
+                                  "allocate it 'registered', 'pinned' or 'shm', or use backend='direct'")
+        self._owned: list[Any] = []
+        try:
+            self.device_table = self._own(device_table(context))
+            host = context.host_pool
+            self.host_table = self._own(build_pointer_table(
+                context.runtime, context.device,
+                [region for t in range(context.geometry.tensors) for region in host.layer_regions(t)]))
+            self.rings = {d: self._own(IndexRing(context.runtime, context.device, context.streams[d], ring_bytes))
+                          for d in (D2H, H2D)}
+        except BaseException:
+            self.close()
+            raise
+
+    def _own(self, handle: Any) -> Any:
+        self._owned.append(handle)
+        return handle
+
+    def run(self, job: Job) -> None:
+        context = self.context
+        ring = self.rings[job.direction]
+        indices, lease = ring.upload([job.src_units, job.dst_units])
+        try:
+            for begin, count in layer_spans(job.layers, job.per_layer):
+                launch_copy(context, job.direction, indices, job.src_units.size, begin, count, job.stream,
+                            self.host_table, self.device_table)
+                job.mark(context.runtime, context.device, begin, job.stream)
+        finally:
+            ring.fence(lease)
+
+    def capture(self, host_units: np.ndarray, device_units: np.ndarray, layer: int, stream: Stream
+                ) -> tuple[Graph, IndexRing]:
+        """A one-layer load captured on ``stream`` as a graph; the graph owns its index ring."""
+        context = self.context
+        ring = IndexRing(context.runtime, context.device, stream, arena_bytes(host_units.size, context.index_bytes))
+        try:
+            indices, lease = ring.upload([host_units, device_units])
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                launch_copy(context, H2D, indices, host_units.size, layer, 1, stream, self.host_table,
+                            self.device_table)
+            finally:
+                graph = stream.end_capture()
+            ring.fence(lease)
+        except BaseException:
+            ring.close()
+            raise
+        return graph, ring
+
+    def close(self) -> None:
+        while self._owned:
+            self._owned.pop().close()
