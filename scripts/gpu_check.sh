@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: AOT build, the suite with AOT and with JIT kernels, a compute-sanitizer memcheck
-# over the kernel tests, kvtier doctor, the benchmarks, and the batched-memcpy probe. Logs land under $OUT (the device tool brings them back).
+# over the kernel tests, the copy-across-registrations probe, kvtier doctor, the benchmarks, and the batched-memcpy
+# probe. Logs land under $OUT (the device tool brings them back).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
-PHASES=${PHASES:-"build tests jit sanitizer doctor bench limits"}
+PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench limits"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
@@ -31,6 +32,10 @@ if want sanitizer; then
     KVTIER_KERNELS=aot compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
         -m gpu tests/test_transfer.py tests/test_kernels.py -k "cuda and (kernel and fp8 or odd_shapes)" 2>&1 \
         | tail -40 | tee "$OUT/sanitizer.log" || status=1
+fi
+if want spans; then
+    python3 bench/registration_span.py --json "$OUT/registration_span.json" 2>&1 | tee "$OUT/registration_span.txt" \
+        || status=1
 fi
 if want doctor; then
     python3 -m kvtier --runtime cuda doctor 2>&1 | tee "$OUT/doctor.txt" || status=1

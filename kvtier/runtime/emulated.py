@@ -34,6 +34,7 @@ from kvtier.runtime.base import (
 )
 from kvtier.runtime.emulated_device import (
     AddressMap,
+    Busy,
     DeviceMemory,
     EmulatedEvent,
     EmulatedStream,
@@ -298,6 +299,11 @@ class EmulatedRuntime(Runtime):
             stream = EmulatedStream(self.scheduler, device, next(self._handles))
             self.scheduler.add(stream)
         return stream
+
+    def busy(self, stream: Stream, steps: int) -> None:
+        """Queue a long kernel: ``stream`` stays busy for ``steps`` scheduler steps while other streams run (what
+        ``torch.cuda._sleep`` is on a GPU); code that forgets to wait for it races it here too."""
+        self._stream(stream).enqueue(Busy(steps))
 
     def create_event(self, device: int | None = None) -> EmulatedEvent:
         return EmulatedEvent(self.scheduler, self.current_device() if device is None else self.check_device(device))

@@ -112,6 +112,17 @@ class WaitOp:
         pass
 
 
+class Busy:
+    """A long kernel (``torch.cuda._sleep``): it holds its stream for ``steps`` scheduler steps, while other streams
+    run."""
+
+    def __init__(self, steps: int) -> None:
+        self.remaining = steps
+
+    def __call__(self) -> None:
+        pass
+
+
 Op = Callable[[], None]
 
 

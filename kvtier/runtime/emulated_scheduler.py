@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 
 from kvtier.errors import IllegalAddress, InvalidArgument, RuntimeCallError
-from kvtier.runtime.emulated_device import EmulatedStream, WaitOp
+from kvtier.runtime.emulated_device import Busy, EmulatedStream, WaitOp
 
 SCHEDULES = ("eager", "lazy")
 RUN_AHEAD = 0.75
@@ -93,6 +93,10 @@ class Scheduler:
         stream = self._pick(target)
         if stream is None:
             return False
+        head = stream.pending[0]
+        if isinstance(head, Busy) and head.remaining > 0:
+            head.remaining -= 1
+            return True
         op = stream.pending.popleft()
         try:
             op()
