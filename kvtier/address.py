@@ -45,6 +45,9 @@ class CpuAddress:
             raise AddressDomainError(f"cannot subtract {other} from {self}: different address domains")
         return CpuAddress(self.value - _offset(other, "CpuAddress -"))
 
+    def aligned(self, alignment: int) -> bool:
+        return self.value % alignment == 0
+
     def __repr__(self) -> str:
         return f"CpuAddress(0x{self.value:x})"
 
@@ -79,6 +82,9 @@ class DeviceAddress:
         if not isinstance(other, DeviceAddress) or other.device != self.device:
             raise AddressDomainError(f"cannot order {self} against {other!r}")
         return self.value < other.value
+
+    def aligned(self, alignment: int) -> bool:
+        return self.value % alignment == 0
 
     def __repr__(self) -> str:
         return f"DeviceAddress(0x{self.value:x}, device={self.device})"

@@ -26,6 +26,14 @@ def _no_image(capability: tuple[int, int]) -> tuple[bytes, str]:
 XOR = ProgramSpec("test-xor", ("xor",), _no_image, {"xor": _xor_kernel})
 
 
+def _touch_kernel(memory: Any, address: int, nbytes: int) -> None:
+    memory.view(address, nbytes)[:] = 1
+
+
+TOUCH = ProgramSpec("test-touch", ("touch",), _no_image, {"touch": _touch_kernel})
+"""Writes ones at an address: the smallest kernel that faults when handed an address its device cannot reach."""
+
+
 class _CudaArray:
     def __init__(self, address: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),

@@ -6,18 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from device_kernels import XOR, random_bytes
+from device_kernels import TOUCH, XOR, random_bytes
 from kvtier.errors import IllegalAddress, RuntimeCallError, WrongDeviceError
 from kvtier.memory import CpuAddress, DeviceAddress, DeviceBuffer, HostBuffer, HostKind
-from kvtier.runtime import ProgramSpec, create, i64
+from kvtier.runtime import create, i64
 from kvtier.runtime.emulated import EmulatedRuntime
-
-
-def _touch(memory, address, nbytes):
-    memory.view(address, nbytes)[:] = 1
-
-
-TOUCH = ProgramSpec("test-touch", ("touch",), lambda cc: (b"", ""), {"touch": _touch})
 
 
 def test_lazy_work_lands_only_when_synchronized():

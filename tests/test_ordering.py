@@ -67,8 +67,9 @@ def _stale_backups(backend: str, seed: int, after: str) -> int:
         transfer.wait()
         model.synchronize()
         snapshot = host_bytes(host)
+        pairs = list(zip(pages, slots, strict=True))
         return sum(not np.array_equal(_host_page(host, snapshot, t, layer, slot), expected[(t, layer, page)])
-                   for t in range(G.tensors) for layer in range(G.layers) for page, slot in zip(pages, slots))
+                   for t in range(G.tensors) for layer in range(G.layers) for page, slot in pairs)
 
 
 @pytest.mark.parametrize("after", ["current", "event"])
@@ -112,8 +113,9 @@ def test_loads_land_after_the_model_is_done_with_the_pages_and_before_it_reads_t
             model.synchronize()
             for tensor, layer, out in reads:
                 for k, slot in enumerate((4, 1)):
-                    np.testing.assert_array_equal(out[k * G.page_bytes:(k + 1) * G.page_bytes],
-                                                  _host_page(host, snapshot, tensor, layer, slot), err_msg=f"seed {seed}")
+                    expected = _host_page(host, snapshot, tensor, layer, slot)
+                    np.testing.assert_array_equal(out[k * G.page_bytes:(k + 1) * G.page_bytes], expected,
+                                                  err_msg=f"seed {seed}")
 
 
 def test_after_accepts_streams_lists_and_refuses_nonsense(split):

@@ -183,7 +183,7 @@ class KernelLauncher:
 
 
 def _check_aligned(address: DeviceAddress, align: int, what: str) -> None:
-    if address.value % align:
+    if not address.aligned(align):
         raise MisalignedAddress(f"{what} {address} is not {align}-byte aligned: the kernel reads it {align} bytes "
                                 f"at a time, and a misaligned access faults the whole device")
 

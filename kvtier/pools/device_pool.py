@@ -34,7 +34,7 @@ class DevicePool:
         self._addresses = [[get_device_accessible_ptr(op, device, runtime=runtime) for op in row] for row in layers]
         for tensor, row in enumerate(self._addresses):
             for layer, address in enumerate(row):
-                if address.value % ALIGNMENT:
+                if not address.aligned(ALIGNMENT):
                     raise MisalignedAddress(f"tensor {tensor} layer {layer} starts at {address}, not {ALIGNMENT}-byte "
                                             f"aligned: the transfer kernels copy 16 bytes at a time")
         self._owned = list(owned)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.address import Address, CpuAddress, DeviceAddress
+from kvtier.address import Address, DeviceAddress
 from kvtier.memory.registration import split_at_boundaries
 from kvtier.pools import device_strides
 from kvtier.transfer.job import D2H, Backend, Context, Job
@@ -63,7 +63,7 @@ class DirectBackend(Backend):
             base = host_pool.tensor_offset(tensor) + layer * host_pool.strides.layer
             offsets, device, nbytes = host_pieces(context, base + host_runs, device_runs, sizes)
             device_base: DeviceAddress = context.device_pool.layer_device_addresses(tensor)[layer]
-            host_addresses: list[Address] = [CpuAddress(cpu.value + int(o)) for o in offsets]
+            host_addresses: list[Address] = [cpu + int(o) for o in offsets]
             device_addresses: list[Address] = [device_base + int(o) for o in device]
             queue_copies(context, job.direction, host_addresses, device_addresses, nbytes.tolist(), job.stream,
                          self.batched)

@@ -31,13 +31,12 @@ from kvtier.transfer.dma import BatchBackend, DirectBackend
 from kvtier.transfer.indices import IndexRing, arena_bytes
 from kvtier.transfer.job import D2H, H2D, Backend, Context, Job, Transfer
 from kvtier.transfer.kernel import KernelBackend
-from kvtier.transfer.plan import plan_for
+from kvtier.transfer.plan import index_values, plan_for
 from kvtier.transfer.staged import StagedBackend
 
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (KernelBackend, StagedBackend, DirectBackend, BatchBackend)}
 CURRENT = "current"
 """``after=CURRENT`` (the default): order the transfer after the caller's current stream."""
-INT32_LIMIT = 1 << 31
 
 
 class CapturedLoad:
@@ -214,11 +213,6 @@ class TransferEngine:
         if (counts > 1).any():
             raise InvalidArgument(f"{name} names page {int(values[counts > 1][0])} more than once: a destination page "
                                   f"written twice in one transfer would mix the bytes of both sources")
-        if self.index_bytes == 4:
-            largest = (max(self.device_pool.pages, self.host_pool.pages) * self.plan.units_per_page) - 1
-            if largest >= INT32_LIMIT:
-                raise InvalidArgument(f"index_bytes=4 cannot address unit {largest} of these pools (int32 indices "
-                                      f"stop at {INT32_LIMIT - 1}): use index_bytes=8")
         return dev, host
 
     def _layers(self, layers: Sequence[int] | None) -> list[int]:
@@ -234,7 +228,7 @@ class TransferEngine:
         return chosen
 
     def _units(self, pages: np.ndarray) -> np.ndarray:
-        return self.plan.units(pages).astype(np.int64 if self.index_bytes == 8 else np.int32)
+        return index_values(self.plan.units(pages), self.index_bytes)
 
     def _order(self, stream: Stream, after: Any) -> None:
         if after is None:

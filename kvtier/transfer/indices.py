@@ -19,7 +19,7 @@ from kvtier.memory import DeviceAddress, DeviceBuffer, HostBuffer, HostKind
 from kvtier.runtime import Event, Runtime, Stream
 
 ALIGN = 16
-MIN_BYTES = 1 << 16
+MIN_BYTES = 1 << 12
 
 
 class Lease:

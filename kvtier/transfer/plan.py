@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.errors import InvalidArgument
 from kvtier.kernels import ChunkSide
 from kvtier.pools.geometry import KVGeometry, Strides, device_strides
 
@@ -67,6 +68,16 @@ def plan_for(geometry: KVGeometry, host: Strides) -> ChunkPlan:
     if host.row_contiguous(g):
         return ChunkPlan(g, host, "token", g.row_bytes, 1)
     return ChunkPlan(g, host, "head", g.head_bytes, g.heads)
+
+
+def index_values(units: np.ndarray, index_bytes: int) -> np.ndarray:
+    """Unit indices in the kernel's index type; int32 refuses what it cannot hold instead of wrapping."""
+    if index_bytes == 8:
+        return units.astype(np.int64, copy=False)
+    if units.size and int(units.max()) >= 1 << 31:
+        raise InvalidArgument(f"unit index {int(units.max())} does not fit int32 indices (index_bytes=4): use "
+                              f"index_bytes=8")
+    return units.astype(np.int32)
 
 
 def merge_runs(src: np.ndarray, dst: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

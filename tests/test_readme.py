@@ -1,0 +1,52 @@
+"""README stays true: every Python block runs as written, every shell command that is not an install runs, and CI
+runs the two set-up commands verbatim."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, flags=re.S)
+PYTHON = [code for lang, code in BLOCKS if lang == "python"]
+SHELL = [line for lang, code in BLOCKS if lang == "bash" for line in code.strip().splitlines()]
+INSTALLS = [line for line in SHELL if "pip install" in line]
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "KVTIER_RUNTIME"}
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_readme_has_the_two_set_up_commands():
+    assert len(INSTALLS) == 2 and any("pytest" in line for line in INSTALLS)
+    ci = (ROOT / ".ci" / "run").read_text()
+    for line in INSTALLS:
+        assert line in ci, f".ci/run must run README's command verbatim: {line}"
+
+
+@pytest.mark.parametrize("code", PYTHON, ids=[f"python-{i}" for i in range(len(PYTHON))])
+def test_python_blocks_run_as_written(code):
+    done = _run([sys.executable, "-c", code])
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("line", [line for line in SHELL if line not in INSTALLS and "gpu_check" not in line])
+def test_shell_commands_run_as_written(line):
+    done = _run(["bash", "-c", line])
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_project_stands_alone():
+    for path in [ROOT / "README.md", ROOT / "BENCHMARKS.md", *(ROOT / "docs").glob("*.md")]:
+        text = path.read_text()
+        assert "../shared" not in text and "METHOD.md" not in text, path
+        for target in re.findall(r"\]\(([^)#]+)\)", text):
+            if not target.startswith("http"):
+                assert (path.parent / target).exists(), f"{path.name} links to {target}, which a clone lacks"
