@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_parser = commands.add_parser("doctor", help="report devices, host memory kinds, aliases and copy speed")
     doctor_parser.add_argument("--runtime", default=argparse.SUPPRESS, help=runtime_help)
     doctor.add_arguments(doctor_parser)
-    doctor_parser.set_defaults(run=doctor.command)
+    doctor_parser.set_defaults(run=doctor.command, needs_runtime=True)
     shm.add_parser(commands)
     return parser
 
@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(get_runtime(args.runtime), args))
+        runtime = get_runtime(args.runtime) if getattr(args, "needs_runtime", False) else None
+        return int(args.run(runtime, args))
     except KvtierError as exc:
         print(f"kvtier {args.command}: {exc}", file=sys.stderr)
         return 2

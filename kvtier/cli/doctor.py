@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def command(runtime: Runtime, args: argparse.Namespace) -> int:
     if args.probe_mib <= 0:
-        raise InvalidArgument(f"--probe-mib must be a positive number of MiB, got {args.probe_mib}")
+        raise InvalidArgument(f"--probe-mib must be positive (MiB per probe buffer), got {args.probe_mib}")
     err = Console(stderr=True)
     with err.status("kvtier doctor") as status:
         report = doctor_probe.run(runtime, args.probe_mib << 20, lambda s: status.update(f"kvtier doctor: {s}"),

@@ -22,9 +22,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sweep.set_defaults(run=sweep_command)
 
 
-def sweep_command(runtime: Runtime, args: argparse.Namespace) -> int:
-    """One line per file, so the output greps and pipes. ``runtime`` is unused: ``main`` hands every command one, and
-    a dead owner's file needs no runtime to be removed."""
+def sweep_command(runtime: Runtime | None, args: argparse.Namespace) -> int:
+    """One line per file, so the output greps and pipes. No runtime is started: a dead owner's file needs none."""
     removed = sweep_shm(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:
