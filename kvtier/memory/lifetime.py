@@ -7,8 +7,12 @@ that memory drains every live user before giving the memory back, so closing nev
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class Drainable(Protocol):
@@ -39,3 +43,27 @@ class Users:
 
     def __len__(self) -> int:
         return len(self._users)
+
+
+class Owned:
+    """Handles one object owns (buffers, tables, streams, events), closed last-first. Construction happens inside
+    :meth:`building`, so a failure half-way closes what was already made instead of leaking it."""
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+
+    def own(self, handle: T) -> T:
+        self._handles.append(handle)
+        return handle
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[Owned]:
+        try:
+            yield self
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        while self._handles:
+            self._handles.pop().close()

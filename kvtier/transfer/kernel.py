@@ -10,6 +10,7 @@ import numpy as np
 from kvtier.errors import InvalidArgument
 from kvtier.kernels import ChunkCopy
 from kvtier.memory import HostKind
+from kvtier.memory.lifetime import Owned
 from kvtier.pools import PointerTable, build_pointer_table
 from kvtier.runtime import Graph, Stream
 from kvtier.transfer.indices import IndexRing, arena_bytes
@@ -45,22 +46,15 @@ class KernelBackend(Backend):
         if context.host_pool.buffer.kind is HostKind.PAGEABLE:
             raise InvalidArgument("the kernel backend needs a device-accessible host pool, and this one is pageable: "
                                   "allocate it 'registered', 'pinned' or 'shm', or use backend='direct'")
-        self._owned: list[Any] = []
-        try:
-            self.device_table = self._own(device_table(context))
+        self._owned = Owned()
+        with self._owned.building() as owned:
+            self.device_table = owned.own(device_table(context))
             host = context.host_pool
-            self.host_table = self._own(build_pointer_table(
+            self.host_table = owned.own(build_pointer_table(
                 context.runtime, context.device,
                 [region for t in range(context.geometry.tensors) for region in host.layer_regions(t)]))
-            self.rings = {d: self._own(IndexRing(context.runtime, context.device, context.streams[d], ring_bytes))
+            self.rings = {d: owned.own(IndexRing(context.runtime, context.device, context.streams[d], ring_bytes))
                           for d in (D2H, H2D)}
-        except BaseException:
-            self.close()
-            raise
-
-    def _own(self, handle: Any) -> Any:
-        self._owned.append(handle)
-        return handle
 
     def run(self, job: Job) -> None:
         context = self.context
@@ -95,5 +89,4 @@ class KernelBackend(Backend):
         return graph, ring
 
     def close(self) -> None:
-        while self._owned:
-            self._owned.pop().close()
+        self._owned.close()

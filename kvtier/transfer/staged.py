@@ -17,6 +17,7 @@ import numpy as np
 from kvtier.address import Address
 from kvtier.errors import InvalidArgument
 from kvtier.memory import DeviceBuffer
+from kvtier.memory.lifetime import Owned
 from kvtier.pools import HostLayout, PointerTable, build_pointer_table, host_strides
 from kvtier.runtime import Stream
 from kvtier.transfer.dma import host_pieces, queue_copies
@@ -62,23 +63,16 @@ class StagingArea:
         self.layout = context.host_pool.layout
         self.strides = host_strides(g, self.layout, self.capacity)
         self.tensor_bytes = self.capacity * g.layers * g.page_bytes
-        self._owned: list[Any] = []
-        try:
-            self.buffer = self._own(DeviceBuffer(g.tensors * self.tensor_bytes, device, runtime=runtime))
-            self.table = self._own(build_pointer_table(
+        self._owned = Owned()
+        with self._owned.building() as owned:
+            self.buffer = owned.own(DeviceBuffer(g.tensors * self.tensor_bytes, device, runtime=runtime))
+            self.table = owned.own(build_pointer_table(
                 runtime, device, [r for t in range(g.tensors) for r in self.layer_regions(t)]))
-            self.stream = self._own(runtime.create_stream(device))
-            self.ring = self._own(IndexRing(runtime, device, self.stream, ring_bytes))
-            self.free = [self._own(runtime.create_event(device)) for _ in range(halves)]
-            self.ready, self.idle = self._own(runtime.create_event(device)), self._own(runtime.create_event(device))
-            self.start = self._own(runtime.create_event(device))
-        except BaseException:
-            self.close()
-            raise
-
-    def _own(self, handle: Any) -> Any:
-        self._owned.append(handle)
-        return handle
+            self.stream = owned.own(runtime.create_stream(device))
+            self.ring = owned.own(IndexRing(runtime, device, self.stream, ring_bytes))
+            self.free = [owned.own(runtime.create_event(device)) for _ in range(halves)]
+            self.ready, self.idle = owned.own(runtime.create_event(device)), owned.own(runtime.create_event(device))
+            self.start = owned.own(runtime.create_event(device))
 
     def layer_regions(self, tensor: int) -> list:
         base = tensor * self.tensor_bytes
@@ -174,8 +168,7 @@ class StagingArea:
         self.stream.synchronize()
 
     def close(self) -> None:
-        while self._owned:
-            self._owned.pop().close()
+        self._owned.close()
 
 
 class StagedBackend(Backend):
@@ -184,14 +177,11 @@ class StagedBackend(Backend):
     def __init__(self, context: Context, *, staging_bytes: int, relayout_blocks: int | None, ring_bytes: int,
                  **_: Any) -> None:
         super().__init__(context)
-        self.table = device_table(context)
-        self.areas: dict[str, StagingArea] = {}
-        try:
-            for direction in (D2H, H2D):
-                self.areas[direction] = StagingArea(context, self.table, staging_bytes, relayout_blocks, ring_bytes)
-        except BaseException:
-            self.close()
-            raise
+        self._owned = Owned()
+        with self._owned.building() as owned:
+            self.table = owned.own(device_table(context))
+            self.areas = {d: owned.own(StagingArea(context, self.table, staging_bytes, relayout_blocks, ring_bytes))
+                          for d in (D2H, H2D)}
 
     def run(self, job: Job) -> None:
         self.areas[job.direction].run(job)
@@ -201,7 +191,4 @@ class StagedBackend(Backend):
             area.drain()
 
     def close(self) -> None:
-        for area in self.areas.values():
-            area.close()
-        self.areas.clear()
-        self.table.close()
+        self._owned.close()
