@@ -56,8 +56,9 @@ def test_doctor_on_cuda(capsys, cuda):
     assert set(registered["alias_equals_cpu"].values()) == {same}
 
 
-@pytest.mark.parametrize("argv, match", [(["doctor", "--probe-mib", "0"], "kvtier doctor: --probe-mib must be positive"),
-                                         (["--runtime", "emulated:split:x", "doctor"], "kvtier doctor: bad runtime")])
+@pytest.mark.parametrize("argv, match", [
+    (["doctor", "--probe-mib", "0"], "kvtier doctor: --probe-mib must be positive"),
+    (["--runtime", "emulated:split:x", "doctor"], "kvtier doctor: bad runtime")])
 def test_bad_arguments_are_named_with_the_command_prefix(capsys, argv, match):
     assert main(argv) == 2
     assert match in capsys.readouterr().err

@@ -171,3 +171,20 @@ def test_device_pool_keeps_engine_tensors_alive(cuda):
                  for _ in range(2 * G.tensors * G.layers)]
     assert not addresses & {t.data_ptr() for t in newcomers}
     pool.close()
+
+
+def test_closing_a_device_buffer_under_a_pool_closes_the_pool_for_engines(runtime):
+    """Buffers handed to a pool by their owner may be closed behind its back: the engine waits, then refuses."""
+    buffers = [[DeviceBuffer(4 * G.page_bytes, 0, runtime=runtime) for _ in range(G.layers)] for _ in range(G.tensors)]
+    dev = DevicePool(G, 4, 0, runtime, buffers)
+    with engine_on(runtime, G, "page_first", engine=False) as (_, host, _unused):
+        engine = TransferEngine(dev, host)
+        pending = engine.backup([0, 1], [2, 3])
+        buffers[1][0].close()
+        assert pending.done()
+        with pytest.raises(BufferClosed):
+            engine.load([2], [1])
+        engine.close()
+    for row in buffers:
+        for buffer in row:
+            buffer.close()

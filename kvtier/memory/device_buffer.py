@@ -73,6 +73,9 @@ class DeviceBuffer:
         """``user`` queues device work over this buffer: :meth:`close` waits for it first."""
         self._users.add(user)
 
+    def remove_user(self, user: Drainable) -> None:
+        self._users.discard(user)
+
     def close(self) -> None:
         """Wait for every user's queued work, then free (cudaFree itself would also wait for the device). Idempotent."""
         if self.closed:

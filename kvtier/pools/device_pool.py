@@ -15,7 +15,7 @@ import numpy as np
 
 from kvtier.checks import integer
 from kvtier.errors import BufferClosed, InvalidArgument, MisalignedAddress
-from kvtier.memory import DeviceAddress, DeviceBuffer, get_device_accessible_ptr
+from kvtier.memory import DeviceAddress, DeviceBuffer, DeviceRegion, get_device_accessible_ptr
 from kvtier.memory.lifetime import Drainable, Users
 from kvtier.pools.geometry import KVGeometry
 from kvtier.runtime import Runtime
@@ -38,6 +38,8 @@ class DevicePool:
                     raise MisalignedAddress(f"tensor {tensor} layer {layer} starts at {address}, not {ALIGNMENT}-byte "
                                             f"aligned: the transfer kernels copy 16 bytes at a time")
         self._owned = list(owned)
+        self._buffers = list({id(b): b for b in (_buffer_of(op) for row in layers for op in row) if b is not None}
+                             .values())
         self._users = Users()
         self._closed = False
 
@@ -96,7 +98,8 @@ class DevicePool:
     # -- lifetime --------------------------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        return self._closed or any(buffer.closed for buffer in self._owned)
+        """Closed itself, or any device buffer under its layers closed by someone else."""
+        return self._closed or any(buffer.closed for buffer in self._buffers)
 
     def check_open(self) -> None:
         if self.closed:
@@ -106,9 +109,13 @@ class DevicePool:
         """``user`` (an engine) queues device work over this pool: :meth:`close` waits for it first."""
         self.check_open()
         self._users.add(user)
+        for buffer in self._buffers:
+            buffer.add_user(user)
 
     def remove_user(self, user: Drainable) -> None:
         self._users.discard(user)
+        for buffer in self._buffers:
+            buffer.remove_user(user)
 
     def close(self) -> None:
         """Wait for the transfers engines queued over the pool, then free owned memory and drop held tensors."""
@@ -121,7 +128,7 @@ class DevicePool:
             for buffer in self._owned:
                 buffer.close()
             self._owned.clear()
-            self.layers = []
+            self.layers, self._buffers = [], []
 
     def __enter__(self) -> DevicePool:
         return self
@@ -132,6 +139,12 @@ class DevicePool:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.pages} pages"
         return f"<DevicePool {self.geometry.kind.value} {state} on device {self.device} of {self.runtime.name}>"
+
+
+def _buffer_of(operand: Any) -> DeviceBuffer | None:
+    if isinstance(operand, DeviceBuffer):
+        return operand
+    return operand.buffer if isinstance(operand, DeviceRegion) else None
 
 
 def check_range(pages: np.ndarray, limit: int, what: str) -> None:

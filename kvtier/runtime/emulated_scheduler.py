@@ -28,6 +28,10 @@ RUN_AHEAD = 0.75
 """At each enqueue the eager schedule keeps running ready operations with this probability per step."""
 
 
+def stream_idle(stream: EmulatedStream) -> Callable[[], bool]:
+    return lambda: not stream.pending
+
+
 class _Fault:
     def __init__(self, error: BaseException) -> None:
         self.error, self.reported = error, False
@@ -132,4 +136,4 @@ class Scheduler:
     def drain(self, device: int, call: str) -> None:
         """Run every queued operation of ``device``: what cudaDeviceSynchronize and cudaFree wait for."""
         for stream in self.streams(device):
-            self.run_until(lambda s=stream: not s.pending, stream, call)  # type: ignore[misc]
+            self.run_until(stream_idle(stream), stream, call)

@@ -10,6 +10,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Generic, Iterator, TypeVar
 
+from kvtier.errors import InvalidArgument
+
 T = TypeVar("T")
 
 
@@ -47,10 +49,10 @@ class RangeIndex(Generic[T]):
 
     def add(self, start: int, nbytes: int, value: T) -> Range[T]:
         if nbytes <= 0:
-            raise ValueError(f"range size must be positive, got {nbytes}")
+            raise InvalidArgument(f"range size must be positive, got {nbytes}")
         clash = self.overlapping(start, nbytes)
         if clash is not None:
-            raise ValueError(f"[0x{start:x}, +{nbytes}) overlaps [0x{clash.start:x}, +{clash.nbytes})")
+            raise InvalidArgument(f"[0x{start:x}, +{nbytes}) overlaps [0x{clash.start:x}, +{clash.nbytes})")
         i = bisect.bisect_left(self._starts, start)
         entry = Range(start, nbytes, value)
         self._starts.insert(i, start)
