@@ -10,8 +10,10 @@ Run on a GPU machine: ``python bench/batch_limits.py``.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 CASES = [(8192, 1), (8192, 8), (32768, 4), (131072, 1), (131072, 8)]  # (copies per submission, submissions)
 
@@ -32,8 +34,8 @@ def child(copies: int, rounds: int, piece: int = 1024) -> None:
         stream = runtime.create_stream(0)
         for _ in range(rounds):
             chosen = rng.choice(slots, copies, replace=False)
-            srcs = (host.cpu_address.value + chosen * piece).tolist()
-            dsts = (device.address.value + np.arange(copies) * piece).tolist()
+            srcs = [host.cpu_address + int(offset) for offset in chosen * piece]
+            dsts = [device.address + offset for offset in range(0, copies * piece, piece)]
             device.upload(np.full(copies * piece, 0xEE, np.uint8))
             runtime.memcpy_batch_async(dsts, srcs, [piece] * copies, stream=stream)
             stream.synchronize()
@@ -46,9 +48,13 @@ def child(copies: int, rounds: int, piece: int = 1024) -> None:
     print("ok")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="The runtime is kvtier's choice ($KVTIER_RUNTIME, else cuda when a GPU is usable, "
+                                   "else emulated:split).").parse_args(argv)
     for copies, rounds in CASES:
-        code = f"import sys; sys.path.insert(0, 'bench'); import batch_limits; batch_limits.child({copies}, {rounds})"
+        here = str(Path(__file__).resolve().parent)
+        code = f"import sys; sys.path.insert(0, {here!r}); import batch_limits; batch_limits.child({copies}, {rounds})"
         try:
             done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
             outcome = done.stdout.strip().splitlines()[-1:] or [done.stderr.strip()[-200:]]

@@ -1,14 +1,17 @@
 """How long queuing a load keeps the Python thread, against how long the load takes (H200 diagnosis of staged tails).
 
-For 1 GiB of pages (MLA and Llama-3-8B, ``page_first_direct`` host, contiguous slots), each backend, per-layer and
-one-launch loads: the time ``load()`` takes to return (queuing, including any wait for a free index slot), the time to
-completion, and when layer 0 and layer L-2 completed. If queuing ends near completion, the GPU waited for Python.
+For 1 GiB of pages (``--gib``; MLA and Llama-3-8B, ``page_first_direct`` host, contiguous slots), each backend,
+per-layer and one-launch loads: the time ``load()`` takes to return (queuing, including any wait for a free index
+slot), the time to completion, and when layer 0 and layer L-2 completed. If queuing ends near completion, the GPU
+waited for Python.
 
-Run on a GPU machine: ``python bench/enqueue.py``.
+Run on a GPU machine: ``python bench/enqueue.py``. ``--runtime emulated:split --gib 0.01`` runs it on the CPU emulator
+in seconds, as a smoke test: the emulator's kernels are Python reference code, so its timings are not speeds.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -23,14 +26,34 @@ from kvtier.pools import DevicePool, HostPool  # noqa: E402
 from kvtier.runtime import get  # noqa: E402
 from kvtier.transfer import TransferEngine  # noqa: E402
 
+EMULATED_NOTE = "note: {name} runs Python reference kernels on the CPU, so these timings are not speeds"
 
-def main() -> None:
-    runtime = get("cuda")
-    seed = HostBuffer.allocate(64 << 20, HostKind.PINNED, runtime=runtime)
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runtime", help="cuda, emulated:split or emulated:unified (default: kvtier's choice: "
+                                          "$KVTIER_RUNTIME, else cuda when a GPU is usable, else emulated:split)")
+    parser.add_argument("--gib", type=float, default=1.0,
+                        help="GiB of pages per load (default: %(default)s; use e.g. 0.01 on an emulated runtime)")
+    args = parser.parse_args(argv)
+    if args.gib <= 0:
+        parser.error(f"--gib must be positive, got {args.gib}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    runtime = get(args.runtime)
+    emulated = runtime.name.startswith("emulated")
+    print(f"runtime {runtime.name}, {args.gib:g} GiB per load", flush=True)
+    if emulated:
+        print(EMULATED_NOTE.format(name=runtime.name), flush=True)
+    size = int(args.gib * (1 << 30))
+    seed = HostBuffer.allocate(min(64 << 20, max(1 << 20, size)), HostKind.PINNED, runtime=runtime)
     seed.as_tensor().numpy()[:] = np.random.default_rng().integers(1, 256, seed.nbytes, dtype=np.uint8)
     for name in ("dsv3-mla-p16", "llama3-8b-p16"):
         g = GEOMETRIES[name]
-        pages = (1 << 30) // g.bytes_per_page
+        pages = max(1, size // g.bytes_per_page)
         dev = DevicePool.allocate(g, 2 * pages, 0, runtime=runtime)
         fill(runtime, dev, seed)
         host = HostPool.allocate(g, "page_first_direct", pages=2 * pages, runtime=runtime)
@@ -38,25 +61,32 @@ def main() -> None:
         for backend in ("staged", "kernel"):
             engine = TransferEngine(dev, host, backend=backend)
             for per_layer in (True, False, True, False, True):
-                engine.synchronize()
-                start = time.perf_counter()
-                load = engine.load(np.arange(pages), src, per_layer=per_layer)
-                queued = time.perf_counter()
-                marks = ""
-                if per_layer:
-                    load.layer_events[0].synchronize()
-                    first = time.perf_counter()
-                    load.layer_events[g.layers - 2].synchronize()
-                    marks = f", layer 0 at {(first - start) * 1e3:.2f} ms, layer L-2 at " \
-                            f"{(time.perf_counter() - start) * 1e3:.2f} ms"
-                load.wait()
-                total = time.perf_counter() - start
-                print(f"{name} {backend} per_layer={per_layer}: queued in {(queued - start) * 1e3:.2f} ms, done in "
-                      f"{total * 1e3:.2f} ms ({pages * g.bytes_per_page / total / 1e9:.1f} GB/s){marks}", flush=True)
+                report(name, backend, engine, g, pages, src, per_layer)
             engine.close()
         host.close()
         dev.close()
     seed.close()
+    if emulated:
+        print(EMULATED_NOTE.format(name=runtime.name), flush=True)
+
+
+def report(name, backend, engine, g, pages, src, per_layer) -> None:
+    """Queue one load of ``pages`` contiguous host slots, then print how long queuing and completion took."""
+    engine.synchronize()
+    start = time.perf_counter()
+    load = engine.load(np.arange(pages), src, per_layer=per_layer)
+    queued = time.perf_counter()
+    marks = ""
+    if per_layer:
+        load.wait_layer(0)
+        first = time.perf_counter()
+        load.wait_layer(max(0, g.layers - 2))
+        marks = f", layer 0 at {(first - start) * 1e3:.2f} ms, layer L-2 at " \
+                f"{(time.perf_counter() - start) * 1e3:.2f} ms"
+    load.wait()
+    total = time.perf_counter() - start
+    print(f"{name} {backend} per_layer={per_layer}: queued in {(queued - start) * 1e3:.2f} ms, done in "
+          f"{total * 1e3:.2f} ms ({pages * g.bytes_per_page / total / 1e9:.1f} GB/s){marks}", flush=True)
 
 
 if __name__ == "__main__":

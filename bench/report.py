@@ -5,6 +5,7 @@ Usage: python bench/report.py transfer.json > tables.md
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import defaultdict
@@ -14,10 +15,26 @@ def cell(row: dict | None) -> str:
     return "-" if row is None else f"{row['gbps']:.1f} ({row['pct']:.0f}%)"
 
 
-def main(path: str) -> None:
-    with open(path) as source:
-        data = json.load(source)
+def load(path: str) -> dict:
+    """The parsed results file, or SystemExit with a message that says what is wrong with it."""
+    try:
+        with open(path) as source:
+            data = json.load(source)
+    except OSError as exc:
+        raise SystemExit(f"report.py: cannot read {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"report.py: {path} is not JSON ({exc}); pass the file written by "
+                         "`bench/transfer.py --json`") from None
+    if not (isinstance(data, dict) and isinstance(data.get("rows"), list) and isinstance(data.get("ceiling"), dict)):
+        raise SystemExit(f"report.py: {path} is JSON but not bench/transfer.py output: it needs a 'ceiling' object "
+                         "and a 'rows' list")
+    return data
+
+
+def render(data: dict) -> None:
     ceiling = data["ceiling"]
+    if str(data.get("runtime", "")).startswith("emulated"):
+        print(f"Runtime {data['runtime']}: Python reference kernels on the CPU, so these are not speeds.\n")
     print(f"Ceiling (contiguous pinned memcpy, same run): H2D {ceiling['h2d_gbps']:.1f}, "
           f"D2H {ceiling['d2h_gbps']:.1f}, both ways {ceiling['bidirectional_gbps']:.1f} GB/s.\n")
     rows = defaultdict(dict)
@@ -57,5 +74,21 @@ def main(path: str) -> None:
                   f"({r['slowdown_pct']:+.1f}%)")
 
 
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Turn the JSON that `bench/transfer.py --json FILE` writes into the Markdown tables of "
+                    "BENCHMARKS.md (ceiling, GB/s and % of ceiling per configuration, per-layer latency, staged "
+                    "SM-busy time, bidirectional and GEMM results), printed to standard output.",
+        epilog="example: python bench/report.py bench/results/2026-12-02-h200-transfer-full.json > tables.md")
+    parser.add_argument("json_file", help="results file written by bench/transfer.py --json")
+    args = parser.parse_args(argv)
+    data = load(args.json_file)
+    try:
+        render(data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SystemExit(f"report.py: {args.json_file} does not look like bench/transfer.py output "
+                         f"({type(exc).__name__}: {exc})") from None
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

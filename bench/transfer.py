@@ -4,13 +4,18 @@ Run on a GPU machine: ``python bench/transfer.py [--quick] [--json out.json]``. 
 "% ceiling" divides by the contiguous pinned memcpy rate of the same direction measured at the start of this run.
 "backup" is an all-layer D2H copy of random pages; "load" is a per-layer H2D load (one launch per layer, K and V
 together); "load-1" (kernel and staged) is the same load with no per-layer events (one launch for all layers), which
-separates the cost of the H2D direction from that of per-layer launches.
+separates the cost of the H2D direction from that of per-layer launches. Make Markdown tables from the JSON with
+``python bench/report.py out.json``; see docs/benchmarking.md for the method.
+
+``--runtime emulated:split`` (or ``emulated:unified``) runs the script on the CPU emulator as a smoke test: its
+kernels are Python reference code, so the numbers are not speeds. ``--quick`` there takes well under a minute.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -23,7 +28,7 @@ from kvtier.cli.doctor_probe import probe_bandwidth
 from kvtier.kernels import KernelLauncher
 from kvtier.memory import HostBuffer, HostKind
 from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry
-from kvtier.runtime import get
+from kvtier.runtime import ENV_VAR, get
 from kvtier.transfer import TransferEngine
 
 GEOMETRIES = {
@@ -51,15 +56,16 @@ class Row:
 
 
 def fill(runtime, pool: DevicePool, seed_buffer: HostBuffer) -> None:
-    for layers in pool.layers:
-        for address in layers:
+    """Random bytes in every layer of the pool (never time zeros)."""
+    for tensor in range(pool.geometry.tensors):
+        for address in pool.layer_device_addresses(tensor):
             for offset in range(0, pool.layer_bytes, seed_buffer.nbytes):
                 size = min(seed_buffer.nbytes, pool.layer_bytes - offset)
-                runtime.memcpy(address.value + offset, seed_buffer.cpu_address.value, size)
+                runtime.memcpy(address + offset, seed_buffer.cpu_address, size)
 
 
 def timed(runtime, engine: TransferEngine, op, repeats: int) -> float:
-    """Median seconds of ``op`` (which returns a Transfer) on the engine's stream, by events."""
+    """Median seconds of ``op`` (which returns a Transfer), host clock from submission until it completes."""
     times = []
     for i in range(repeats + 1):
         engine.synchronize()
@@ -70,21 +76,29 @@ def timed(runtime, engine: TransferEngine, op, repeats: int) -> float:
     return statistics.median(times)
 
 
-def relayout_seconds(engine: TransferEngine, src: np.ndarray, repeats: int) -> float:
-    """The staged backend's SM time: its relayout kernels alone, all layers, one batch."""
-    staging = engine.staging["d2h"]
-    batch = src[:staging.capacity]
-    arrays = engine.unit_arrays(batch, np.arange(batch.size, dtype=np.int64))
-    stream = engine.streams["d2h"]
+def relayout_seconds(engine: TransferEngine, src: np.ndarray, repeats: int) -> float | None:
+    """The staged backend's SM time: its relayout kernels alone, all layers, one batch, scaled to ``src``.
+
+    kvtier has no public hook for this, so it reaches into the staged backend (``StagingArea`` and ``launch_copy``);
+    when those are not where this expects them, it returns None and the SM-busy column stays empty."""
+    area = getattr(getattr(engine, "_backend", None), "areas", {}).get("d2h")
+    if area is None or not hasattr(area, "ring"):
+        return None
+    from kvtier.transfer.kernel import launch_copy
+    from kvtier.transfer.plan import index_values
+
+    batch = src[:area.capacity]
+    arrays = [index_values(engine.plan.units(pages), engine.index_bytes)
+              for pages in (batch, np.arange(batch.size, dtype=np.int64))]
     times = []
     for i in range(repeats + 1):
-        (src_index, dst_index), slot = engine.rings["d2h"].upload(arrays)
-        stream.synchronize()
+        indices, lease = area.ring.upload(arrays)
+        area.stream.synchronize()
         start = time.perf_counter()
-        engine.kernel("d2h", src_index, dst_index, arrays[0].size, 0, engine.geometry.layers, stream,
-                      staging.table, staging.blocks)
-        stream.synchronize()
-        engine.rings["d2h"].fence(slot)
+        launch_copy(area.context, "d2h", indices, arrays[0].size, 0, engine.geometry.layers, area.stream,
+                    area.table, area.device_table, area.blocks)
+        area.stream.synchronize()
+        area.ring.fence(lease)
         if i:
             times.append(time.perf_counter() - start)
     return statistics.median(times) * src.size / batch.size
@@ -93,7 +107,8 @@ def relayout_seconds(engine: TransferEngine, src: np.ndarray, repeats: int) -> f
 def measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages, repeats, console,
             slots_kind="random", launcher=None, threads=1024) -> list[Row]:
     rng = np.random.default_rng(0)
-    engine = TransferEngine(dev, host, backend=backend, max_blocks=blocks, launcher=launcher, threads=threads)
+    budget = {"max_blocks": blocks} if backend == "kernel" else {}  # the SM budget is the kernel backend's only
+    engine = TransferEngine(dev, host, backend=backend, launcher=launcher, threads=threads, **budget)
     count = pages
     if backend in ("direct", "batch"):
         runs_per_page = g.tensors * g.layers * (1 if engine.plan.unit == "page" else g.page_size * engine.plan.pieces)
@@ -116,7 +131,8 @@ def measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages
         rows.append(Row(name, layout, backend, blocks, direction, nbytes / 1e9, gbps, 100 * gbps / ceiling[key],
                         slots_kind))
         if backend == "staged":
-            rows[-1].sm_busy_pct = 100 * relayout_seconds(engine, src, repeats) / seconds
+            relayout = relayout_seconds(engine, src, repeats)
+            rows[-1].sm_busy_pct = None if relayout is None else 100 * relayout / seconds
     if backend == "kernel":
         one = timed(runtime, engine, lambda: engine.load(slots, src, layers=[g.layers // 2]), repeats)
         rows[1].layer_us = one * 1e6
@@ -131,7 +147,7 @@ def bidirectional(runtime, g, dev, host, ceiling, pages, blocks, backend="kernel
     """Backup and load at once, on their two streams; staged uses contiguous host slots."""
     rng = np.random.default_rng(1)
     engine = TransferEngine(dev, host, backend=backend, max_blocks=blocks)
-    half = pages // 2
+    half = max(1, pages // 2)
     src = rng.choice(dev.pages, 2 * half, replace=False)
     slots = rng.choice(host.pages, 2 * half, replace=False) if backend == "kernel" else np.arange(2 * half)
     times = []
@@ -183,64 +199,79 @@ def gemm_slowdown(runtime, g, dev, host, pages, blocks_list) -> list[dict]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--geometry", action="append", choices=list(GEOMETRIES))
-    parser.add_argument("--layout", action="append", choices=[x.value for x in HostLayout])
-    parser.add_argument("--backend", action="append", choices=["kernel", "staged", "direct", "batch"])
+QUICK_EMULATED_LAYOUT = {"kernel": "page_first", "staged": "page_first_direct", "direct": "layer_first",
+                         "batch": "page_head"}
+EMULATED_NOTE = ("note: {name} runs Python reference kernels on the CPU, so its GB/s are not speeds: this run only "
+                 "checks that the benchmark works (sizes and repeats are cut down unless given)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--geometry", action="append", choices=list(GEOMETRIES), help="repeatable; default: all")
+    parser.add_argument("--layout", action="append", choices=[x.value for x in HostLayout],
+                        help="host layout, repeatable; default: all")
+    parser.add_argument("--backend", action="append", choices=["kernel", "staged", "direct", "batch"],
+                        help="io backend, repeatable; default: all")
     parser.add_argument("--variants", default="", help="kernel specializations UNROLLxTHREADS to compare at 2 "
                                                        "blocks on the first geometry, e.g. 4x1024,8x512,16x512")
-    parser.add_argument("--blocks", default="1,2,4,8,0", help="kernel SM budgets; 0 = one block per SM")
-    parser.add_argument("--gib", type=float, default=1.0, help="bytes moved per measurement")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="llama p16 only, budgets 2 and 0")
-    parser.add_argument("--json", help="write all rows here")
-    parser.add_argument("--runtime", default="cuda", help="emulated:unified runs a tiny smoke test of this script")
-    args = parser.parse_args()
-    console = Console(width=200)
-    runtime = get(args.runtime)
-    sms = runtime.device_attributes(0).multiprocessors
-    budgets = [int(x) or sms for x in ("2,0" if args.quick else args.blocks).split(",")]
-    geometries = args.geometry or (["llama3-8b-p16"] if args.quick else list(GEOMETRIES))
-    layouts = args.layout or [x.value for x in HostLayout]
+    parser.add_argument("--blocks", default="1,2,4,8,0", help="kernel SM budgets; 0 = one block per SM "
+                                                              "(default: %(default)s)")
+    parser.add_argument("--gib", type=float, help="GiB moved per measurement (default: 1; 1/64 on an emulated "
+                                                  "runtime)")
+    parser.add_argument("--repeats", type=int, help="timed repeats after one warm-up, median reported (default: 3; "
+                                                    "1 on an emulated runtime)")
+    parser.add_argument("--quick", action="store_true",
+                        help="llama p16 only, budgets 2 and 0; on an emulated runtime also budget 2 only and one "
+                             "host layout per backend")
+    parser.add_argument("--json", help="write all rows here (for bench/report.py)")
+    parser.add_argument("--runtime", default=os.environ.get(ENV_VAR) or "cuda",
+                        help=f"cuda, emulated:split or emulated:unified (default: ${ENV_VAR}, else cuda); an "
+                             "emulated runtime makes this a smoke test of the script")
+    args = parser.parse_args(argv)
+    if args.gib is not None and args.gib <= 0:
+        parser.error(f"--gib must be positive, got {args.gib}")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    return args
+
+
+def layout_plan(args: argparse.Namespace, emulated: bool) -> list[tuple[str, list[str]]]:
+    """(host layout, backends measured on it) pairs: every backend on every layout, except a quick emulated run
+    (with no --layout), which gives each backend one layout so all four layouts are still exercised once."""
     backends = args.backend or ["kernel", "staged", "direct", "batch"]
-    console.log("measuring the contiguous ceiling (1 GiB each way)")
-    ceiling = probe_bandwidth(runtime, min(1 << 30, max(1 << 20, int(args.gib * (1 << 30)))))
-    console.log(f"ceiling: H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f}, "
-                f"both {ceiling['bidirectional_gbps']:.1f} GB/s")
-    seed = HostBuffer.allocate(min(256 << 20, max(1 << 20, int(args.gib * (1 << 30)))), HostKind.PINNED,
-                               runtime=runtime)
-    seed.as_tensor().numpy()[:] = np.random.default_rng().integers(0, 256, seed.nbytes, dtype=np.uint8)
+    if args.layout or not (args.quick and emulated):
+        return [(layout, backends) for layout in args.layout or [x.value for x in HostLayout]]
+    return [(layout, [b for b in backends if QUICK_EMULATED_LAYOUT[b] == layout]) for layout in
+            [x.value for x in HostLayout] if any(QUICK_EMULATED_LAYOUT[b] == layout for b in backends)]
+
+
+def run_layout(runtime, args, name, g, layout, backends, budgets, dev, pages, ceiling, extras, first, console):
     rows: list[Row] = []
-    extras: dict = {"ceiling": ceiling, "bidirectional": {}, "gemm": {}}
-    for name in geometries:
-        g = GEOMETRIES[name]
-        pages = max(1, int(args.gib * (1 << 30)) // g.bytes_per_page)
-        dev = DevicePool.allocate(g, 2 * pages, 0, runtime=runtime)
-        fill(runtime, dev, seed)
-        for layout in layouts:
-            host = HostPool.allocate(g, layout, pages=2 * pages, runtime=runtime)
-            for backend in backends:
-                for blocks in budgets if backend == "kernel" else [0]:
-                    rows += measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages,
-                                    args.repeats, console)
-                if backend in ("staged", "batch"):
-                    rows += measure(runtime, name, g, layout, backend, 0, dev, host, ceiling, pages, args.repeats,
-                                    console, slots_kind="contiguous")
-            for variant in args.variants.split(",") if name == geometries[0] and args.variants else []:
-                unroll, threads = (int(x) for x in variant.split("x"))
-                launcher = KernelLauncher(runtime, mode="jit", unroll=unroll, max_threads=threads)
-                for row in measure(runtime, name, g, layout, "kernel", 2, dev, host, ceiling, pages, args.repeats,
-                                   console, launcher=launcher, threads=threads):
-                    row.backend = f"kernel u{unroll}x{threads}"
-                    rows.append(row)
-            if layout == "page_first_direct":
-                extras["bidirectional"][name] = [bidirectional(runtime, g, dev, host, ceiling, pages, 2, backend)
-                                                 for backend in ("kernel", "staged")]
-                if name == geometries[0] and not args.quick and runtime.name == "cuda":
-                    extras["gemm"][name] = gemm_slowdown(runtime, g, dev, host, pages, [2, 8, 32])
-            host.close()
-        dev.close()
+    host = HostPool.allocate(g, layout, pages=2 * pages, runtime=runtime)
+    for backend in backends:
+        for blocks in budgets if backend == "kernel" else [0]:
+            rows += measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages, args.repeats,
+                            console)
+        if backend in ("staged", "batch"):
+            rows += measure(runtime, name, g, layout, backend, 0, dev, host, ceiling, pages, args.repeats,
+                            console, slots_kind="contiguous")
+    for variant in args.variants.split(",") if first and args.variants else []:
+        unroll, threads = (int(x) for x in variant.split("x"))
+        launcher = KernelLauncher(runtime, mode="jit", unroll=unroll, max_threads=threads)
+        for row in measure(runtime, name, g, layout, "kernel", 2, dev, host, ceiling, pages, args.repeats,
+                           console, launcher=launcher, threads=threads):
+            row.backend = f"kernel u{unroll}x{threads}"
+            rows.append(row)
+    if layout == "page_first_direct":
+        extras["bidirectional"][name] = [bidirectional(runtime, g, dev, host, ceiling, pages, 2, backend)
+                                         for backend in ("kernel", "staged")]
+        if first and not args.quick and runtime.name == "cuda":
+            extras["gemm"][name] = gemm_slowdown(runtime, g, dev, host, pages, [2, 8, 32])
+    host.close()
+    return rows
+
+
+def render(runtime, sms: int, rows: list[Row], extras: dict, console: Console) -> None:
     table = Table(title=f"kvtier transfer ({runtime.device_attributes(0).name}, {sms} SMs)")
     for column in ("geometry", "layout", "backend", "slots", "SMs", "dir", "GB", "GB/s", "% ceiling", "layer µs",
                    "SM busy %"):
@@ -253,9 +284,47 @@ def main() -> None:
                       "" if r.sm_busy_pct is None else f"{r.sm_busy_pct:.1f}")
     console.print(table)
     console.print({"bidirectional": extras["bidirectional"], "gemm": extras["gemm"]})
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    console = Console(width=200)
+    runtime = get(args.runtime)
+    emulated = runtime.name.startswith("emulated")
+    if emulated:
+        console.print(EMULATED_NOTE.format(name=runtime.name))
+    args.gib = args.gib if args.gib is not None else (1 / 64 if emulated else 1.0)
+    args.repeats = args.repeats if args.repeats is not None else (1 if emulated else 3)
+    sms = runtime.device_attributes(0).multiprocessors
+    blocks = ("2" if emulated else "2,0") if args.quick else args.blocks
+    budgets = list(dict.fromkeys(int(x) or sms for x in blocks.split(",")))
+    geometries = args.geometry or (["llama3-8b-p16"] if args.quick else list(GEOMETRIES))
+    size = int(args.gib * (1 << 30))
+    probe = min(1 << 30, max(1 << 20, size))
+    console.log(f"measuring the contiguous ceiling ({probe / (1 << 20):.0f} MiB each way)")
+    ceiling = probe_bandwidth(runtime, probe)
+    console.log(f"ceiling: H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f}, "
+                f"both {ceiling['bidirectional_gbps']:.1f} GB/s")
+    seed = HostBuffer.allocate(min(256 << 20, max(1 << 20, size)), HostKind.PINNED, runtime=runtime)
+    seed.as_tensor().numpy()[:] = np.random.default_rng().integers(0, 256, seed.nbytes, dtype=np.uint8)
+    rows: list[Row] = []
+    extras: dict = {"runtime": runtime.name, "ceiling": ceiling, "bidirectional": {}, "gemm": {}}
+    for name in geometries:
+        g = GEOMETRIES[name]
+        pages = max(1, size // g.bytes_per_page)
+        dev = DevicePool.allocate(g, 2 * pages, 0, runtime=runtime)
+        fill(runtime, dev, seed)
+        for layout, backends in layout_plan(args, emulated):
+            rows += run_layout(runtime, args, name, g, layout, backends, budgets, dev, pages, ceiling, extras,
+                               name == geometries[0], console)
+        dev.close()
+    seed.close()
+    render(runtime, sms, rows, extras, console)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": [asdict(r) for r in rows], **extras}, out, indent=1)
+    if emulated:
+        console.print(EMULATED_NOTE.format(name=runtime.name))
 
 
 if __name__ == "__main__":

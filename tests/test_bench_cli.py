@@ -1,0 +1,87 @@
+"""The bench scripts stay runnable: every one answers --help, report.py renders results, and a quick transfer run
+completes on the emulator. Each runs in a subprocess, as a user would start it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=BENCH.parent)
+
+
+def test_every_script_is_covered():
+    assert {"transfer.py", "report.py", "enqueue.py", "batch_limits.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_exits_zero(script):
+    done = run(str(BENCH / script), "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage:") and len(done.stdout.splitlines()) > 3
+
+
+RESULTS = {
+    "ceiling": {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "bidirectional_gbps": 100.0},
+    "rows": [
+        {"geometry": "g", "layout": "page_first", "backend": "kernel", "blocks": 2, "direction": "backup",
+         "gbytes": 1.0, "gbps": 50.0, "pct": 90.9, "slots": "random", "layer_us": None, "sm_busy_pct": None},
+        {"geometry": "g", "layout": "page_first", "backend": "kernel", "blocks": 2, "direction": "load",
+         "gbytes": 1.0, "gbps": 44.0, "pct": 80.0, "slots": "random", "layer_us": 812.4, "sm_busy_pct": None},
+        {"geometry": "g", "layout": "page_first", "backend": "staged", "blocks": 0, "direction": "backup",
+         "gbytes": 1.0, "gbps": 53.0, "pct": 96.4, "slots": "contiguous", "layer_us": None, "sm_busy_pct": 4.2},
+    ],
+    "bidirectional": {"g": [{"backend": "staged", "blocks": 2, "gbps": 85.0, "pct": 85.0}]},
+    "gemm": {"g": [{"blocks": 2, "gemm_ms_alone": 1.0, "gemm_ms_with_copy": 1.01, "slowdown_pct": 1.0}]},
+}
+
+
+def test_report_renders_results(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(RESULTS))
+    done = run(str(BENCH / "report.py"), str(path))
+    assert done.returncode == 0, done.stderr
+    for text in ("H2D 55.0", "| geometry | layout | dir | kernel 2 SM | staged (contiguous slots) |",
+                 "| g | page_first | backup | 50.0 (91%) | 53.0 (96%) |", "| g | page_first | 812 |",
+                 "g page_first backup: 4.2%", "g staged: 85.0 GB/s (85% of both-ways ceiling)", "(+1.0%)"):
+        assert text in done.stdout
+
+
+@pytest.mark.parametrize("content, message", [(None, "cannot read"), ("{not json", "is not JSON"),
+                                              ('{"rows": []}', "not bench/transfer.py output")])
+def test_report_explains_a_bad_file(tmp_path, content, message):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    done = run(str(BENCH / "report.py"), str(path))
+    assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_quick_transfer_on_the_emulator(tmp_path):
+    out = tmp_path / "transfer.json"
+    done = run(str(BENCH / "transfer.py"), "--quick", "--runtime", "emulated:split", "--json", str(out),
+               timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "not speeds" in done.stdout
+    data = json.loads(out.read_text())
+    assert data["runtime"] == "emulated:split"
+    assert {r["backend"] for r in data["rows"]} == {"kernel", "staged", "direct", "batch"}
+    assert {r["layout"] for r in data["rows"]} == {"layer_first", "page_first", "page_first_direct", "page_head"}
+    assert all(r["gbps"] > 0 for r in data["rows"])
+    assert [r["backend"] for r in data["bidirectional"]["llama3-8b-p16"]] == ["kernel", "staged"]
+
+
+def test_enqueue_on_the_emulator():
+    done = run(str(BENCH / "enqueue.py"), "--runtime", "emulated:split", "--gib", "0.01")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "not speeds" in done.stdout
+    assert done.stdout.count("queued in") == 20  # 2 geometries x 2 backends x 5 loads
