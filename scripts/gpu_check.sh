@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: AOT build, the suite with AOT and with JIT kernels, a compute-sanitizer memcheck
 # over the kernel tests, the copy-across-registrations probe, kvtier doctor, the benchmarks, and the batched-memcpy
-# probe. Logs land under $OUT (the device tool brings them back).
+# probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
-PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench limits"}
+PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench enqueue limits"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
@@ -47,6 +47,9 @@ if want bench; then
         python3 "$bench" ${BENCH_ARGS:-} --json "$OUT/$(basename "$bench" .py).json" 2>&1 \
             | tee "$OUT/$(basename "$bench" .py).txt" || status=1
     done
+fi
+if want enqueue; then
+    python3 bench/enqueue.py 2>&1 | tee "$OUT/enqueue.txt" || status=1
 fi
 if want limits; then
     python3 bench/batch_limits.py 2>&1 | tee "$OUT/batch_limits.txt" || status=1
