@@ -7,6 +7,7 @@ argument, before any state changes.
 
 from __future__ import annotations
 
+import enum
 import numbers
 from typing import Any
 
@@ -25,6 +26,16 @@ def integer(value: Any, name: str, *, low: int | None = None, high: int | None =
     if high is not None and value >= high:
         raise InvalidArgument(f"{name} must be < {high}, got {value}")
     return value
+
+
+class Choice(str, enum.Enum):
+    """A name from a fixed set; an unknown one is refused with the list of choices."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> None:
+        choices = ", ".join(repr(member.value) for member in cls)
+        what = getattr(cls, "__what__", cls.__name__)
+        raise InvalidArgument(f"unknown {what} {value!r}: choose one of {choices}")
 
 
 def index_array(values: Any, name: str) -> np.ndarray:

@@ -47,6 +47,10 @@ class HugePagesUnavailable(KvtierError):
     """The system has no free huge pages for a hugetlb buffer."""
 
 
+class OutOfMemory(KvtierError, MemoryError):
+    """Host or device memory of the requested size could not be had (budget, mmap, ftruncate or the driver refused)."""
+
+
 class BufferClosed(KvtierError):
     """A buffer, pool, engine or captured graph was used after close()."""
 

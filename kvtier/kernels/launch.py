@@ -11,6 +11,7 @@ is unchanged.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +144,7 @@ class KernelLauncher:
             raise KvtierError(f"bad kernel specialization: unroll={unroll}, max_threads={max_threads}")
         self.runtime, self.mode, self.unroll, self.max_threads = runtime, mode, unroll, max_threads
         self.spec = _transfer_program(mode, unroll, max_threads)
+        self._checked: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def origin(self, device: int) -> str:
         """Where the device's kernel code comes from: ``aot:<fatbin>``, ``jit:...`` or ``reference``."""
@@ -154,6 +156,16 @@ class KernelLauncher:
         address = get_device_accessible_ptr(operand, device, runtime=self.runtime)
         _check_aligned(address, align, "kernel operand")
         return address
+
+    def _check_entries(self, table: Any) -> None:
+        """Every per-layer base in a pointer table must allow the kernel's 16-byte vector accesses. A table's entries
+        never change, so each table is checked once, not at every launch."""
+        if table in self._checked:
+            return
+        for entry in getattr(table, "entries", ()):
+            _check_aligned(entry, VECTOR_BYTES, "pointer-table entry")
+        if hasattr(table, "entries"):
+            self._checked.add(table)
 
     def copy_chunks(self, call: ChunkCopy, *, device: int, stream: Stream, max_blocks: int = 2,
                     threads: int = MAX_THREADS) -> None:
@@ -170,7 +182,7 @@ class KernelLauncher:
                               f"counts 16-byte vectors in 31 bits)")
         sides = []
         for side in (call.src, call.dst):
-            _check_entries(side.table, call)
+            self._check_entries(side.table)
             sides.append((self.resolve(side.table, device, 8), i64(side.page_stride), i64(side.unit_stride),
                           i64(side.piece_stride), i64(side.units_per_page)))
         indices = [self.resolve(index, device, call.index_bytes) for index in (call.src_index, call.dst_index)]
@@ -188,10 +200,6 @@ def _check_aligned(address: DeviceAddress, align: int, what: str) -> None:
                                 f"at a time, and a misaligned access faults the whole device")
 
 
-def _check_entries(table: Any, call: ChunkCopy) -> None:
-    """Every per-layer base in a pointer table must allow the kernel's 16-byte vector accesses."""
-    for entry in getattr(table, "entries", ()):
-        _check_aligned(entry, VECTOR_BYTES, "pointer-table entry")
 
 
 @functools.cache

@@ -26,16 +26,18 @@ class DeviceRegion:
 
 class DeviceBuffer:
     def __init__(self, nbytes: int, device: int, *, runtime: Runtime | None = None) -> None:
-        integer(nbytes, "DeviceBuffer size", low=1)
+        nbytes = integer(nbytes, "DeviceBuffer size", low=1)
         self.runtime = runtime or get_runtime()
         self.device, self.nbytes = self.runtime.check_device(device), nbytes
-        self._value = self.runtime.device_alloc(nbytes, device)
+        self._value = self.runtime.device_alloc(nbytes, self.device)
         self._finalizer = weakref.finalize(self, self.runtime.device_free, self._value)
         self._users = Users()
+        self._closing = False
 
     @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        """Closed, or closing: once close() starts draining its users, no new work may be queued over it."""
+        return self._closing or not self._finalizer.alive
 
     @property
     def address(self) -> DeviceAddress:
@@ -44,30 +46,30 @@ class DeviceBuffer:
         return DeviceAddress(self._value, self.device)
 
     def region(self, offset: int, nbytes: int) -> DeviceRegion:
-        self.check_span(offset, nbytes, "region")
-        return DeviceRegion(self, offset, nbytes)
+        return DeviceRegion(self, *self.check_span(offset, nbytes, "region"))
 
     def upload(self, data: bytes | np.ndarray, offset: int = 0) -> None:
         """Copy host bytes in; returns once they are on the device (a pageable copy alone may return earlier)."""
         source = np.ascontiguousarray(np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data)
-        self.check_span(offset, source.nbytes, "upload")
+        offset, _ = self.check_span(offset, source.nbytes, "upload")
         self.runtime.memcpy(self.address + offset, CpuAddress(source.ctypes.data), source.nbytes)
         self.runtime.legacy_stream(self.device).synchronize()
 
     def download(self, offset: int = 0, nbytes: int | None = None) -> bytes:
-        nbytes = self.nbytes - offset if nbytes is None else nbytes
-        self.check_span(offset, nbytes, "download")
+        offset = integer(offset, "download offset", low=0)
+        offset, nbytes = self.check_span(offset, self.nbytes - offset if nbytes is None else nbytes, "download")
         out = np.empty(nbytes, np.uint8)
         self.runtime.memcpy(CpuAddress(out.ctypes.data), self.address + offset, nbytes)
         return out.tobytes()
 
-    def check_span(self, offset: int, nbytes: int, what: str = "span") -> None:
+    def check_span(self, offset: int, nbytes: int, what: str = "span") -> tuple[int, int]:
+        """[offset, offset + nbytes) as ints, if it lies inside the open buffer."""
         if self.closed:
             raise BufferClosed(f"{self!r} is closed")
-        integer(offset, f"{what} offset", low=0)
-        integer(nbytes, f"{what} size", low=0)
+        offset, nbytes = integer(offset, f"{what} offset", low=0), integer(nbytes, f"{what} size", low=0)
         if offset + nbytes > self.nbytes:
             raise InvalidArgument(f"{what} [{offset}, +{nbytes}) is outside {self!r}")
+        return offset, nbytes
 
     def add_user(self, user: Drainable) -> None:
         """``user`` queues device work over this buffer: :meth:`close` waits for it first."""
@@ -78,8 +80,9 @@ class DeviceBuffer:
 
     def close(self) -> None:
         """Wait for every user's queued work, then free (cudaFree itself would also wait for the device). Idempotent."""
-        if self.closed:
+        if self.closed or self._closing:
             return
+        self._closing = True
         try:
             self._users.drain()
         finally:

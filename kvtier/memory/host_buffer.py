@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 from kvtier import osmem
 from kvtier.address import CpuAddress
 from kvtier.checks import integer
-from kvtier.errors import BufferClosed, BufferInUse, InvalidArgument, KvtierError
+from kvtier.errors import BufferClosed, BufferInUse, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.memory import host_memory
+from kvtier.memory.budget import check_host_budget
 from kvtier.memory.lifetime import Drainable, Users
 from kvtier.memory.registration import DEFAULT_REGISTER_CHUNK_BYTES, register_chunks, unregister_chunks
 from kvtier.runtime import HostKind, Runtime
@@ -75,6 +76,16 @@ class HostRegion:
         return self.buffer.cpu_address + self.offset
 
 
+def _host_memory(runtime: Runtime, kind: HostKind, nbytes: int, name: str | None) -> host_memory.HostMemory:
+    if kind is HostKind.PINNED:
+        return host_memory.pinned(runtime, nbytes)
+    if kind is HostKind.SHM:
+        return host_memory.shm_create(name or host_memory.new_shm_name(), nbytes)
+    if kind is HostKind.HUGETLB:
+        return host_memory.hugetlb(nbytes)
+    return host_memory.anonymous(nbytes)
+
+
 class HostBuffer:
     """Use :meth:`allocate` or :meth:`attach_shm`; close with :meth:`close` or a ``with`` block."""
 
@@ -87,6 +98,7 @@ class HostBuffer:
         self._anchor.owner = self
         self._baseline_refs = sys.getrefcount(self._anchor)
         self._users = Users()
+        self._closing = False
         #: seconds spent pinning: registration of every chunk, or the runtime's pinned allocation
         self.register_seconds = 0.0
 
@@ -97,21 +109,19 @@ class HostBuffer:
         """``granularity`` is the KV page size in bytes: no registration chunk boundary falls inside a page."""
         kind = HostKind(kind)
         runtime = runtime or get_runtime()
-        integer(nbytes, "HostBuffer size", low=1)
-        integer(granularity, "granularity", low=1)
-        integer(register_chunk_bytes, "register_chunk_bytes", low=1)
+        nbytes = integer(nbytes, "HostBuffer size", low=1)
+        granularity = integer(granularity, "granularity", low=1)
+        register_chunk_bytes = integer(register_chunk_bytes, "register_chunk_bytes", low=1)
         if name is not None and kind is not HostKind.SHM:
-            raise KvtierError(f"only shm buffers have names (kind={kind.value})")
-        started = time.perf_counter()
-        if kind is HostKind.PINNED:
-            memory = host_memory.pinned(runtime, nbytes)
-        elif kind is HostKind.SHM:
+            raise InvalidArgument(f"only shm buffers have names (kind={kind.value})")
+        check_host_budget(nbytes)
+        if kind is HostKind.SHM:
             name = name or host_memory.new_shm_name()
-            memory = host_memory.shm_create(name, nbytes)
-        elif kind is HostKind.HUGETLB:
-            memory = host_memory.hugetlb(nbytes)
-        else:
-            memory = host_memory.anonymous(nbytes)
+        started = time.perf_counter()
+        try:
+            memory = _host_memory(runtime, kind, nbytes, name)
+        except OSError as exc:
+            raise OutOfMemory(f"{kind.value} host buffer of {nbytes} bytes could not be mapped: {exc}") from exc
         buffer = cls(runtime, kind, memory, name)
         if kind is HostKind.PINNED:
             buffer.register_seconds = time.perf_counter() - started
@@ -177,17 +187,16 @@ class HostBuffer:
         return tuple(start - base for start, _ in self._resources.chunks[1:])
 
     # -- addresses and views ---------------------------------------------------------------------------------------
-    def check_span(self, offset: int, nbytes: int, what: str = "span") -> None:
-        """Refuse [offset, offset + nbytes) unless it lies inside the open buffer; offsets are ints, never bools."""
+    def check_span(self, offset: int, nbytes: int, what: str = "span") -> tuple[int, int]:
+        """[offset, offset + nbytes) as ints, if it lies inside the open buffer; offsets are integers, never bools."""
         self._check_open()
-        integer(offset, f"{what} offset", low=0)
-        integer(nbytes, f"{what} size", low=0)
+        offset, nbytes = integer(offset, f"{what} offset", low=0), integer(nbytes, f"{what} size", low=0)
         if offset + nbytes > self.nbytes:
             raise InvalidArgument(f"{what} [{offset}, +{nbytes}) is outside {self!r}")
+        return offset, nbytes
 
     def region(self, offset: int, nbytes: int) -> HostRegion:
-        self.check_span(offset, nbytes, "region")
-        return HostRegion(self, offset, nbytes)
+        return HostRegion(self, *self.check_span(offset, nbytes, "region"))
 
     def as_tensor(self, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
         """A flat CPU tensor over the buffer's bytes; it keeps the buffer from closing while it lives."""
@@ -220,14 +229,16 @@ class HostBuffer:
             return
         if self.live_views() > 0:
             raise BufferInUse(f"{self!r} still has {self.live_views()} tensor view(s) alive; delete them first")
+        self._closing = True
         try:
             self._users.drain()
         finally:
             self._finalizer()
 
     def _check_open(self) -> None:
-        if self.closed:
-            raise BufferClosed(f"{self!r} is closed")
+        """Closed, or closing: once close() starts draining its users, no new work may be queued over the buffer."""
+        if self.closed or self._closing:
+            raise BufferClosed(f"{self!r} is closed" if self.closed else f"{self!r} is being closed")
 
     def __enter__(self) -> HostBuffer:
         return self

@@ -9,10 +9,21 @@ Pointer tables, the launch boundary and the doctor all come here; nothing else a
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
+import numpy as np
+
 from kvtier.address import CpuAddress, DeviceAddress
-from kvtier.errors import AddressDomainError, KvtierError, NotDeviceAccessible, RegistrationError, WrongDeviceError
+from kvtier.errors import (
+    AddressDomainError,
+    InvalidArgument,
+    KvtierError,
+    NotDeviceAccessible,
+    RegistrationError,
+    WrongDeviceError,
+    WrongRuntime,
+)
 from kvtier.memory.alias import span_alias
 from kvtier.memory.device_buffer import DeviceBuffer, DeviceRegion
 from kvtier.memory.host_buffer import HostBuffer, HostRegion
@@ -21,9 +32,9 @@ from kvtier.runtime import get as get_runtime
 
 
 def device_index(device: Any) -> int:
-    """Accept 1, ``"cuda:1"`` or ``torch.device("cuda", 1)``."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        return device
+    """Accept 1 (or a numpy integer), ``"cuda:1"`` or ``torch.device("cuda", 1)``."""
+    if isinstance(device, numbers.Integral) and not isinstance(device, (bool, np.bool_)):
+        return int(device)
     text = str(device)
     kind, _, index = text.partition(":")
     if kind in ("cuda", "hip") and index.isdigit():
@@ -76,7 +87,8 @@ def tensor_extent(tensor: Any) -> tuple[int, int]:
 
 def _same_runtime(owner: Runtime, runtime: Runtime | None) -> None:
     if runtime is not None and runtime is not owner:
-        raise KvtierError(f"buffer belongs to {owner!r}, not {runtime!r}")
+        raise WrongRuntime(f"this buffer belongs to another runtime instance ({owner.name} at 0x{id(owner):x}), not "
+                           f"the {runtime.name} at 0x{id(runtime):x} it was resolved for")
 
 
 def _on_device(address: DeviceAddress, target: int) -> DeviceAddress:
@@ -86,7 +98,9 @@ def _on_device(address: DeviceAddress, target: int) -> DeviceAddress:
 
 
 def _host_buffer(buffer: HostBuffer, offset: int, nbytes: int, target: int) -> DeviceAddress:
-    buffer.check_span(offset, nbytes)
+    offset, nbytes = buffer.check_span(offset, nbytes)
+    if nbytes == 0 and offset:
+        return _host_buffer(buffer, offset - 1, 1, target) + 1
     runtime = buffer.runtime
     runtime.check_device(target)
     address = buffer.cpu_address.value + offset
@@ -100,6 +114,9 @@ def _host_buffer(buffer: HostBuffer, offset: int, nbytes: int, target: int) -> D
 
 
 def _tensor(runtime: Runtime, tensor: Any, target: int) -> DeviceAddress:
+    if tensor.numel() == 0:
+        raise InvalidArgument(f"an empty tensor (shape {tuple(tensor.shape)}) has no bytes for a kernel to touch, so "
+                              f"no device address: pass a non-empty view")
     first, end = tensor_extent(tensor)
     start = tensor.data_ptr()
     if tensor.device.type == "cpu":

@@ -50,7 +50,7 @@ class DevicePool:
     @classmethod
     def allocate(cls, geometry: KVGeometry, pages: int, device: int, *, runtime: Runtime | None = None) -> DevicePool:
         runtime = runtime or get_runtime()
-        integer(pages, "pages", low=1)
+        pages = integer(pages, "pages", low=1)
         buffers: list[list[DeviceBuffer]] = []
         try:
             for _ in range(geometry.tensors):
@@ -121,10 +121,10 @@ class DevicePool:
         """Wait for the transfers engines queued over the pool, then free owned memory and drop held tensors."""
         if self._closed:
             return
+        self._closed = True
         try:
             self._users.drain()
         finally:
-            self._closed = True
             for buffer in self._owned:
                 buffer.close()
             self._owned.clear()

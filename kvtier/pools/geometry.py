@@ -11,29 +11,21 @@ A device pool is layer-first, as engines own it: per tensor (K and V for MHA; on
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-from kvtier.errors import InvalidArgument, KvtierError
+from kvtier.checks import Choice
+from kvtier.errors import KvtierError
 
 
-class _Named(str, enum.Enum):
-    """A name from a fixed set; an unknown one is refused with the list of choices."""
-
-    @classmethod
-    def _missing_(cls, value: object) -> None:
-        choices = ", ".join(repr(member.value) for member in cls)
-        what = {"PoolKind": "pool kind", "HostLayout": "host layout"}.get(cls.__name__, cls.__name__)
-        raise InvalidArgument(f"unknown {what} {value!r}: choose one of {choices}")
-
-
-class PoolKind(_Named):
+class PoolKind(Choice):
+    __what__ = "pool kind"
     MHA = "mha"
     MLA = "mla"
     K_ONLY = "k_only"
 
 
-class HostLayout(_Named):
+class HostLayout(Choice):
+    __what__ = "host layout"
     LAYER_FIRST = "layer_first"
     PAGE_FIRST = "page_first"
     PAGE_FIRST_DIRECT = "page_first_direct"

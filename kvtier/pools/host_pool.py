@@ -16,7 +16,6 @@ from kvtier.errors import InvalidArgument
 from kvtier.memory import CpuAddress, HostBuffer, HostKind, HostRegion
 from kvtier.memory.lifetime import Drainable
 from kvtier.memory.registration import DEFAULT_REGISTER_CHUNK_BYTES
-from kvtier.pools.budget import check_host_budget
 from kvtier.pools.device_pool import check_range
 from kvtier.pools.geometry import HostLayout, KVGeometry, Strides, host_strides
 from kvtier.runtime import Runtime
@@ -39,13 +38,12 @@ class HostPool:
         if len(given) != 1:
             raise InvalidArgument("size a host pool by exactly one of pages=, tokens= or nbytes=")
         (what, value), = given.items()
-        integer(value, what, low=1)
+        value = integer(value, what, low=1)
         count = {"pages": value, "tokens": -(-value // geometry.page_size),
                  "nbytes": value // geometry.bytes_per_page}[what]
         if count < 1:
             raise InvalidArgument(f"a host pool needs at least one page ({geometry.bytes_per_page} bytes each)")
         total = count * geometry.bytes_per_page
-        check_host_budget(total)
         granularity = geometry.page_bytes if layout is HostLayout.LAYER_FIRST else geometry.layers * geometry.page_bytes
         buffer = HostBuffer.allocate(total, kind, runtime=runtime, granularity=granularity,
                                      register_chunk_bytes=register_chunk_bytes, name=name)

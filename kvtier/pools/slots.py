@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 
+from kvtier.checks import index_array, integer
 from kvtier.errors import KvtierError
 
 
@@ -17,9 +18,8 @@ class SlotError(KvtierError):
 
 class PageSlotAllocator:
     def __init__(self, pages: int) -> None:
-        if pages < 1:
-            raise SlotError(f"an allocator needs at least one page, got {pages}")
-        self.pages = pages
+        self.pages = integer(pages, "pages", low=1)
+        pages = self.pages
         self._runs: list[tuple[int, int]] = [(0, pages)]
         self._used: set[int] = set()
 
@@ -28,10 +28,11 @@ class PageSlotAllocator:
         return self.pages - len(self._used)
 
     def can_allocate(self, count: int) -> bool:
-        return 0 <= count <= self.free_pages
+        return 0 <= integer(count, "count") <= self.free_pages
 
     def allocate(self, count: int) -> list[int]:
         """``count`` pages: one contiguous run when any fits (the smallest that does), else the fewest runs."""
+        count = integer(count, "count", low=0)
         if not self.can_allocate(count):
             raise SlotError(f"cannot allocate {count} pages: {self.free_pages} of {self.pages} are free")
         fitting = [i for i, (_, length) in enumerate(self._runs) if length >= count]
@@ -50,7 +51,7 @@ class PageSlotAllocator:
         return taken
 
     def free(self, pages: list[int]) -> None:
-        pages = [int(p) for p in pages]
+        pages = index_array(pages, "pages").tolist()
         for page in pages:
             if not 0 <= page < self.pages:
                 raise SlotError(f"page {page} does not belong to this allocator (0..{self.pages - 1})")

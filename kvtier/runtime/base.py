@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import numbers
 import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
 
+import numpy as np
+
 from kvtier.address import Address, CpuAddress, DeviceAddress
+from kvtier.checks import Choice
 from kvtier.errors import AddressDomainError, InvalidArgument, InvalidDevice, RegistrationError, WrongDeviceError
 from kvtier.runtime.ranges import Range, RangeIndex
 
@@ -29,8 +33,10 @@ class MemoryType(enum.Enum):
     MANAGED = "managed"
 
 
-class HostKind(str, enum.Enum):
+class HostKind(Choice):
     """Where host memory comes from. The runtime records only PINNED (its own allocation) and REGISTERED ranges."""
+
+    __what__ = "host memory kind"
 
     PINNED = "pinned"
     REGISTERED = "registered"
@@ -108,6 +114,17 @@ def pack_argument(arg: KernelArg, device: int) -> bytes:
         return out + b"\0" * (-len(out) % 8)
     raise AddressDomainError(f"kernel argument {arg!r} must be a DeviceAddress, a Scalar or a struct tuple; raw "
                              f"integers cannot be kernel operands")
+
+
+def pack_parameters(args: Sequence[KernelArg], device: int) -> tuple[bytes, list[int]]:
+    """All parameters of a launch in one buffer, each 8-byte aligned, and the offset of each: the driver takes an
+    array of pointers into it (one allocation per launch, not one per parameter)."""
+    blob, offsets = bytearray(), []
+    for arg in args:
+        blob += bytes(-len(blob) % 8)
+        offsets.append(len(blob))
+        blob += pack_argument(arg, device)
+    return bytes(blob), offsets
 
 
 def argument_values(arg: KernelArg, device: int) -> Any:
@@ -220,10 +237,12 @@ class Runtime:
         raise NotImplementedError("need device_attributes")
 
     def check_device(self, device: int) -> int:
+        """``device`` as an int (numpy integers too) if this runtime has it."""
         count = self.device_count()
-        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < count:
+        if isinstance(device, (bool, np.bool_)) or not isinstance(device, numbers.Integral) or \
+                not 0 <= device < count:
             raise InvalidDevice(f"{self.name}: no device {device!r} (this runtime has {count})")
-        return device
+        return int(device)
 
     @contextlib.contextmanager
     def using_device(self, device: int) -> Iterator[int]:

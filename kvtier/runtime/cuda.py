@@ -28,7 +28,7 @@ from kvtier.runtime.base import (
     ProgramSpec,
     Runtime,
     Stream,
-    pack_argument,
+    pack_parameters,
 )
 
 
@@ -311,8 +311,10 @@ class CudaRuntime(Runtime):
         if not isinstance(program, CudaProgram):
             raise WrongRuntime(f"{program!r} was not loaded by the CUDA runtime")
         native = self.as_stream(stream).native
-        packed = [ctypes.create_string_buffer(pack_argument(arg, program.device)) for arg in args]
-        params = (ctypes.c_void_p * len(packed))(*[ctypes.cast(p, ctypes.c_void_p) for p in packed])
+        blob, offsets = pack_parameters(args, program.device)
+        packed = ctypes.create_string_buffer(blob, len(blob))
+        base = ctypes.addressof(packed)
+        params = (ctypes.c_void_p * len(offsets))(*[base + offset for offset in offsets])
         with self.using_device(program.device):
             check_driver(_driver().cuLaunchKernel(program.functions[name], grid, 1, 1, block, 1, 1, 0, native,
                                                   ctypes.addressof(params), 0), "cuLaunchKernel")

@@ -71,7 +71,9 @@ class EmulatedRuntime(Runtime):
         if schedule not in SCHEDULES:
             raise InvalidArgument(f"emulated schedule must be one of {SCHEDULES}, got {schedule!r}")
         super().__init__()
-        self.mode, self.name = mode, f"emulated:{mode}"
+        self.mode, self.schedule = mode, schedule
+        self.name = ":".join(["emulated", mode, *([str(devices)] if devices != 2 or schedule != "eager" else []),
+                              *([schedule] if schedule != "eager" else [])])
         self.max_registration_bytes, self.pinnable_bytes = max_registration_bytes, pinnable_bytes
         self.device_memory_bytes = device_memory_bytes
         self._maps = [AddressMap(d) for d in range(devices)]

@@ -87,11 +87,16 @@ class TransferEngine:
             raise InvalidArgument(f"pool geometries differ: {device_pool.geometry} vs {host_pool.geometry}")
         if device_pool.runtime is not host_pool.runtime:
             raise InvalidArgument("device and host pools belong to different runtimes")
-        if index_bytes not in (4, 8) or isinstance(index_bytes, bool):
+        index_bytes = integer(index_bytes, "index_bytes")
+        if index_bytes not in (4, 8):
             raise InvalidArgument(f"index_bytes must be 4 (int32) or 8 (int64), got {index_bytes!r}")
-        integer(max_blocks, "max_blocks", low=1)
-        integer(threads, "threads", low=32, high=1025)
-        integer(staging_bytes, "staging_bytes", low=1)
+        max_blocks = integer(max_blocks, "max_blocks", low=1)
+        threads = integer(threads, "threads", low=32, high=1025)
+        if threads % 32:
+            raise InvalidArgument(f"threads must be whole warps (a multiple of 32), got {threads}")
+        staging_bytes = integer(staging_bytes, "staging_bytes", low=1)
+        if relayout_blocks is not None:
+            relayout_blocks = integer(relayout_blocks, "relayout_blocks", low=1)
         self.device_pool, self.host_pool, self.backend = device_pool, host_pool, backend
         self.runtime, self.device = device_pool.runtime, device_pool.device
         self.geometry, self.plan = device_pool.geometry, plan_for(device_pool.geometry, host_pool.strides)
@@ -209,17 +214,20 @@ class TransferEngine:
         self.device_pool.check_pages(dev)
         self.host_pool.check_pages(host)
         destination, name = (host, "host_pages") if direction == D2H else (dev, "device_pages")
-        values, counts = np.unique(destination, return_counts=True)
-        if (counts > 1).any():
-            raise InvalidArgument(f"{name} names page {int(values[counts > 1][0])} more than once: a destination page "
-                                  f"written twice in one transfer would mix the bytes of both sources")
+        ordered = np.sort(destination)
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+        if repeated.size:
+            raise InvalidArgument(f"{name} names page {int(repeated[0])} more than once: a destination page written "
+                                  f"twice in one transfer would mix the bytes of both sources")
         return dev, host
 
     def _layers(self, layers: Sequence[int] | None) -> list[int]:
         count = self.geometry.layers
         if layers is None:
             return list(range(count))
-        chosen = [integer(x, f"layers[{i}]") for i, x in enumerate(index_list(layers))]
+        if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__"):
+            raise InvalidArgument(f"layers must be a sequence of layer indices, got {layers!r}")
+        chosen = index_array(layers, "layers").tolist()
         bad = [x for x in chosen if not 0 <= x < count]
         if bad:
             raise InvalidArgument(f"layer {bad[0]} is out of range (pool has {count} layers)")
@@ -264,7 +272,3 @@ class TransferEngine:
         return transfer
 
 
-def index_list(values: Any) -> list[Any]:
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise InvalidArgument(f"layers must be a sequence of layer indices, got {values!r}")
-    return list(values)

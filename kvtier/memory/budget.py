@@ -1,8 +1,9 @@
-"""Refuse host pools the machine cannot hold, before touching a byte: an OOM kill mid-serve is worse."""
+"""Refuse host buffers the machine cannot hold, before touching a byte: an OOM kill mid-serve is worse (every kind
+but pageable is populated or pinned at once, and pageable ones are pre-faulted too)."""
 
 from __future__ import annotations
 
-from kvtier.errors import KvtierError
+from kvtier.errors import OutOfMemory
 
 RESERVE_FRACTION = 0.1
 
@@ -24,7 +25,7 @@ def check_host_budget(nbytes: int) -> None:
         return
     allowed = int(available * (1 - RESERVE_FRACTION))
     if nbytes > allowed:
-        raise KvtierError(
-            f"host pool of {nbytes / 2**30:.1f} GiB exceeds the budget: {available / 2**30:.1f} GiB available, "
+        raise OutOfMemory(
+            f"host buffer of {nbytes / 2**30:.1f} GiB exceeds the budget: {available / 2**30:.1f} GiB available, "
             f"{RESERVE_FRACTION:.0%} kept for the rest of the process; size the pool smaller "
             f"(pages=, tokens=, nbytes=)")
