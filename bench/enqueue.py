@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                           "$KVTIER_RUNTIME, else cuda when a GPU is usable, else emulated:split)")
     parser.add_argument("--gib", type=float, default=1.0,
                         help="GiB of pages per load (default: %(default)s; use e.g. 0.01 on an emulated runtime)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the table, profile the queuing of per-layer kernel loads (cProfile, top 25 by own "
+                             "time): where the Python side of a launch goes")
     args = parser.parse_args(argv)
     if args.gib <= 0:
         parser.error(f"--gib must be positive, got {args.gib}")
@@ -62,12 +65,28 @@ def main(argv: list[str] | None = None) -> None:
             engine = TransferEngine(dev, host, backend=backend)
             for per_layer in (True, False, True, False, True):
                 report(name, backend, engine, g, pages, src, per_layer)
+            if args.profile and backend == "kernel" and name == "llama3-8b-p16":
+                profile(engine, pages, src)
             engine.close()
         host.close()
         dev.close()
     seed.close()
     if emulated:
         print(EMULATED_NOTE.format(name=runtime.name), flush=True)
+
+
+def profile(engine, pages, src) -> None:
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(5):
+        engine.synchronize()
+        profiler.enable()
+        load = engine.load(np.arange(pages), src)
+        profiler.disable()
+        load.wait()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 def report(name, backend, engine, g, pages, src, per_layer) -> None:

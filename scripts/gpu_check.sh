@@ -2,7 +2,8 @@
 # One call on the GPU machine: AOT build, the suite with AOT and with JIT kernels, a compute-sanitizer memcheck
 # over the kernel tests, the copy-across-registrations probe, kvtier doctor, the benchmarks, and the batched-memcpy
 # probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
-# PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py.
+# PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py,
+# ENQUEUE_ARGS to bench/enqueue.py.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
 PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench enqueue limits"}
@@ -49,7 +50,7 @@ if want bench; then
     done
 fi
 if want enqueue; then
-    python3 bench/enqueue.py 2>&1 | tee "$OUT/enqueue.txt" || status=1
+    python3 bench/enqueue.py ${ENQUEUE_ARGS:-} 2>&1 | tee "$OUT/enqueue.txt" || status=1
 fi
 if want limits; then
     python3 bench/batch_limits.py 2>&1 | tee "$OUT/batch_limits.txt" || status=1
