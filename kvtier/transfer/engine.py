@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,42 @@ from kvtier.transfer.staged import StagedBackend
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (KernelBackend, StagedBackend, DirectBackend, BatchBackend)}
 CURRENT = "current"
 """``after=CURRENT`` (the default): order the transfer after the caller's current stream."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """An engine's settings, checked (and numpy integers made ints) before anything is allocated."""
+
+    backend: str
+    max_blocks: int
+    threads: int
+    index_bytes: int
+    staging_bytes: int
+    relayout_blocks: int | None
+    index_ring_bytes: int | None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise InvalidArgument(f"unknown io backend {self.backend!r}: choose one of {tuple(BACKENDS)}")
+        limits = {"max_blocks": (1, None), "threads": (32, 1025), "index_bytes": (None, None),
+                  "staging_bytes": (1, None), "relayout_blocks": (1, None), "index_ring_bytes": (1, None)}
+        for name, (low, high) in limits.items():
+            value = getattr(self, name)
+            if value is not None or name not in ("relayout_blocks", "index_ring_bytes"):
+                object.__setattr__(self, name, integer(value, name, low=low, high=high))
+        if self.index_bytes not in (4, 8):
+            raise InvalidArgument(f"index_bytes must be 4 (int32) or 8 (int64), got {self.index_bytes!r}")
+        if self.threads % 32:
+            raise InvalidArgument(f"threads must be whole warps (a multiple of 32), got {self.threads}")
+
+
+def _check_pools(device_pool: DevicePool, host_pool: HostPool) -> None:
+    device_pool.check_open()
+    host_pool.check_open()
+    if device_pool.geometry != host_pool.geometry:
+        raise InvalidArgument(f"pool geometries differ: {device_pool.geometry} vs {host_pool.geometry}")
+    if device_pool.runtime is not host_pool.runtime:
+        raise InvalidArgument("device and host pools belong to different runtimes")
 
 
 class CapturedLoad:
@@ -79,40 +116,25 @@ class TransferEngine:
         """``max_blocks`` is the SM budget of kernel copies; ``staging_bytes`` the device staging area of each
         direction (staged backend), whose relayout kernels use ``relayout_blocks`` (default: every SM);
         ``index_ring_bytes`` the index arena of each stream (default: two transfers of the whole device pool)."""
-        if backend not in BACKENDS:
-            raise InvalidArgument(f"unknown io backend {backend!r}: choose one of {tuple(BACKENDS)}")
-        device_pool.check_open()
-        host_pool.check_open()
-        if device_pool.geometry != host_pool.geometry:
-            raise InvalidArgument(f"pool geometries differ: {device_pool.geometry} vs {host_pool.geometry}")
-        if device_pool.runtime is not host_pool.runtime:
-            raise InvalidArgument("device and host pools belong to different runtimes")
-        index_bytes = integer(index_bytes, "index_bytes")
-        if index_bytes not in (4, 8):
-            raise InvalidArgument(f"index_bytes must be 4 (int32) or 8 (int64), got {index_bytes!r}")
-        max_blocks = integer(max_blocks, "max_blocks", low=1)
-        threads = integer(threads, "threads", low=32, high=1025)
-        if threads % 32:
-            raise InvalidArgument(f"threads must be whole warps (a multiple of 32), got {threads}")
-        staging_bytes = integer(staging_bytes, "staging_bytes", low=1)
-        if relayout_blocks is not None:
-            relayout_blocks = integer(relayout_blocks, "relayout_blocks", low=1)
+        settings = Settings(backend, max_blocks, threads, index_bytes, staging_bytes, relayout_blocks,
+                            index_ring_bytes)
+        _check_pools(device_pool, host_pool)
         self.device_pool, self.host_pool, self.backend = device_pool, host_pool, backend
         self.runtime, self.device = device_pool.runtime, device_pool.device
         self.geometry, self.plan = device_pool.geometry, plan_for(device_pool.geometry, host_pool.strides)
-        self.max_blocks, self.threads, self.index_bytes = max_blocks, threads, index_bytes
+        self.max_blocks, self.threads, self.index_bytes = settings.max_blocks, settings.threads, settings.index_bytes
         self._lock = threading.RLock()
         self._closed = False
         self._captures: weakref.WeakSet[CapturedLoad] = weakref.WeakSet()
         self.streams = {D2H: self.runtime.create_stream(self.device), H2D: self.runtime.create_stream(self.device)}
-        units = self.plan.units_per_page * device_pool.pages
-        ring_bytes = integer(index_ring_bytes, "index_ring_bytes", low=1) if index_ring_bytes is not None else (
-            arena_bytes(units, index_bytes))
+        ring_bytes = settings.index_ring_bytes or arena_bytes(self.plan.units_per_page * device_pool.pages,
+                                                              self.index_bytes)
         context = Context(self.runtime, self.device, self.geometry, self.plan, device_pool, host_pool,
-                          launcher or KernelLauncher(self.runtime), self.streams, index_bytes, max_blocks, threads)
+                          launcher or KernelLauncher(self.runtime), self.streams, self.index_bytes, self.max_blocks,
+                          self.threads)
         try:
-            self._backend = BACKENDS[backend](context, ring_bytes=ring_bytes, staging_bytes=staging_bytes,
-                                              relayout_blocks=relayout_blocks)
+            self._backend = BACKENDS[backend](context, ring_bytes=ring_bytes, staging_bytes=settings.staging_bytes,
+                                              relayout_blocks=settings.relayout_blocks)
         except BaseException:
             for stream in self.streams.values():
                 stream.close()
