@@ -95,7 +95,7 @@ def relayout_seconds(engine: TransferEngine, src: np.ndarray, repeats: int) -> f
         indices, lease = area.ring.upload(arrays)
         area.stream.synchronize()
         start = time.perf_counter()
-        launch_copy(area.context, "d2h", indices, arrays[0].size, 0, engine.geometry.layers, area.stream,
+        launch_copy(area.context, "d2h", indices, arrays[0].size, [(0, engine.geometry.layers)], area.stream,
                     area.table, area.device_table, area.blocks)
         area.stream.synchronize()
         area.ring.fence(lease)

@@ -18,6 +18,8 @@ from kvtier.errors import InvalidArgument
 
 def integer(value: Any, name: str, *, low: int | None = None, high: int | None = None) -> int:
     """``value`` as an int (Python or numpy integer, never bool), within [low, high) when given."""
+    if type(value) is int and low is None and high is None:
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise InvalidArgument(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     value = int(value)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.address import DeviceAddress
@@ -20,7 +21,7 @@ from kvtier.errors import AddressDomainError, KvtierError, MisalignedAddress
 from kvtier.kernels import reference
 from kvtier.kernels.loader import kernel_image
 from kvtier.kernels.source import DEFAULT_UNROLL, KERNEL_NAMES, source_hash
-from kvtier.memory import get_device_accessible_ptr
+from kvtier.memory import DeviceBuffer, get_device_accessible_ptr
 from kvtier.runtime import KernelArg, ProgramSpec, Runtime, Stream, i32, i64
 
 MAX_THREADS = 1024
@@ -145,15 +146,23 @@ class KernelLauncher:
         self.runtime, self.mode, self.unroll, self.max_threads = runtime, mode, unroll, max_threads
         self.spec = _transfer_program(mode, unroll, max_threads)
         self._checked: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._buffers: weakref.WeakKeyDictionary[DeviceBuffer, DeviceAddress] = weakref.WeakKeyDictionary()
 
     def origin(self, device: int) -> str:
         """Where the device's kernel code comes from: ``aot:<fatbin>``, ``jit:...`` or ``reference``."""
         return self.runtime.load_program(self.spec, device).origin
 
     def resolve(self, operand: Any, device: int, align: int) -> DeviceAddress:
+        """The operand's address for ``device``, through the one resolver. Device buffers (pointer tables, the same
+        few at every launch) are resolved once per launcher and device; a closed one is still refused here."""
         if isinstance(operand, int):
             raise AddressDomainError(f"kernel operand 0x{operand:x} is a raw integer: pass the buffer, not its address")
-        address = get_device_accessible_ptr(operand, device, runtime=self.runtime)
+        if isinstance(operand, DeviceBuffer) and operand.device == device:
+            address = self._buffers.get(operand)
+            if address is None or operand.closed:
+                address = self._buffers[operand] = get_device_accessible_ptr(operand, device, runtime=self.runtime)
+        else:
+            address = get_device_accessible_ptr(operand, device, runtime=self.runtime)
         _check_aligned(address, align, "kernel operand")
         return address
 
@@ -169,13 +178,24 @@ class KernelLauncher:
 
     def copy_chunks(self, call: ChunkCopy, *, device: int, stream: Stream, max_blocks: int = 2,
                     threads: int = MAX_THREADS) -> None:
-        call.validate()
+        """One launch: every tensor of layers [call.layer_begin, +call.n_layers)."""
+        self.copy_layer_spans(call, [(call.layer_begin, call.n_layers)], device=device, stream=stream,
+                              max_blocks=max_blocks, threads=threads)
+
+    def copy_layer_spans(self, call: ChunkCopy, spans: Sequence[tuple[int, int]], *, device: int, stream: Stream,
+                         max_blocks: int = 2, threads: int = MAX_THREADS,
+                         after_each: Callable[[int, int], None] | None = None) -> None:
+        """One launch per (first layer, layer count) span, ``after_each(begin, count)`` after each (a per-layer load
+        records its layer events there). Shapes are checked and operands resolved once for all spans: a per-layer
+        load of 61 layers is 61 launches that differ only in two integers."""
+        for begin, count in spans:
+            replace(call, layer_begin=begin, n_layers=count).validate()
         if max_blocks < 1 or threads < 32 or threads > self.max_threads or threads % 32:
             raise KvtierError(f"launch of {max_blocks} blocks x {threads} threads: need >=1 block and 32..1024 "
                               f"threads in whole warps")
-        if call.n_units == 0 or call.n_layers == 0:
+        if call.n_units == 0 or not spans:
             return
-        call = call.in_pieces()
+        call = replace(call, n_layers=max(count for _, count in spans)).in_pieces()
         group = chunk_group(call.chunk_bytes // 16, self.unroll)
         if group * call.chunk_bytes // 16 > MAX_COUNT:
             raise KvtierError(f"chunks of {call.chunk_bytes} bytes are too large for one kernel copy (the kernel "
@@ -186,12 +206,16 @@ class KernelLauncher:
             sides.append((self.resolve(side.table, device, 8), i64(side.page_stride), i64(side.unit_stride),
                           i64(side.piece_stride), i64(side.units_per_page)))
         indices = [self.resolve(index, device, call.index_bytes) for index in (call.src_index, call.dst_index)]
-        args: list[KernelArg] = [*sides, *indices, i64(call.n_units), i32(call.layer_begin), i32(call.n_layers),
-                                 i32(call.n_tensors), i32(call.rows_per_tensor), i32(call.n_pieces),
-                                 i64(call.chunk_bytes), i32(group)]
-        program = self.runtime.load_program(self.spec, device)
-        self.runtime.launch(program, KERNEL_NAMES[call.index_bytes], grid=max_blocks, block=threads, args=args,
-                            stream=stream)
+        program, name = self.runtime.load_program(self.spec, device), KERNEL_NAMES[call.index_bytes]
+        for begin, count in spans:
+            if count:
+                rows = call.table_layers or begin + count
+                args: list[KernelArg] = [*sides, *indices, i64(call.n_units), i32(begin), i32(count),
+                                         i32(call.n_tensors), i32(rows), i32(call.n_pieces), i64(call.chunk_bytes),
+                                         i32(group)]
+                self.runtime.launch(program, name, grid=max_blocks, block=threads, args=args, stream=stream)
+            if after_each is not None:
+                after_each(begin, count)
 
 
 def _check_aligned(address: DeviceAddress, align: int, what: str) -> None:

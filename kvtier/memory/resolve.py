@@ -33,6 +33,8 @@ from kvtier.runtime import get as get_runtime
 
 def device_index(device: Any) -> int:
     """Accept 1 (or a numpy integer), ``"cuda:1"`` or ``torch.device("cuda", 1)``."""
+    if type(device) is int:
+        return device
     if isinstance(device, numbers.Integral) and not isinstance(device, (bool, np.bool_)):
         return int(device)
     text = str(device)

@@ -100,18 +100,18 @@ KernelArg = Union[DeviceAddress, Scalar, tuple]
 
 def pack_argument(arg: KernelArg, device: int) -> bytes:
     """The bytes of one kernel parameter, C layout; pointers must be addresses of ``device``."""
-    if isinstance(arg, DeviceAddress):
+    if type(arg) is Scalar:
+        return struct.pack("<" + arg.format, arg.value)
+    if type(arg) is DeviceAddress:
         if arg.device != device:
             raise WrongDeviceError(f"kernel operand {arg} is not an address of device {device}")
         return struct.pack("<Q", arg.value)
-    if isinstance(arg, Scalar):
-        return struct.pack("<" + arg.format, arg.value)
     if isinstance(arg, tuple):
+        fields = [pack_argument(member, device) for member in arg]
         out = b""
-        for member in arg:
-            piece = pack_argument(member, device)
-            out += b"\0" * (-len(out) % len(piece)) + piece
-        return out + b"\0" * (-len(out) % 8)
+        for piece in fields:
+            out += bytes(-len(out) % len(piece)) + piece
+        return out + bytes(-len(out) % 8)
     raise AddressDomainError(f"kernel argument {arg!r} must be a DeviceAddress, a Scalar or a struct tuple; raw "
                              f"integers cannot be kernel operands")
 
@@ -239,6 +239,8 @@ class Runtime:
     def check_device(self, device: int) -> int:
         """``device`` as an int (numpy integers too) if this runtime has it."""
         count = self.device_count()
+        if type(device) is int and 0 <= device < count:
+            return device
         if isinstance(device, (bool, np.bool_)) or not isinstance(device, numbers.Integral) or \
                 not 0 <= device < count:
             raise InvalidDevice(f"{self.name}: no device {device!r} (this runtime has {count})")

@@ -3,6 +3,7 @@ launch. Also the pointer tables and the one launch helper the ``staged`` backend
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,17 +26,19 @@ def device_table(context: Context) -> PointerTable:
                                [op for t in range(context.geometry.tensors) for op in pool.layers[t]])
 
 
-def launch_copy(context: Context, direction: str, indices: list[Any], units: int, begin: int, count: int,
-                stream: Stream, host_table: Any, device_table: Any, blocks: int | None = None) -> None:
-    """One launch for every tensor of layers [begin, begin + count); ``host_table`` may name a staging area laid
-    out like the host pool."""
+def launch_copy(context: Context, direction: str, indices: list[Any], units: int, spans: list[tuple[int, int]],
+                stream: Stream, host_table: Any, device_table: Any, blocks: int | None = None,
+                after_each: Callable[[int, int], None] | None = None) -> None:
+    """One launch per span of layers, every tensor in each; ``host_table`` may name a staging area laid out like the
+    host pool; ``after_each(begin, count)`` runs after each launch is queued."""
     plan, g = context.plan, context.geometry
     device_side, host_side = plan.device_side(device_table), plan.host_side(host_table)
     src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
-    call = ChunkCopy(src, dst, indices[0], indices[1], context.index_bytes, units, begin, count, plan.pieces,
+    call = ChunkCopy(src, dst, indices[0], indices[1], context.index_bytes, units, 0, g.layers, plan.pieces,
                      plan.chunk_bytes, g.tensors, g.layers)
-    context.launcher.copy_chunks(call, device=context.device, stream=stream, max_blocks=blocks or context.max_blocks,
-                                 threads=context.threads)
+    context.launcher.copy_layer_spans(call, spans, device=context.device, stream=stream,
+                                      max_blocks=blocks or context.max_blocks, threads=context.threads,
+                                      after_each=after_each)
 
 
 class KernelBackend(Backend):
@@ -61,10 +64,9 @@ class KernelBackend(Backend):
         ring = self.rings[job.direction]
         indices, lease = ring.upload([job.src_units, job.dst_units])
         try:
-            for begin, count in layer_spans(job.layers, job.per_layer):
-                launch_copy(context, job.direction, indices, job.src_units.size, begin, count, job.stream,
-                            self.host_table, self.device_table)
-                job.mark(context.runtime, context.device, begin, job.stream)
+            launch_copy(context, job.direction, indices, job.src_units.size, layer_spans(job.layers, job.per_layer),
+                        job.stream, self.host_table, self.device_table,
+                        after_each=lambda begin, _: job.mark(context.runtime, context.device, begin, job.stream))
         finally:
             ring.fence(lease)
 
@@ -78,7 +80,7 @@ class KernelBackend(Backend):
             stream.synchronize()
             stream.begin_capture()
             try:
-                launch_copy(context, H2D, indices, host_units.size, layer, 1, stream, self.host_table,
+                launch_copy(context, H2D, indices, host_units.size, [(layer, 1)], stream, self.host_table,
                             self.device_table)
             finally:
                 graph = stream.end_capture()

@@ -105,12 +105,14 @@ class StagingArea:
         """Upload the batch's indices once, then one launch per span (marking each layer when ``mark``)."""
         context = self.context
         indices, lease = self.ring.upload(indices_of)
+
+        def marked(begin: int, count: int) -> None:
+            if mark:
+                job.mark(context.runtime, context.device, begin, self.stream)
+
         try:
-            for begin, count in spans:
-                launch_copy(context, job.direction, indices, indices_of[0].size, begin, count, self.stream,
-                            self.table, self.device_table, self.blocks)
-                if mark:
-                    job.mark(context.runtime, context.device, begin, self.stream)
+            launch_copy(context, job.direction, indices, indices_of[0].size, spans, self.stream, self.table,
+                        self.device_table, self.blocks, after_each=marked)
         finally:
             self.ring.fence(lease)
 
