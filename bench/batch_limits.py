@@ -1,9 +1,9 @@
 """Does ``cudaMemcpyBatchAsync`` survive many scattered copies on this driver? Each case runs in a child process.
 
-The staged backend once died with SIGSEGV while queuing 131k scattered 1 KiB copies per batch through
-``Runtime.memcpy_batch_async`` (calls of 8192) on driver 580.159.04; vllm#49276 reports the same driver crashing or
-hanging on large or repeated scatter batches. This probe repeats that shape at growing sizes, checks the bytes, and
-prints one line per case: ok, wrong bytes, or the signal that killed the child.
+The staged backend once died with SIGSEGV while queuing 131k scattered 1 KiB copies per batch through the runtime's
+batched memcpy (``memcpy_runs_async(..., batched=True)``, calls of 8192) on driver 580.159.04; vllm#49276 reports
+the same driver crashing or hanging on large or repeated scatter batches. This probe repeats that shape at growing
+sizes, checks the bytes, and prints one line per case: ok, wrong bytes, or the signal that killed the child.
 
 Run on a GPU machine: ``python bench/batch_limits.py``.
 """
@@ -34,10 +34,10 @@ def child(copies: int, rounds: int, piece: int = 1024) -> None:
         stream = runtime.create_stream(0)
         for _ in range(rounds):
             chosen = rng.choice(slots, copies, replace=False)
-            srcs = [host.cpu_address + int(offset) for offset in chosen * piece]
-            dsts = [device.address + offset for offset in range(0, copies * piece, piece)]
+            src_offsets, dst_offsets = chosen * piece, np.arange(copies) * piece
             device.upload(np.full(copies * piece, 0xEE, np.uint8))
-            runtime.memcpy_batch_async(dsts, srcs, [piece] * copies, stream=stream)
+            runtime.memcpy_runs_async(device.address, dst_offsets, host.cpu_address, src_offsets,
+                                      np.full(copies, piece), stream=stream, batched=True)
             stream.synchronize()
             got = np.frombuffer(device.download(), np.uint8).reshape(copies, piece)
             if not np.array_equal(got, view.reshape(slots, piece)[chosen]):

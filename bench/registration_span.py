@@ -36,7 +36,7 @@ def _copy(runtime, api: str, dst, src, nbytes: int, stream) -> str:
         elif api == "memcpy_async":
             runtime.memcpy_async(dst, src, nbytes, stream=stream)
         else:
-            runtime.memcpy_batch_async([dst], [src], [nbytes], stream=stream)
+            runtime.memcpy_runs_async(dst, [0], src, [0], [nbytes], stream=stream, batched=True)
         stream.synchronize()
         return "ok"
     except KvtierError as exc:

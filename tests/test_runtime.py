@@ -138,3 +138,29 @@ def test_cuda_shares_current_device_and_streams_with_torch(cuda):
     assert torch.equal(target.cpu(), data)
     stream.close()
     torch_stream.synchronize()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_runs_between_typed_bases_scatter_and_gather(runtime, batched):
+    n, piece = 64, 1024
+    rng = np.random.default_rng()
+    with HostBuffer.allocate(2 * n * piece, HostKind.PINNED, runtime=runtime) as host, \
+            DeviceBuffer(n * piece, 0, runtime=runtime) as dev:
+        view = host.as_tensor().numpy()
+        view[:] = random_bytes(view.size)
+        dev.upload(np.full(n * piece, 0xEE, np.uint8))
+        chosen = rng.choice(2 * n, n, replace=False)
+        stream = runtime.create_stream(0)
+        runtime.memcpy_runs_async(dev.address, np.arange(n) * piece, host.cpu_address, chosen * piece,
+                                  np.full(n, piece), stream=stream, batched=batched)
+        stream.synchronize()
+        got = np.frombuffer(dev.download(), np.uint8).reshape(n, piece)
+        np.testing.assert_array_equal(got, view.reshape(2 * n, piece)[chosen])
+        del view
+        from kvtier.errors import AddressDomainError, InvalidArgument
+
+        with pytest.raises(AddressDomainError):
+            runtime.memcpy_runs_async(dev.address.value, [0], host.cpu_address, [0], [16], stream=stream)
+        with pytest.raises(InvalidArgument, match="sizes"):
+            runtime.memcpy_runs_async(dev.address, [0, 16], host.cpu_address, [0], [16], stream=stream)
+        stream.close()

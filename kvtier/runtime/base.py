@@ -352,14 +352,25 @@ class Runtime:
         if self._copy_size(dst, src, nbytes, "memcpy_async"):
             self._memcpy_async(dst, src, nbytes, stream)
 
-    def memcpy_batch_async(self, dsts: Sequence[Address], srcs: Sequence[Address], sizes: Sequence[int], *,
-                           stream: Stream) -> None:
-        """Many copies in one call where the platform batches them; here, one memcpy_async each."""
-        if not len(dsts) == len(srcs) == len(sizes):
-            raise InvalidArgument(f"memcpy_batch_async: {len(dsts)} destinations, {len(srcs)} sources and "
-                                  f"{len(sizes)} sizes")
-        for dst, src, nbytes in zip(dsts, srcs, sizes, strict=True):
-            self.memcpy_async(dst, src, nbytes, stream=stream)
+    def memcpy_runs_async(self, dst: Address, dst_offsets: Any, src: Address, src_offsets: Any, sizes: Any, *,
+                          stream: Stream, batched: bool = False) -> None:
+        """Many copies between two typed bases: ``sizes[i]`` bytes from ``src + src_offsets[i]`` to
+        ``dst + dst_offsets[i]``. ``batched`` asks for the platform's batched copy (cudaMemcpyBatchAsync) where it
+        has one; otherwise one memcpy_async each. Offsets keep the domain of their base: there is no raw address."""
+        self._copy_size(dst, src, 0, "memcpy_runs_async")
+        arrays = [np.asarray(a, dtype=np.int64).reshape(-1) for a in (dst_offsets, src_offsets, sizes)]
+        if not arrays[0].size == arrays[1].size == arrays[2].size:
+            raise InvalidArgument(f"memcpy_runs_async: {arrays[0].size} destination offsets, {arrays[1].size} source "
+                                  f"offsets and {arrays[2].size} sizes")
+        if arrays[2].size and (min(a.min() for a in arrays) < 0):
+            raise InvalidArgument("memcpy_runs_async: offsets and sizes must be non-negative")
+        self._memcpy_runs(dst, arrays[0], src, arrays[1], arrays[2], stream, batched)
+
+    def _memcpy_runs(self, dst: Address, dst_offsets: np.ndarray, src: Address, src_offsets: np.ndarray,
+                     sizes: np.ndarray, stream: Stream, batched: bool) -> None:
+        for dst_offset, src_offset, nbytes in zip(dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist(),
+                                                  strict=True):
+            self.memcpy_async(dst + dst_offset, src + src_offset, nbytes, stream=stream)
 
     @staticmethod
     def _copy_size(dst: Address, src: Address, nbytes: int, call: str) -> int:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import ctypes
 import sys
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvtier.address import Address
-from kvtier.errors import InvalidArgument, KernelBuildError, RuntimeCallError, RuntimeUnavailable, WrongRuntime
+from kvtier.errors import KernelBuildError, RuntimeCallError, RuntimeUnavailable, WrongRuntime
 from kvtier.runtime.base import (
     DeviceAttributes,
     Event,
@@ -258,26 +259,21 @@ class CudaRuntime(Runtime):
         check(self._cudart.cudaMemcpyAsync(dst.value, src.value, nbytes, self._memcpy_default,
                                            self.as_stream(stream).native), "cudaMemcpyAsync")
 
-    def memcpy_batch_async(self, dsts: Sequence[Address], srcs: Sequence[Address], sizes: Sequence[int], *,
-                           stream: Stream) -> None:
-        """cudaMemcpyBatchAsync in calls of BATCH_LIMIT copies. It refuses the legacy default stream and stream
-        capture, and older drivers lack it: those fall back to one cudaMemcpyAsync per copy."""
+    def _memcpy_runs(self, dst: Address, dst_offsets: np.ndarray, src: Address, src_offsets: np.ndarray,
+                     sizes: np.ndarray, stream: Stream, batched: bool) -> None:
+        """Plain integers from here on (one array add per side, no object per copy): cudaMemcpyBatchAsync in calls
+        of BATCH_LIMIT copies, or one cudaMemcpyAsync each. The batched API refuses the legacy default stream and
+        stream capture, and older drivers lack it: those fall back to one copy per call."""
         stream = self.as_stream(stream)
-        if not len(dsts) == len(srcs) == len(sizes):
-            raise InvalidArgument(f"memcpy_batch_async: {len(dsts)} destinations, {len(srcs)} sources and "
-                                  f"{len(sizes)} sizes")
-        for address in (*dsts, *srcs):
-            self._copy_size(address, address, 0, "memcpy_batch_async")
+        dsts, srcs, counts = (dst.value + dst_offsets).tolist(), (src.value + src_offsets).tolist(), sizes.tolist()
         cudart = self._cudart
-        if self._batch_supported and stream.handle != 0 and not stream.capturing:
+        if batched and self._batch_supported and stream.handle != 0 and not stream.capturing:
             attrs = cudart.cudaMemcpyAttributes()
             attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-            dst_values, src_values = [a.value for a in dsts], [a.value for a in srcs]
-            for start in range(0, len(sizes), BATCH_LIMIT):
-                end = min(start + BATCH_LIMIT, len(sizes))
-                status = cudart.cudaMemcpyBatchAsync(dst_values[start:end], src_values[start:end],
-                                                     list(sizes[start:end]), end - start, [attrs], [0], 1,
-                                                     stream.native)[0]
+            for start in range(0, len(counts), BATCH_LIMIT):
+                end = min(start + BATCH_LIMIT, len(counts))
+                status = cudart.cudaMemcpyBatchAsync(dsts[start:end], srcs[start:end], counts[start:end],
+                                                     end - start, [attrs], [0], 1, stream.native)[0]
                 if status in (cudart.cudaError_t.cudaErrorNotSupported,
                               cudart.cudaError_t.cudaErrorCallRequiresNewerDriver) and start == 0:
                     self._batch_supported = False
@@ -285,7 +281,10 @@ class CudaRuntime(Runtime):
                 check((status,), "cudaMemcpyBatchAsync")
             else:
                 return
-        super().memcpy_batch_async(dsts, srcs, sizes, stream=stream)
+        kind, native = self._memcpy_default, stream.native
+        for d, s, n in zip(dsts, srcs, counts, strict=True):
+            if n:
+                check(cudart.cudaMemcpyAsync(d, s, n, kind, native), "cudaMemcpyAsync")
 
     def create_stream(self, device: int | None = None) -> CudaStream:
         device = self.current_device() if device is None else device

@@ -27,15 +27,11 @@ def host_pieces(context: Context, host_offsets: np.ndarray, other: np.ndarray, s
     return starts, other[origin] + shift, pieces
 
 
-def queue_copies(context: Context, direction: str, host: list[Address], device: list[Address], sizes: list[int],
-                 stream: Any, batched: bool) -> None:
-    """Host ↔ device copies in the job's direction, one call each or one batch."""
-    dsts, srcs = (host, device) if direction == D2H else (device, host)
-    if batched:
-        context.runtime.memcpy_batch_async(dsts, srcs, sizes, stream=stream)
-    else:
-        for dst, src, nbytes in zip(dsts, srcs, sizes, strict=True):
-            context.runtime.memcpy_async(dst, src, nbytes, stream=stream)
+def queue_copies(context: Context, direction: str, host: tuple[Address, np.ndarray], device: tuple[Address, np.ndarray],
+                 sizes: np.ndarray, stream: Any, batched: bool) -> None:
+    """Host ↔ device copies in the job's direction, each side a typed base and offsets: one call each or batched."""
+    (dst, dst_offsets), (src, src_offsets) = (host, device) if direction == D2H else (device, host)
+    context.runtime.memcpy_runs_async(dst, dst_offsets, src, src_offsets, sizes, stream=stream, batched=batched)
 
 
 class DirectBackend(Backend):
@@ -63,9 +59,7 @@ class DirectBackend(Backend):
             base = host_pool.tensor_offset(tensor) + layer * host_pool.strides.layer
             offsets, device, nbytes = host_pieces(context, base + host_runs, device_runs, sizes)
             device_base: DeviceAddress = context.device_pool.layer_device_addresses(tensor)[layer]
-            host_addresses: list[Address] = [cpu + int(o) for o in offsets]
-            device_addresses: list[Address] = [device_base + int(o) for o in device]
-            queue_copies(context, job.direction, host_addresses, device_addresses, nbytes.tolist(), job.stream,
+            queue_copies(context, job.direction, (cpu, offsets), (device_base, device), nbytes, job.stream,
                          self.batched)
 
 

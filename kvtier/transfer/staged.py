@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.address import Address
 from kvtier.errors import InvalidArgument
 from kvtier.memory import DeviceBuffer
 from kvtier.memory.lifetime import Owned
@@ -161,10 +160,8 @@ class StagingArea:
             sizes.append(lengths * host_page)
         offsets, staging, nbytes = host_pieces(context, np.concatenate(host_offsets), np.concatenate(staging_offsets),
                                                np.concatenate(sizes))
-        cpu, device_base = host.buffer.cpu_address, self.buffer.address
-        host_addresses: list[Address] = [cpu + int(o) for o in offsets]
-        staging_addresses: list[Address] = [device_base + int(o) for o in staging]
-        queue_copies(context, direction, host_addresses, staging_addresses, nbytes.tolist(), stream, batched=False)
+        queue_copies(context, direction, (host.buffer.cpu_address, offsets), (self.buffer.address, staging), nbytes,
+                     stream, batched=False)
 
     def drain(self) -> None:
         self.stream.synchronize()
