@@ -18,17 +18,12 @@ from kvtier.runtime.base import (
     Graph,
     HostKind,
     HostRegisterFlags,
-    KernelArg,
     MemoryType,
     PointerAttributes,
-    Program,
-    ProgramSpec,
     Runtime,
-    Scalar,
     Stream,
-    i32,
-    i64,
 )
+from kvtier.runtime.program import KernelArg, Program, ProgramSpec, Scalar, i32, i64
 
 __all__ = ["DeviceAttributes", "Event", "Graph", "HostKind", "HostRegisterFlags", "KernelArg", "MemoryType",
            "PointerAttributes", "Program", "ProgramSpec", "Runtime", "Scalar", "Stream", "i32", "i64", "get", "create",

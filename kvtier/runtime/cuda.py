@@ -22,15 +22,12 @@ from kvtier.runtime.base import (
     Event,
     Graph,
     HostRegisterFlags,
-    KernelArg,
     MemoryType,
     PointerAttributes,
-    Program,
-    ProgramSpec,
     Runtime,
     Stream,
-    pack_parameters,
 )
+from kvtier.runtime.program import KernelArg, Program, ProgramSpec, pack_parameters
 
 
 def _bindings() -> Any:

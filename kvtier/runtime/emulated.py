@@ -23,14 +23,10 @@ from kvtier.runtime.base import (
     DeviceAttributes,
     Event,
     HostRegisterFlags,
-    KernelArg,
     MemoryType,
     PointerAttributes,
-    Program,
-    ProgramSpec,
     Runtime,
     Stream,
-    argument_values,
 )
 from kvtier.runtime.emulated_device import (
     AddressMap,
@@ -43,6 +39,7 @@ from kvtier.runtime.emulated_device import (
     Op,
 )
 from kvtier.runtime.emulated_scheduler import SCHEDULES, Scheduler
+from kvtier.runtime.program import KernelArg, Program, ProgramSpec, argument_values
 
 MODES = ("split", "unified")
 EMULATED_SPACE = 0x1000_0000_0000_0000
