@@ -3,10 +3,10 @@
 # over the kernel tests, the copy-across-registrations probe, kvtier doctor, the benchmarks, and the batched-memcpy
 # probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py,
-# ENQUEUE_ARGS to bench/enqueue.py.
+# ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
-PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench enqueue limits"}
+PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench enqueue demo cache limits"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
@@ -51,6 +51,13 @@ if want bench; then
 fi
 if want enqueue; then
     python3 bench/enqueue.py ${ENQUEUE_ARGS:-} 2>&1 | tee "$OUT/enqueue.txt" || status=1
+fi
+if want demo; then
+    python3 -m kvtier --runtime cuda demo ${DEMO_ARGS:-} --save "$OUT/demo.json" 2>&1 | tee "$OUT/demo.txt" || status=1
+fi
+if want cache; then
+    python3 bench/cache.py --runtime cuda --no-control --data ${CACHE_ARGS:-} --json "$OUT/cache.json" 2>&1 \
+        | tee "$OUT/cache.txt" || status=1
 fi
 if want limits; then
     python3 bench/batch_limits.py 2>&1 | tee "$OUT/batch_limits.txt" || status=1

@@ -31,3 +31,11 @@ def test_kernels_are_launched_only_at_the_launch_boundary():
     for path, text in _sources_above(*LOW):
         if path.name != "launch.py":
             assert not re.search(r"runtime\.launch\(|load_program\(", text), path
+
+
+def test_the_cache_never_touches_device_addresses():
+    """kvtier.cache works in page numbers; the transfer engines turn them into addresses."""
+    for path in (PACKAGE / "cache").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"kvtier\.memory|DeviceAddress|CpuAddress|get_device_accessible_ptr|"
+                             r"layer_device_addresses|layer_cpu_addresses|\.cpu_address", text), path

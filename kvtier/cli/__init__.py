@@ -11,7 +11,7 @@ from kvtier.runtime import get as get_runtime
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier.cli import doctor, shm
+    from kvtier.cli import demo, doctor, shm
 
     runtime_help = (f"cuda | emulated:split | emulated:unified (default: ${ENV_VAR}, else cuda when a GPU is "
                     "usable, else emulated:split)")
@@ -22,6 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_parser.add_argument("--runtime", default=argparse.SUPPRESS, help=runtime_help)
     doctor.add_arguments(doctor_parser)
     doctor_parser.set_defaults(run=doctor.command, needs_runtime=True)
+    demo_parser = commands.add_parser("demo", help="multi-turn chat through the cache: hits per tier, prefill saved, "
+                                                   "bytes moved")
+    demo_parser.add_argument("--runtime", default=argparse.SUPPRESS, help=runtime_help)
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(run=demo.command, needs_runtime=True)
     shm.add_parser(commands)
     return parser
 

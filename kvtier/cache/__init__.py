@@ -1,0 +1,14 @@
+"""The cache: a radix index over the device and host tiers, write policies, eviction, layer-wise load-back."""
+
+from kvtier.cache.allocator import PageAllocator
+from kvtier.cache.cache import Inserted, KVCache, OutOfPages
+from kvtier.cache.index import IndexCorrupted, Match, Node, RadixIndex
+from kvtier.cache.keys import Namespace, page_keys, token_array
+from kvtier.cache.metrics import CacheMetrics
+from kvtier.cache.operation import LoadBack, Operation
+from kvtier.cache.rates import H200_TABLE, PairRate, RateTable, measure_rates
+from kvtier.cache.settings import CacheSettings, WritePolicy
+
+__all__ = ["CacheMetrics", "CacheSettings", "H200_TABLE", "IndexCorrupted", "Inserted", "KVCache", "LoadBack",
+           "Match", "Namespace", "Node", "Operation", "OutOfPages", "PageAllocator", "PairRate", "RadixIndex",
+           "RateTable", "WritePolicy", "measure_rates", "page_keys", "token_array"]

@@ -1,0 +1,626 @@
+"""``KVCache``: the radix index over a device pool and a host pool, with write policies, eviction, layer-wise
+load-back, a background controller and metrics.
+
+How an engine uses it, per request::
+
+    match = cache.match_prefix(tokens)          # device hit, then host-only hit; no bytes move
+    cache.lock(match)                           # pin it while the request runs
+    load = cache.load_back(match)               # host part → new device pages, one event per layer (or None)
+    pages = cache.allocate(n)                   # device pages for the rest; evicts as needed
+    ... model writes KV into match/load pages + pages; layer i waits with load.stream_wait(layer=i) ...
+    cache.insert(tokens, all_pages)             # the tree takes the pages (duplicates are freed)
+    cache.unlock(match)
+
+The cache owns every page of both pools: device pages are handed out by ``allocate`` and come back through
+``insert`` (kept), ``free`` (returned) or eviction. It never touches a device address: pages are numbers, and the
+transfer engines move them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.cache.allocator import PageAllocator, distinct
+from kvtier.cache.controller import Controller
+from kvtier.cache.index import Match, Node, RadixIndex
+from kvtier.cache.keys import Namespace, token_array
+from kvtier.cache.metrics import CacheMetrics
+from kvtier.cache.operation import BACKUP, LOAD, LoadBack, Operation
+from kvtier.cache.rates import H200_TABLE, RateTable
+from kvtier.cache.settings import AUTO, CacheSettings, WritePolicy
+from kvtier.checks import index_array, integer
+from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
+from kvtier.pools import DevicePool, HostPool
+from kvtier.transfer import TransferEngine
+from kvtier.transfer.engine import CURRENT
+
+
+class OutOfPages(OutOfMemory):
+    """No device pages could be had even after evicting everything evictable and waiting for backups in flight."""
+
+
+@dataclass(frozen=True)
+class Inserted:
+    """``existing_tokens`` were already cached (their caller pages that differ from the tree's were freed:
+    ``freed``); ``new_tokens`` are new to the tree; ``node`` is the deepest node of the prompt."""
+
+    existing_tokens: int
+    new_tokens: int
+    freed: np.ndarray
+    node: Node
+
+
+class KVCache:
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, namespace: Namespace,
+                 settings: CacheSettings | None = None, *, rates: RateTable | None = None) -> None:
+        """The cache takes every page of both pools. ``rates``: a measured table to choose backends from
+        (``io_backend="auto"``) and estimate load time with; default: the H200 table of :mod:`kvtier.cache.rates`,
+        refined by a calibration transfer when ``settings.calibrate``."""
+        settings = settings or CacheSettings()
+        if device_pool.geometry != namespace.geometry or host_pool.geometry != namespace.geometry:
+            raise InvalidArgument(f"the namespace's geometry {namespace.geometry} differs from the pools' "
+                                  f"({device_pool.geometry}, {host_pool.geometry})")
+        device_pool.check_open()
+        host_pool.check_open()
+        self.device_pool, self.host_pool, self.namespace, self.settings = device_pool, host_pool, namespace, settings
+        self.geometry, self.page_size = namespace.geometry, namespace.page_size
+        self.rates = rates or H200_TABLE
+        self.load_backend, self.backup_backend = self._choose_backends()
+        self._lock = threading.RLock()
+        self._closed = False
+        self.index = RadixIndex(self.page_size, namespace.digest)
+        self.device = PageAllocator(device_pool.pages, name="device")
+        self.host = PageAllocator(host_pool.pages, name="host", contiguous=True)
+        self._in_tree = np.zeros(device_pool.pages, dtype=bool)
+        self.metrics = CacheMetrics()
+        self._prefill_rate: float | None = None
+        self._engines: dict[str, TransferEngine] = {}
+        try:
+            self._engines[LOAD] = TransferEngine(device_pool, host_pool, backend=self.load_backend,
+                                                 max_blocks=settings.max_blocks)
+            self._engines[BACKUP] = self._engines[LOAD] if self.backup_backend == self.load_backend else \
+                TransferEngine(device_pool, host_pool, backend=self.backup_backend, max_blocks=settings.max_blocks)
+            self.load_gbps = self.rates.rate(self.load_backend, "load")
+            self.backup_gbps = self.rates.rate(self.backup_backend, "backup")
+            if settings.calibrate:
+                self._calibrate()
+        except BaseException:
+            self._close_engines()
+            raise
+        self._controller = Controller(self._submit_backup, self._complete, self._set_depth)
+        self._gauges()
+
+    # -- lookups ----------------------------------------------------------------------------------------------------
+    def match_prefix(self, tokens: Any) -> Match:
+        """The longest cached prefix (whole pages): ``device_tokens`` on the device, then ``host_tokens`` in host
+        memory only. Moves no bytes. ``match.pending`` lists load-backs still landing in the device part: wait for
+        them (``wait_for``) before reading those pages."""
+        tokens = token_array(tokens)
+        with self._lock:
+            self._check_open()
+            match = self.index.match(tokens)
+            whole = len(tokens) // self.page_size * self.page_size
+            self.metrics.add("lookups")
+            self.metrics.add("lookup_tokens", whole)
+            for tier, count in (("device", match.device_tokens), ("host", match.host_tokens)):
+                if count:
+                    self.metrics.add("hits", 1, tier)
+                    self.metrics.add("hit_tokens", count, tier)
+            if self.settings.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+                hot = [n for n in match.last_device_node.path()
+                       if n.host is None and n.hits >= self.settings.write_through_threshold]
+                if hot:
+                    self._controller.request_backup([hot[0]], self._after_marker(CURRENT))
+            return match
+
+    @staticmethod
+    def wait_for(match: Match, stream: Any = None, *, layer: int | None = None) -> None:
+        """Make ``stream`` (default: the current one) wait on the GPU for the load-backs a match depends on."""
+        for op in match.pending:
+            op.stream_wait(stream, layer=layer)
+
+    def lock(self, match: Match | Node) -> None:
+        with self._lock:
+            self._check_open()
+            self.index.lock(_node(match))
+
+    def unlock(self, match: Match | Node) -> None:
+        with self._lock:
+            self._check_open()
+            self.index.unlock(_node(match))
+
+    def page_keys(self, match: Match | Node) -> list[bytes]:
+        """The storage keys of every page of the matched prefix (SHA-256 chain, see :mod:`kvtier.cache.keys`)."""
+        with self._lock:
+            node = _node(match)
+            return [key for n in reversed(list(node.path())) for key in self.index.keys(n)]
+
+    # -- device pages for the caller --------------------------------------------------------------------------------
+    def allocate(self, count: int) -> np.ndarray:
+        """``count`` device pages for new KV; evicts least recently used pages as needed, then waits for backups
+        in flight and evicts again; raises OutOfPages when still short (nothing changed)."""
+        count = integer(count, "count", low=0)
+        with self._lock:
+            self._check_open()
+            pages = self._allocate_device(count)
+            if pages is None:
+                locked = self.index.device_tokens - self._evictable_tokens("device")
+                raise OutOfPages(f"cannot allocate {count} device pages: {self.device.free_pages} free of "
+                                 f"{self.device.pages}, nothing more is evictable ({locked} cached tokens are locked "
+                                 f"or in flight; caller-held pages: {self._caller_pages()})")
+            return pages
+
+    def free(self, pages: Any) -> None:
+        """Give back device pages from ``allocate`` that were not inserted."""
+        pages = index_array(pages, "pages")
+        with self._lock:
+            self._check_open()
+            self._check_caller_pages(pages, "free")
+            self.device.free(pages)
+            self._gauges()
+
+    # -- insert -----------------------------------------------------------------------------------------------------
+    def insert(self, tokens: Any, device_pages: Any, *, after: Any = CURRENT) -> Inserted:
+        """Hand the KV of ``tokens`` (one device page per whole page; pages past the last whole page stay the
+        caller's) to the cache. Pages for positions the device tier already holds are freed unless they are the
+        tree's own. ``after``: what the write-through backup waits for (default: the caller's current stream, where
+        the model wrote this KV)."""
+        tokens = token_array(tokens)
+        pages = index_array(device_pages, "device_pages")
+        with self._lock:
+            self._check_open()
+            whole = self.index.whole_pages(tokens)
+            count = len(whole) // self.page_size
+            if len(pages) < count:
+                raise InvalidArgument(f"{len(tokens)} tokens fill {count} whole pages but only {len(pages)} device "
+                                      f"pages were given")
+            pages = pages[:count]
+            self._check_insert(whole, pages)
+            placed = self.index.place(whole, pages)
+            for node in placed.revived + ([placed.new_node] if placed.new_node else []):
+                self._in_tree[node.device] = True
+            if placed.duplicates.size:
+                self.device.free(placed.duplicates)
+            if placed.new_node is not None and self.settings.write_policy is WritePolicy.WRITE_THROUGH:
+                self._controller.request_backup([placed.new_node], self._after_marker(after))
+            self._gauges()
+            return Inserted(placed.existing_tokens, len(whole) - placed.existing_tokens, placed.duplicates,
+                            placed.last_node)
+
+    def backup(self, match: Match | Node, *, after: Any = CURRENT) -> None:
+        """Ask for a backup of a cached prefix now, whatever the write policy (off the caller's thread)."""
+        with self._lock:
+            self._check_open()
+            self._controller.request_backup([_node(match)], self._after_marker(after))
+
+    # -- load-back --------------------------------------------------------------------------------------------------
+    def load_back(self, match: Match, *, after: Any = CURRENT, force: bool = False) -> LoadBack | None:
+        """Load the host-only part of ``match`` into new device pages, all or nothing, with one event per layer.
+
+        Returns None (and counts why) when there is nothing to load, when it is shorter than
+        ``load_back_min_tokens``, when its estimated time is not below the recompute estimate (unless ``force``),
+        or when no device pages can be had. The load is queued on this thread (so it is ordered after ``after``,
+        default the caller's current stream, and its events exist when this returns); the controller completes it.
+        """
+        with self._lock:
+            self._check_open()
+            node = match.last_node
+            if not node.alive:
+                self.metrics.add("decisions", 1, "stale_match")
+                return None
+            chain = self.index.host_chain(node)
+            if not chain:
+                return None
+            tokens = sum(len(n.tokens) for n in chain)
+            decision = self.decide(tokens, force=force)
+            if decision != "load":
+                self.metrics.add("decisions", 1, decision)
+                return None
+            count = tokens // self.page_size
+            self.index.lock(node)
+            try:
+                pages = self._allocate_device(count)
+            finally:
+                self.index.unlock(node)
+            if pages is None:
+                self.metrics.add("decisions", 1, "no_device_pages")
+                return None
+            host = np.concatenate([n.host for n in chain])
+            op = LoadBack(list(chain), pages, host, count * self.geometry.bytes_per_page, tokens)
+            try:
+                op.transfer = self._engines[LOAD].load(host, pages, after=after)
+            except BaseException:
+                self.device.free(pages)
+                raise
+            start = 0
+            for n in chain:
+                span = len(n.tokens) // self.page_size
+                self.index.set_device(n, pages[start:start + span])
+                n.loading = op
+                start += span
+            self._in_tree[pages] = True
+            op.prefix_pages = np.concatenate([n.device for n in reversed(list(node.path()))])
+            self.metrics.add("decisions", 1, "load")
+            self._controller.track(op)
+            self._gauges()
+            return op
+
+    def decide(self, tokens: int, *, force: bool = False) -> str:
+        """``"load"``, or why loading ``tokens`` from host memory is declined."""
+        if tokens < self.settings.load_back_min_tokens:
+            return "too_short"
+        rate = self.settings.prefill_tokens_per_s or self._prefill_rate
+        if force or not rate or not self.load_gbps:
+            return "load"
+        load_s = tokens // self.page_size * self.geometry.bytes_per_page / (self.load_gbps * 1e9)
+        return "load" if load_s < tokens / rate else "slower_than_recompute"
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """Report a prefill the caller ran, so the cache learns the recompute rate (a moving average)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        with self._lock:
+            self._prefill_rate = rate if self._prefill_rate is None else 0.8 * self._prefill_rate + 0.2 * rate
+
+    # -- eviction -----------------------------------------------------------------------------------------------
+    def evict(self, *, device_pages: int = 0, host_pages: int = 0) -> tuple[int, int]:
+        """Evict at least this many pages per tier where possible; returns the pages freed per tier."""
+        with self._lock:
+            self._check_open()
+            freed = self._evict_device(integer(device_pages, "device_pages", low=0)), \
+                self._evict_host(integer(host_pages, "host_pages", low=0))
+            self._gauges()
+            return freed
+
+    # -- lifetime ---------------------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Wait until every backup asked for so far is submitted and every transfer has completed."""
+        self._check_open()
+        self._controller.drain()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, *, cancel: bool = True) -> None:
+        """Stop the controller (backups not yet started are dropped when ``cancel``), wait for transfers in flight,
+        return every page of both tiers and check that none leaked; the pools stay open (they are the caller's).
+        Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            dropped = self._controller.close(cancel=cancel)
+            if dropped:
+                self.metrics.add("skipped", dropped, "cancelled_at_close")
+            with self._lock:
+                self._release_everything()
+        finally:
+            self._close_engines()
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Metrics snapshot plus the state of both tiers."""
+        with self._lock:
+            snapshot = self.metrics.snapshot()
+            snapshot.update({"device_tokens": self.index.device_tokens, "host_tokens": self.index.host_tokens,
+                             "nodes": self.index.nodes, "device_free_pages": self.device.free_pages,
+                             "host_free_pages": self.host.free_pages, "load_backend": self.load_backend,
+                             "backup_backend": self.backup_backend, "load_gbps_estimate": self.load_gbps,
+                             "prefill_tokens_per_s": self.settings.prefill_tokens_per_s or self._prefill_rate})
+            return snapshot
+
+    def check(self) -> None:
+        """Verify the index invariants and the page accounting of both tiers (raises IndexCorrupted)."""
+        from kvtier.cache.index import IndexCorrupted
+
+        with self._lock:
+            self.index.check()
+            for tier, allocator in (("device", self.device), ("host", self.host)):
+                owned = self.index.page_owners(tier)
+                if np.unique(owned).size != owned.size:
+                    raise IndexCorrupted(f"a {tier} page belongs to two nodes")
+                if owned.size and not allocator.is_used(owned).all():
+                    raise IndexCorrupted(f"the tree holds a {tier} page the allocator calls free")
+                if tier == "host" and owned.size != allocator.used_pages:
+                    raise IndexCorrupted(f"{allocator.used_pages} host pages allocated, the tree holds {owned.size}")
+                if tier == "device":
+                    mask = np.zeros(self.device.pages, dtype=bool)
+                    mask[owned] = True
+                    if not np.array_equal(mask, self._in_tree):
+                        raise IndexCorrupted("the device pages marked as the tree's differ from the tree")
+
+    # -- internals: allocation and eviction ---------------------------------------------------------------------
+    def _allocate_device(self, count: int) -> np.ndarray | None:
+        pages = self.device.allocate(count)
+        if pages is None:
+            self._evict_device(count - self.device.free_pages)
+            pages = self.device.allocate(count)
+        if pages is None and self._controller.inflight(BACKUP):
+            for op in self._controller.inflight(BACKUP):
+                self._finish_now(op)
+            self._evict_device(count - self.device.free_pages)
+            pages = self.device.allocate(count)
+        self._gauges()
+        return pages
+
+    def _allocate_host(self, count: int) -> np.ndarray | None:
+        pages = self.host.allocate(count)
+        if pages is None:
+            self._evict_host(count - self.host.free_pages)
+            pages = self.host.allocate(count)
+        return pages
+
+    def _evict_device(self, need: int) -> int:
+        freed = 0
+        while freed < need:
+            victims = self.index.lru_leaves("device", need - freed)
+            if not victims:
+                break
+            if self.settings.write_policy is WritePolicy.WRITE_BACK:
+                self._backup_now([v for v in victims if v.host is None])
+            released, dropped = [], 0
+            for victim in victims:
+                released.append(victim.device)
+                self.index.set_device(victim, None)
+                if victim.host is None:
+                    self.index.remove(victim)
+                    dropped += 1
+            pages = np.concatenate(released)
+            self._in_tree[pages] = False
+            self.device.free(pages)
+            freed += len(pages)
+            self.metrics.add("evicted", len(pages) * self.page_size, "device")
+            if dropped:
+                self.metrics.add("skipped", dropped, "evicted_without_backup")
+        return freed
+
+    def _evict_host(self, need: int) -> int:
+        freed = 0
+        while freed < need:
+            victims = self.index.lru_leaves("host", need - freed)
+            if not victims:
+                break
+            released = []
+            for victim in victims:
+                released.append(victim.host)
+                self.index.set_host(victim, None)
+                if victim.device is None:
+                    self.index.remove(victim)
+            pages = np.concatenate(released)
+            self.host.free(pages)
+            freed += len(pages)
+            self.metrics.add("evicted", len(pages) * self.page_size, "host")
+        return freed
+
+    def _evictable_tokens(self, tier: str) -> int:
+        leaves = self.index.device_leaves if tier == "device" else self.index.host_leaves
+        return sum(len(n.tokens) for n in leaves if not n.busy)
+
+    # -- internals: backups -----------------------------------------------------------------------------------------
+    def _after_marker(self, after: Any) -> Any:
+        """What a backup queued later must wait for: the caller's stream *now*, as an event."""
+        if isinstance(after, str) and after == CURRENT:
+            runtime = self.device_pool.runtime
+            marker = runtime.create_event(self.device_pool.device)
+            marker.record(runtime.current_stream(self.device_pool.device))
+            return marker
+        return after
+
+    def _start_backup(self, targets: list[Node], after: Any) -> Operation | None:
+        """Assign host pages to ``targets`` and every ancestor not yet on the host, and queue the copy."""
+        chain: list[Node] = []
+        seen: set[int] = set()
+        for target in targets:
+            if not target.alive or target.device is None:
+                continue
+            for node in reversed(list(target.path())):
+                if node.host is None and node.id not in seen:
+                    seen.add(node.id)
+                    chain.append(node)
+        if not chain:
+            return None
+        count = sum(len(n.tokens) for n in chain) // self.page_size
+        for target in targets:
+            if target.alive:
+                self.index.lock(target)
+        try:
+            host = self._allocate_host(count)
+        finally:
+            for target in targets:
+                if target.alive:
+                    self.index.unlock(target)
+        if host is None:
+            self.metrics.add("skipped", len(chain), "host_full")
+            return None
+        device = np.concatenate([n.device for n in chain])
+        op = Operation(BACKUP, list(chain), device, host, count * self.geometry.bytes_per_page)
+        try:
+            op.transfer = self._engines[BACKUP].backup(device, host, after=after)
+        except BaseException:
+            self.host.free(host)
+            raise
+        start = 0
+        for node in chain:
+            span = len(node.tokens) // self.page_size
+            self.index.set_host(node, host[start:start + span])
+            node.writing = op
+            start += span
+        return op
+
+    def _submit_backup(self, targets: list[Node], after: Any) -> Operation | None:
+        with self._lock:
+            if self._closed:
+                return None
+            try:
+                op = self._start_backup(targets, after)
+            except KvtierError:
+                self.metrics.add("errors", 1, BACKUP)
+                return None
+            self._gauges()
+            return op
+
+    def _backup_now(self, nodes: list[Node]) -> None:
+        """write_back: copy these device-leaf victims (and ancestors not on the host) before their pages go."""
+        if nodes:
+            op = self._start_backup(nodes, CURRENT)
+            if op is not None:
+                self._finish_now(op)
+
+    def _finish_now(self, op: Operation) -> None:
+        try:
+            op.wait()
+        except BaseException as exc:  # noqa: BLE001 - completed as failed below
+            op.error = exc
+        self._complete(op)
+
+    # -- internals: completion --------------------------------------------------------------------------------------
+    def _complete(self, op: Operation) -> None:
+        with self._lock:
+            if op.finished:
+                return
+            op.finished = True
+            field = "writing" if op.kind == BACKUP else "loading"
+            nodes = [n for n in op.nodes if n.alive and getattr(n, field) is op]
+            for node in nodes:
+                setattr(node, field, None)
+            if op.error is not None:
+                self.metrics.add("errors", 1, op.kind)
+                for node in nodes:
+                    if node.alive:
+                        self._drop_subtree(node, "host" if op.kind == BACKUP else "device")
+            else:
+                self.metrics.add("bytes", op.nbytes, op.kind)
+                self.metrics.add("pages", len(op.device_pages), op.kind)
+                self.metrics.add("seconds", time.perf_counter() - op.submitted, op.kind)
+            self._gauges()
+
+    def _drop_subtree(self, top: Node, tier: str) -> None:
+        """A failed transfer left ``tier`` of ``top`` holding garbage: take that tier from it and everything below."""
+        order, stack = [], [top]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        for node in reversed(order):
+            pages = getattr(node, tier)
+            if pages is None:
+                continue
+            if tier == "device":
+                self._in_tree[pages] = False
+                self.device.free(pages)
+                self.index.set_device(node, None)
+            else:
+                self.host.free(pages)
+                self.index.set_host(node, None)
+            if node.device is None and node.host is None and not node.children:
+                node.lock = 0
+                node.writing = node.loading = None
+                self.index.remove(node)
+
+    # -- internals: checks, gauges, teardown ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosed("this KVCache is closed")
+
+    def _caller_pages(self) -> int:
+        return self.device.used_pages - int(self._in_tree.sum())
+
+    def _check_caller_pages(self, pages: np.ndarray, what: str) -> None:
+        outside = pages[(pages < 0) | (pages >= self.device.pages)]
+        if outside.size:
+            raise InvalidArgument(f"{what}: device page {int(outside[0])} is out of range (0..{self.device.pages - 1})")
+        if not distinct(pages):
+            raise InvalidArgument(f"{what}: a device page is named twice")
+        foreign = pages[~self.device.is_used(pages) | self._in_tree[pages]]
+        if foreign.size:
+            whose = "the cache's own" if self._in_tree[foreign[0]] else "not allocated"
+            raise InvalidArgument(f"{what}: device page {int(foreign[0])} is {whose}, not a page from allocate()")
+
+    def _check_insert(self, tokens: np.ndarray, pages: np.ndarray) -> None:
+        planned = self.index.planned_device_pages(tokens)
+        tree_own = (planned >= 0) & (pages == planned)
+        self._check_caller_pages(pages[~tree_own], "insert")
+
+    def _set_depth(self, queue: str, depth: int) -> None:
+        self.metrics.set("queue", depth, queue)
+
+    def _gauges(self) -> None:
+        self.metrics.set("tokens", self.index.device_tokens, "device")
+        self.metrics.set("tokens", self.index.host_tokens, "host")
+        self.metrics.set("free_pages", self.device.free_pages, "device")
+        self.metrics.set("free_pages", self.host.free_pages, "host")
+
+    def _release_everything(self) -> None:
+        for node in list(self.index.all_nodes()):
+            node.lock, node.writing, node.loading = 0, None, None
+        for tier, allocator in (("device", self.device), ("host", self.host)):
+            owned = self.index.page_owners(tier)
+            if owned.size:
+                allocator.free(owned)
+        self.index = RadixIndex(self.page_size, self.namespace.digest)
+        self._in_tree[:] = False
+        held = self.device.used_pages
+        if held:
+            self.device.free(np.flatnonzero(self.device.used_mask()))
+        if self.device.free_pages != self.device.pages or self.host.free_pages != self.host.pages:
+            raise KvtierError(f"pages leaked at close: {self.device.pages - self.device.free_pages} device, "
+                              f"{self.host.pages - self.host.free_pages} host")
+        self.returned_caller_pages = held
+
+    def _close_engines(self) -> None:
+        for engine in {id(e): e for e in self._engines.values()}.values():
+            engine.close()
+
+    def _choose_backends(self) -> tuple[str, str]:
+        s = self.settings
+        if s.io_backend == AUTO:
+            best = self.rates.best_pair()
+            default_load, default_backup = best.load, best.backup
+        else:
+            default_load = default_backup = s.io_backend
+        return s.load_backend or default_load, s.backup_backend or default_backup
+
+    def _calibrate(self) -> None:
+        """Measure the chosen backends on these pools (their first pages; nothing is cached yet)."""
+        count = max(1, min(64, self.device_pool.pages, self.host_pool.pages))
+        pages = np.arange(count)
+        nbytes = count * self.geometry.bytes_per_page
+        for kind in (LOAD, BACKUP):
+            engine = self._engines[kind]
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                transfer = engine.load(pages, pages, per_layer=False, after=None) if kind == LOAD else \
+                    engine.backup(pages, pages, after=None)
+                transfer.wait()
+                best = min(best, time.perf_counter() - start)
+            rate = nbytes / best / 1e9
+            if kind == LOAD:
+                self.load_gbps = rate
+            else:
+                self.backup_gbps = rate
+
+    def __repr__(self) -> str:
+        return (f"KVCache({self.namespace.model}, {self.index.device_tokens} device / {self.index.host_tokens} host "
+                f"tokens, {self.settings.write_policy.value}, load={self.load_backend}, backup={self.backup_backend})")
+
+
+def _node(match: Match | Node) -> Node:
+    if isinstance(match, Match):
+        return match.last_node
+    if isinstance(match, Node):
+        return match
+    raise InvalidArgument(f"expected a Match or a Node, got {type(match).__name__}")

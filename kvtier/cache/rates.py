@@ -1,0 +1,121 @@
+"""Link rates per io backend and direction: what the cache chooses backends by and estimates load time with.
+
+Mixing backends is not free. On the H200 with both directions at once (Llama-3-8B pages of 16 tokens, 1 GiB each
+way), ``staged`` both ways moved 86–92 GB/s, ``kernel`` both ways 59–75, and ``staged`` backups beside ``kernel``
+loads only 66–70: SM copies lose to a concurrent DMA. So ``auto`` picks the pair with the best both-ways rate from a
+table, the default table holds those measured figures, and ``measure_rates`` (``kvtier doctor --cache-rates``)
+measures one for the machine at hand.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class PairRate:
+    """GB/s of a (load backend, backup backend) pair: each direction alone, and both at once (sum of the two)."""
+
+    load: str
+    backup: str
+    load_gbps: float
+    backup_gbps: float
+    both_gbps: float | None = None
+
+
+@dataclass
+class RateTable:
+    rows: list[PairRate]
+    source: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def best_pair(self) -> PairRate:
+        """The pair with the highest both-ways rate (pairs never measured both ways rank by their slower side)."""
+        if not self.rows:
+            raise InvalidArgument("an empty rate table cannot choose backends")
+        return max(self.rows, key=lambda r: r.both_gbps if r.both_gbps else min(r.load_gbps, r.backup_gbps))
+
+    def rate(self, backend: str, direction: str) -> float | None:
+        """The best alone-rate of ``backend`` in ``direction`` ("load" or "backup") the table knows."""
+        values = [r.load_gbps if direction == "load" else r.backup_gbps for r in self.rows
+                  if (r.load if direction == "load" else r.backup) == backend]
+        return max(values) if values else None
+
+    def to_json(self) -> str:
+        return json.dumps({"source": self.source, "rows": [asdict(r) for r in self.rows], **self.extra}, indent=1)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RateTable:
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls([PairRate(**row) for row in data["rows"]], data.get("source", str(path)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgument(f"{path} is not a kvtier rate table: {exc}") from exc
+
+
+H200_TABLE = RateTable([
+    PairRate("staged", "staged", 51.0, 53.5, 89.0),
+    PairRate("kernel", "kernel", 48.7, 48.0, 67.0),
+    PairRate("kernel", "staged", 48.7, 53.5, 68.0),
+    PairRate("direct", "direct", 42.1, 38.8),
+    PairRate("batch", "batch", 42.1, 38.8),
+], source="H200 PCIe Gen5 x16, Llama-3-8B pages of 16 tokens, 2026-12-01/02 (BENCHMARKS.md)")
+
+
+def measure_rates(device_pool: Any, host_pool: Any, pairs: list[tuple[str, str]], *, pages: int | None = None,
+                  repeats: int = 3, max_blocks: int = 2) -> RateTable:
+    """Time each pair on these pools: loads alone, backups alone, then both at once (contiguous host pages, the
+    cache's allocation habit). Overwrites the pools' contents; run it before the pools hold KV."""
+    from kvtier.transfer import TransferEngine
+
+    count = min(device_pool.pages, host_pool.pages) // 2 if pages is None else pages
+    if count < 1:
+        raise InvalidArgument("the pools are too small to measure rates")
+    nbytes = count * device_pool.geometry.bytes_per_page
+    dev_a, dev_b = np.arange(count), np.arange(count, 2 * count) % device_pool.pages
+    host_a, host_b = np.arange(count), np.arange(count, 2 * count) % host_pool.pages
+    rows = []
+    for load_name, backup_name in pairs:
+        engines = {"load": TransferEngine(device_pool, host_pool, backend=load_name, max_blocks=max_blocks)}
+        engines["backup"] = engines["load"] if backup_name == load_name else TransferEngine(
+            device_pool, host_pool, backend=backup_name, max_blocks=max_blocks)
+        try:
+            rows.append(_measure_pair(engines["load"], engines["backup"], (dev_a, host_a, dev_b, host_b), nbytes,
+                                      repeats))
+        finally:
+            for engine in {id(e): e for e in engines.values()}.values():
+                engine.close()
+    return RateTable(rows, source=f"measured on {device_pool.runtime.name}, {count} pages each way")
+
+
+def _measure_pair(load: Any, backup: Any, pages: tuple[np.ndarray, ...], nbytes: int, repeats: int) -> PairRate:
+    dev_a, host_a, dev_b, host_b = pages
+
+    def load_op() -> Any:
+        return load.load(host_a, dev_a, per_layer=False)
+
+    def backup_op() -> Any:
+        return backup.backup(dev_b, host_b)
+
+    return PairRate(load.backend, backup.backend, nbytes / _best_time([load_op], repeats) / 1e9,
+                    nbytes / _best_time([backup_op], repeats) / 1e9,
+                    2 * nbytes / _best_time([load_op, backup_op], repeats) / 1e9)
+
+
+def _best_time(ops: list[Any], repeats: int) -> float:
+    """Fastest of ``repeats`` runs (after one warm-up) of queuing every op and waiting for all of them."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for transfer in [op() for op in ops]:
+            transfer.wait()
+        times.append(time.perf_counter() - start)
+    return min(times[1:])

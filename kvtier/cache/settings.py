@@ -1,0 +1,107 @@
+"""The cache's settings: one dataclass, checked when built, with CLI flags named like SGLang's ``--hicache-*``
+where the meaning is the same."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from kvtier.checks import Choice, integer
+from kvtier.errors import InvalidArgument
+from kvtier.pools.geometry import HostLayout
+from kvtier.runtime.base import HostKind
+
+
+class WritePolicy(Choice):
+    __what__ = "write policy"
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+
+IO_BACKENDS = ("kernel", "staged", "direct", "batch")
+AUTO = "auto"
+
+
+@dataclass
+class CacheSettings:
+    """``write_policy``: ``write_through`` backs up every new page at once; ``write_through_selective`` after
+    ``write_through_threshold`` hits; ``write_back`` only when the device evicts it. ``io_backend``: ``auto`` picks
+    the load and backup backends from a measured rate table (:mod:`kvtier.cache.rates`); ``load_backend`` /
+    ``backup_backend`` override one direction. A load-back shorter than ``load_back_min_tokens`` is recomputed, and so
+    is one whose estimated time (bytes / measured link rate) is not below the recompute estimate
+    (``prefill_tokens_per_s`` when given, else what ``KVCache.record_prefill`` measured; with neither, loading is
+    taken). ``hicache_ratio`` / ``hicache_size`` (GB) size a host pool the cache builds itself."""
+
+    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
+    write_through_threshold: int = 2
+    io_backend: str = AUTO
+    load_backend: str | None = None
+    backup_backend: str | None = None
+    max_blocks: int = 2
+    load_back_min_tokens: int = 64
+    prefill_tokens_per_s: float | None = None
+    calibrate: bool = True
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_mem_layout: HostLayout | str = HostLayout.PAGE_FIRST
+    hicache_host_kind: HostKind | str = HostKind.PINNED
+
+    def __post_init__(self) -> None:
+        self.write_policy = WritePolicy(self.write_policy)
+        self.hicache_mem_layout = HostLayout(self.hicache_mem_layout)
+        self.hicache_host_kind = HostKind(self.hicache_host_kind)
+        self.write_through_threshold = integer(self.write_through_threshold, "write_through_threshold", low=1)
+        self.max_blocks = integer(self.max_blocks, "max_blocks", low=1)
+        self.load_back_min_tokens = integer(self.load_back_min_tokens, "load_back_min_tokens", low=0)
+        for name in ("io_backend", "load_backend", "backup_backend"):
+            value = getattr(self, name)
+            allowed = IO_BACKENDS + ((AUTO,) if name == "io_backend" else ())
+            if (value is not None or name == "io_backend") and value not in allowed:
+                raise InvalidArgument(f"unknown {name} {value!r}: choose one of {allowed}")
+        if self.prefill_tokens_per_s is not None and not self.prefill_tokens_per_s > 0:
+            raise InvalidArgument(f"prefill_tokens_per_s must be positive, got {self.prefill_tokens_per_s!r}")
+        if not self.hicache_ratio > 0 or self.hicache_size < 0:
+            raise InvalidArgument(f"hicache_ratio must be > 0 and hicache_size >= 0, got {self.hicache_ratio!r} and "
+                                  f"{self.hicache_size!r}")
+
+    def host_pages(self, device_pages: int, bytes_per_page: int) -> int:
+        """Pages of a host pool sized by ``hicache_size`` (GB) when set, else ``hicache_ratio`` × the device pool."""
+        if self.hicache_size:
+            return max(1, int(self.hicache_size * 1e9) // bytes_per_page)
+        return max(1, int(device_pages * self.hicache_ratio))
+
+    # -- command line ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("cache (names follow SGLang's --hicache-* where the meaning is the same)")
+        group.add_argument("--hicache-ratio", type=float, default=2.0,
+                           help="host pool pages per device pool page (default 2)")
+        group.add_argument("--hicache-size", type=float, default=0.0,
+                           help="host pool size in GB; overrides --hicache-ratio when > 0")
+        group.add_argument("--hicache-write-policy", default="write_through",
+                           choices=[p.value for p in WritePolicy])
+        group.add_argument("--hicache-write-through-threshold", type=int, default=2,
+                           help="hits before a page is backed up under write_through_selective")
+        group.add_argument("--hicache-io-backend", default=AUTO, choices=(AUTO,) + IO_BACKENDS,
+                           help="io backend for both directions; auto chooses from the measured rate table")
+        group.add_argument("--hicache-load-backend", choices=IO_BACKENDS, help="override the load backend")
+        group.add_argument("--hicache-backup-backend", choices=IO_BACKENDS, help="override the backup backend")
+        group.add_argument("--hicache-mem-layout", default="page_first", choices=[x.value for x in HostLayout])
+        group.add_argument("--hicache-host-kind", default="pinned", choices=["pinned", "registered", "shm"])
+        group.add_argument("--load-back-min-tokens", type=int, default=64,
+                           help="shorter host hits are recomputed (default 64)")
+        group.add_argument("--prefill-tokens-per-s", type=float,
+                           help="recompute estimate; default: measured from the prefills the caller reports")
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> CacheSettings:
+        values = {"hicache_ratio": args.hicache_ratio, "hicache_size": args.hicache_size,
+                  "write_policy": args.hicache_write_policy,
+                  "write_through_threshold": args.hicache_write_through_threshold,
+                  "io_backend": args.hicache_io_backend, "load_backend": args.hicache_load_backend,
+                  "backup_backend": args.hicache_backup_backend, "hicache_mem_layout": args.hicache_mem_layout,
+                  "hicache_host_kind": args.hicache_host_kind, "load_back_min_tokens": args.load_back_min_tokens,
+                  "prefill_tokens_per_s": args.prefill_tokens_per_s}
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})

@@ -1,0 +1,314 @@
+"""``kvtier demo``: a multi-turn chat workload driven through the cache, with a device pool too small for it.
+
+N users share a system prompt and come back turn after turn with a growing history; by the time a user returns,
+the device pool has been taken by the others, so the history is found in host memory and loaded back. A stand-in
+model writes each page's KV (bytes derived from the page key), so every page loaded back is checked byte for byte.
+Beside it runs a device-only radix cache of the same device size (index only), the baseline for "prefill saved".
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.cache import CacheSettings, KVCache, Namespace, OutOfPages, PageAllocator, RadixIndex, page_keys
+from kvtier.errors import KvtierError
+from kvtier.pools import DevicePool, HostPool, KVGeometry
+from kvtier.transfer import TransferEngine
+
+MODELS = {
+    "tiny": (KVGeometry.mha(layers=4, kv_heads=2, head_dim=64, itemsize=2, page_size=16), None),
+    "llama3-8b": (KVGeometry.mha(layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=16), 20000.0),
+}
+VOCAB = 128256
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="auto", choices=("auto", *MODELS),
+                        help="KV geometry: tiny (default on the emulator) or llama3-8b (default on CUDA)")
+    parser.add_argument("--users", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-tokens", type=int, default=1024)
+    parser.add_argument("--user-tokens", type=int, default=256, help="new tokens per user message")
+    parser.add_argument("--reply-tokens", type=int, default=128, help="tokens per assistant reply")
+    parser.add_argument("--device-tokens", type=int, default=0,
+                        help="device pool size in tokens (default: a third of the workload's distinct tokens)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the token ids (the KV salt is always fresh)")
+    parser.add_argument("--verify", choices=("all", "none"), default="all",
+                        help="check every loaded-back page byte for byte (default) or not")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--save", metavar="PATH", help="also write the results as JSON to PATH")
+    CacheSettings.add_arguments(parser)
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    prompt_tokens: int = 0
+    device_hit: int = 0
+    host_hit: int = 0
+    loaded: int = 0
+    computed: int = 0
+    baseline_computed: int = 0
+    pages_checked: int = 0
+    mismatched_pages: int = 0
+    declined: int = 0
+    out_of_pages: int = 0
+
+
+class StandInModel:
+    """Writes the KV of new pages (bytes derived from the page key, different in every 16-byte piece) through a
+    pinned scratch pool, and reads pages back to check them."""
+
+    def __init__(self, device: DevicePool, namespace: Namespace, scratch_pages: int) -> None:
+        g = device.geometry
+        self.namespace, self.bytes_per_page = namespace, g.bytes_per_page
+        self.salt = np.random.default_rng().bytes(16)
+        self.scratch = HostPool.allocate(g, "page_first", pages=scratch_pages, kind="pinned", runtime=device.runtime)
+        self.engine = TransferEngine(device, self.scratch, backend="direct")
+        self.view = self.scratch.buffer.as_tensor().numpy().reshape(g.tensors, scratch_pages, -1)
+        self.ramp = (np.arange(g.bytes_per_page) // 16 % 251).astype(np.uint8).reshape(g.tensors, -1)
+
+    def expected(self, key: bytes) -> np.ndarray:
+        digest = np.frombuffer(hashlib.sha256(self.salt + key).digest(), np.uint8)
+        return np.tile(digest, self.bytes_per_page // 32).reshape(self.ramp.shape) + self.ramp
+
+    def write(self, keys: list[bytes], pages: np.ndarray) -> None:
+        step = self.scratch.pages
+        for start in range(0, len(pages), step):
+            chunk = pages[start:start + step]
+            for i, key in enumerate(keys[start:start + step]):
+                self.view[:, i] = self.expected(key)
+            self.engine.load(np.arange(len(chunk)), chunk, per_layer=False).wait()
+
+    def mismatches(self, keys: list[bytes], pages: np.ndarray) -> int:
+        bad, step = 0, self.scratch.pages
+        for start in range(0, len(pages), step):
+            chunk = pages[start:start + step]
+            self.view[:] = 0
+            self.engine.backup(chunk, np.arange(len(chunk))).wait()
+            bad += sum(not np.array_equal(self.view[:, i], self.expected(key))
+                       for i, key in enumerate(keys[start:start + step]))
+        return bad
+
+    def close(self) -> None:
+        del self.view
+        self.engine.close()
+        self.scratch.close()
+
+
+class DeviceOnlyBaseline:
+    """A radix cache with the same device pool and no host tier: what an engine without kvtier would hit."""
+
+    def __init__(self, pages: int, page_size: int) -> None:
+        self.index = RadixIndex(page_size, b"\0" * 32)
+        self.pages, self.page_size = PageAllocator(pages, name="baseline"), page_size
+
+    def serve(self, tokens: np.ndarray) -> int:
+        match = self.index.match(tokens)
+        need = len(tokens) // self.page_size - len(match.device_pages)
+        self.index.lock(match.last_node)
+        try:
+            new = self.pages.allocate(need)
+            while new is None:
+                victims = self.index.lru_leaves("device", need - self.pages.free_pages)
+                if not victims:
+                    return match.device_tokens
+                for victim in victims:
+                    self.pages.free(victim.device)
+                    self.index.set_device(victim, None)
+                    self.index.remove(victim)
+                new = self.pages.allocate(need)
+        finally:
+            self.index.unlock(match.last_node)
+        placed = self.index.place(tokens, np.concatenate([match.device_pages, new]))
+        self.pages.free(placed.duplicates)
+        return match.device_tokens
+
+
+def conversations(args: argparse.Namespace) -> tuple[list[tuple[int, np.ndarray, np.ndarray]], int]:
+    """Requests in arrival order: (user, prompt tokens, reply tokens); and the distinct tokens of the workload."""
+    rng = np.random.default_rng(args.seed)
+    system = rng.integers(0, VOCAB, args.system_tokens)
+    histories = [system.copy() for _ in range(args.users)]
+    requests = []
+    for _ in range(args.turns):
+        for user in range(args.users):
+            prompt = np.concatenate([histories[user], rng.integers(0, VOCAB, args.user_tokens)])
+            reply = rng.integers(0, VOCAB, args.reply_tokens)
+            requests.append((user, prompt, reply))
+            histories[user] = np.concatenate([prompt, reply])
+    distinct = args.system_tokens + args.users * args.turns * (args.user_tokens + args.reply_tokens)
+    return requests, distinct
+
+
+def command(runtime: Any, args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=args.json)
+    model = args.model if args.model != "auto" else ("llama3-8b" if runtime.name == "cuda" else "tiny")
+    geometry, prefill_default = MODELS[model]
+    settings = CacheSettings.from_arguments(args)
+    if settings.prefill_tokens_per_s is None and prefill_default is not None:
+        settings.prefill_tokens_per_s = prefill_default
+    for name in ("users", "turns", "system_tokens", "user_tokens", "reply_tokens"):
+        if getattr(args, name) < (1 if name in ("users", "turns") else 0):
+            raise KvtierError(f"--{name.replace('_', '-')} must be positive")
+    requests, distinct = conversations(args)
+    page = geometry.page_size
+    longest = max(len(p) + len(r) for _, p, r in requests)
+    device_pages = max(args.device_tokens or distinct // 3, longest + page) // page + 1
+    namespace = Namespace(f"kvtier-demo/{model}", geometry, "bfloat16")
+    device = DevicePool.allocate(geometry, device_pages, 0, runtime=runtime)
+    host_pages = settings.host_pages(device_pages, geometry.bytes_per_page)
+    host = HostPool.allocate(geometry, settings.hicache_mem_layout, pages=host_pages,
+                             kind=settings.hicache_host_kind, runtime=runtime)
+    cache = stand_in = None
+    try:
+        cache = KVCache(device, host, namespace, settings)
+        stand_in = StandInModel(device, namespace, min(64, longest // page + 1))
+        baseline = DeviceOnlyBaseline(device_pages, page)
+        tally = Tally()
+        started = time.perf_counter()
+        with Progress(TextColumn("[bold]kvtier demo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.description}"), console=console, transient=args.json) as progress:
+            task = progress.add_task("", total=len(requests))
+            for _, prompt, reply in requests:
+                serve_turn(cache, stand_in, baseline, tally, prompt, reply, args.verify == "all")
+                seen = max(tally.prompt_tokens, 1)
+                progress.update(task, advance=1, description=(
+                    f"hits: device {tally.device_hit / seen:.0%}, host {tally.host_hit / seen:.0%}"))
+        cache.drain()
+        elapsed = time.perf_counter() - started
+        report = results(cache, tally, elapsed, model, runtime.name, device_pages, host_pages)
+    finally:
+        if stand_in is not None:
+            stand_in.close()
+        if cache is not None:
+            cache.close()
+        host.close()
+        device.close()
+    if args.save:
+        with open(args.save, "w") as file:
+            json.dump(report, file, indent=1)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        show(console, report)
+    return 1 if tally.mismatched_pages else 0
+
+
+def serve_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline, tally: Tally, prompt: np.ndarray,
+               reply: np.ndarray, verify: bool) -> None:
+    page = cache.page_size
+    full = np.concatenate([prompt, reply])
+    keys = page_keys(cache.namespace, full)
+    match = cache.match_prefix(prompt)
+    cache.lock(match)
+    try:
+        prefix = match.device_pages
+        for op in match.pending:
+            op.wait()
+        if match.host_tokens:
+            load = cache.load_back(match)
+            if load is None:
+                tally.declined += 1
+            else:
+                load.wait()
+                prefix = load.prefix_pages
+                tally.loaded += load.loaded_tokens
+                if verify:
+                    loaded = prefix[len(match.device_pages):]
+                    tally.pages_checked += len(loaded)
+                    tally.mismatched_pages += model.mismatches(keys[len(match.device_pages):len(prefix)], loaded)
+        cached = len(prefix) * page
+        whole = len(prompt) // page
+        try:
+            new = cache.allocate(whole - len(prefix))
+        except OutOfPages:
+            tally.out_of_pages += 1
+            return
+        model.write(keys[len(prefix):whole], new)
+        cache.insert(prompt, np.concatenate([prefix, new]))
+        tally.requests += 1
+        tally.prompt_tokens += len(prompt)
+        tally.device_hit += match.device_tokens
+        tally.host_hit += cached - match.device_tokens
+        tally.computed += len(prompt) - cached
+        tally.baseline_computed += len(prompt) - baseline.serve(prompt)
+    finally:
+        cache.unlock(match)
+    if len(reply):                                   # decode: the reply's KV joins the history
+        history = cache.match_prefix(full)
+        cache.lock(history)
+        try:
+            for op in history.pending:
+                op.wait()
+            extra = cache.allocate(len(full) // page - len(history.device_pages))
+            model.write(keys[len(history.device_pages):], extra)
+            cache.insert(full, np.concatenate([history.device_pages, extra]))
+        except OutOfPages:
+            tally.out_of_pages += 1
+        finally:
+            cache.unlock(history)
+
+
+def results(cache: KVCache, tally: Tally, elapsed: float, model: str, runtime: str, device_pages: int,
+            host_pages: int) -> dict[str, Any]:
+    s = cache.stats()
+    g = cache.geometry
+    return {
+        "runtime": runtime, "model": model, "requests": tally.requests, "prompt_tokens": tally.prompt_tokens,
+        "device_pool_tokens": device_pages * g.page_size, "host_pool_tokens": host_pages * g.page_size,
+        "write_policy": cache.settings.write_policy.value, "load_backend": cache.load_backend,
+        "backup_backend": cache.backup_backend,
+        "device_hit_rate": tally.device_hit / max(tally.prompt_tokens, 1),
+        "host_hit_rate": tally.host_hit / max(tally.prompt_tokens, 1),
+        "prefill_tokens": tally.computed, "baseline_prefill_tokens": tally.baseline_computed,
+        "prefill_saved_tokens": tally.baseline_computed - tally.computed,
+        "pages_loaded": int(s.get("pages.load", 0)), "bytes_loaded": int(s.get("bytes.load", 0)),
+        "pages_backed_up": int(s.get("pages.backup", 0)), "bytes_backed_up": int(s.get("bytes.backup", 0)),
+        "load_seconds": s.get("seconds.load", 0.0), "backup_seconds": s.get("seconds.backup", 0.0),
+        "load_gbps": s.get("gbps.load", 0.0), "backup_gbps": s.get("gbps.backup", 0.0),
+        "declined_slower_than_recompute": int(s.get("decisions.slower_than_recompute", 0)),
+        "declined_other": tally.declined - int(s.get("decisions.slower_than_recompute", 0)),
+        "recompute_estimate_tokens_per_s": s.get("prefill_tokens_per_s"),
+        "evicted_device_tokens": int(s.get("evicted.device", 0)), "evicted_host_tokens": int(s.get("evicted.host", 0)),
+        "pages_checked": tally.pages_checked, "mismatched_pages": tally.mismatched_pages,
+        "out_of_pages": tally.out_of_pages, "seconds": elapsed,
+    }
+
+
+def show(console: Any, r: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"kvtier demo — {r['model']} on {r['runtime']}, {r['requests']} requests, "
+                        f"{r['write_policy']}, load={r['load_backend']} backup={r['backup_backend']}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    gib = 1 << 30
+    rows = [
+        ("device pool / host pool", f"{r['device_pool_tokens']:,} / {r['host_pool_tokens']:,} tokens"),
+        ("hit rate: device / host", f"{r['device_hit_rate']:.1%} / {r['host_hit_rate']:.1%}"),
+        ("prefill tokens: kvtier / device-only", f"{r['prefill_tokens']:,} / {r['baseline_prefill_tokens']:,}"),
+        ("prefill saved vs device-only", f"{r['prefill_saved_tokens']:,} tokens"),
+        ("loaded back (host → device)", f"{r['pages_loaded']:,} pages, {r['bytes_loaded'] / gib:.3f} GiB"),
+        ("  transfer time, rate", f"{r['load_seconds']:.3f} s, {r['load_gbps']:.2f} GB/s"),
+        ("backed up (device → host)", f"{r['pages_backed_up']:,} pages, {r['bytes_backed_up'] / gib:.3f} GiB"),
+        ("  transfer time, rate", f"{r['backup_seconds']:.3f} s, {r['backup_gbps']:.2f} GB/s"),
+        ("load-backs declined: slower than recompute", f"{r['declined_slower_than_recompute']}"
+         + ("" if r["recompute_estimate_tokens_per_s"] else " (no estimate given)")),
+        ("evicted tokens: device / host", f"{r['evicted_device_tokens']:,} / {r['evicted_host_tokens']:,}"),
+        ("loaded pages checked, byte for byte", f"{r['pages_checked']:,}, {r['mismatched_pages']} wrong"),
+        ("wall time", f"{r['seconds']:.1f} s"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)

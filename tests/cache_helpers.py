@@ -1,0 +1,99 @@
+"""A stand-in model for cache tests: the KV of a page is a function of its page key and a per-run salt, written into
+and read from device pages with plain copies (no transfer engine), so a test can check every byte it is served."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from kvtier.cache import CacheSettings, KVCache, Match, Namespace, page_keys
+from kvtier.memory import CpuAddress
+from kvtier.pools import DevicePool, HostPool, KVGeometry
+
+TINY = KVGeometry.mha(layers=2, kv_heads=1, head_dim=32, itemsize=2, page_size=4)
+
+
+class KVModel:
+    def __init__(self, pool: DevicePool, namespace: Namespace) -> None:
+        self.pool, self.namespace = pool, namespace
+        self.salt = np.random.default_rng().bytes(16)
+        self.g = pool.geometry
+        self.pieces = [(t, layer, a) for t in range(self.g.tensors)
+                       for layer, a in enumerate(pool.layer_device_addresses(t))]
+
+    def page(self, key: bytes) -> np.ndarray:
+        """[tensors * layers, page_bytes] of fresh-looking bytes (never all zeros) for one page key."""
+        seed = int.from_bytes(hashlib.sha256(self.salt + key).digest()[:8], "little")
+        return np.random.default_rng(seed).integers(1, 256, (len(self.pieces), self.g.page_bytes), dtype=np.uint8)
+
+    def write(self, tokens, pages, first_page: int = 0) -> None:
+        """Prefill: write the KV of whole pages ``first_page..`` of ``tokens`` into device ``pages``."""
+        keys = page_keys(self.namespace, tokens)
+        for key, page in zip(keys[first_page:], pages, strict=False):
+            data = self.page(key)
+            for row, (_, _, address) in enumerate(self.pieces):
+                chunk = np.ascontiguousarray(data[row])
+                self.pool.runtime.memcpy(address + int(page) * self.g.page_bytes, CpuAddress(chunk.ctypes.data),
+                                         chunk.nbytes)
+        self.pool.runtime.legacy_stream(self.pool.device).synchronize()
+
+    def mismatches(self, tokens, pages) -> list[int]:
+        """Indices of the pages (of the prompt's first ``len(pages)``) whose device bytes are not their KV."""
+        keys = page_keys(self.namespace, tokens)
+        bad = []
+        out = np.empty(self.g.page_bytes, np.uint8)
+        for i, (key, page) in enumerate(zip(keys, pages, strict=False)):
+            expected = self.page(key)
+            for row, (_, _, address) in enumerate(self.pieces):
+                out[:] = 0
+                self.pool.runtime.memcpy(CpuAddress(out.ctypes.data), address + int(page) * self.g.page_bytes,
+                                         out.nbytes)
+                if not np.array_equal(out, expected[row]):
+                    bad.append(i)
+                    break
+        return bad
+
+
+def build(runtime, *, device_pages=16, host_pages=32, geometry=TINY, layout="page_first", model="tiny",
+          **settings) -> tuple[KVCache, KVModel, DevicePool, HostPool]:
+    settings.setdefault("calibrate", False)
+    settings.setdefault("io_backend", "kernel")
+    settings.setdefault("load_back_min_tokens", 0)
+    dev = DevicePool.allocate(geometry, device_pages, 0, runtime=runtime)
+    host = HostPool.allocate(geometry, layout, pages=host_pages, kind="pinned", runtime=runtime)
+    ns = Namespace(model, geometry, "bfloat16")
+    cache = KVCache(dev, host, ns, CacheSettings(**settings))
+    return cache, KVModel(dev, ns), dev, host
+
+
+def serve(cache: KVCache, model: KVModel, tokens, *, force: bool = True) -> tuple[Match, int]:
+    """One request as an engine runs it; returns the match and how many pages were served from the cache, after
+    checking every served byte."""
+    page = cache.page_size
+    tokens = np.asarray(tokens)
+    match = cache.match_prefix(tokens)
+    for op in match.pending:
+        op.wait()
+    assert not model.mismatches(tokens, match.device_pages), "device hit served wrong KV"
+    cache.lock(match)
+    try:
+        prefix = match.device_pages
+        load = cache.load_back(match, force=force)
+        if load is not None:
+            load.wait()
+            prefix = load.prefix_pages
+            assert not model.mismatches(tokens, prefix), "load-back served wrong KV"
+        whole = len(tokens) // page
+        new = cache.allocate(whole - len(prefix))
+        model.write(tokens, new, first_page=len(prefix))
+        cache.insert(tokens, np.concatenate([prefix, new]))
+    finally:
+        cache.unlock(match)
+    return match, len(prefix)
+
+
+def close_all(cache: KVCache, dev: DevicePool, host: HostPool) -> None:
+    cache.close()
+    host.close()
+    dev.close()
