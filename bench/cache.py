@@ -81,8 +81,8 @@ def control(runtime, page_sizes, lengths, conversations, repeats, console) -> li
 
             insert = median_ms(lambda pages, prompt=prompt, cache=cache: cache.insert(prompt, pages), repeats, fresh)
             hit = median_ms(lambda prompt=prompt, cache=cache: cache.match_prefix(prompt), repeats)
-            miss = median_ms(lambda cache=cache, length=length: cache.match_prefix(rng.integers(0, VOCAB, length)),
-                             repeats)
+            misses = iter([rng.integers(0, VOCAB, length) for _ in range(repeats)])
+            miss = median_ms(lambda cache=cache, misses=misses: cache.match_prefix(next(misses)), repeats)
             row(index="empty", page=page, tokens=length, insert_ms=insert, match_hit_ms=hit, match_miss_ms=miss)
         close(cache, dev, host)
 

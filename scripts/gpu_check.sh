@@ -3,7 +3,7 @@
 # over the kernel tests, the copy-across-registrations probe, kvtier doctor, the benchmarks, and the batched-memcpy
 # probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py,
-# ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane).
+# TESTS narrows the AOT suite (default: tests), ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
 PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench enqueue demo cache limits"}
@@ -23,7 +23,8 @@ if want build; then
     python3 -m kvtier.kernels.build 2>&1 | tee -a "$OUT/machine.txt" || status=1
 fi
 if want tests; then
-    KVTIER_KERNELS=aot python3 -m pytest -q -p no:cacheprovider -rs tests 2>&1 | tee "$OUT/pytest-aot.log" || status=1
+    KVTIER_KERNELS=aot python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests} 2>&1 | tee "$OUT/pytest-aot.log" \
+        || status=1
 fi
 if want jit; then
     KVTIER_KERNELS=jit python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_transfer.py tests/test_kernels.py 2>&1 \

@@ -44,13 +44,38 @@ class PageAllocator:
         count = integer(count, "count", low=0)
         if count > self.free_pages:
             return None
-        self._merge()
         if self.contiguous and count:
+            self._merge()
             taken = self._take_runs(count)
         else:
-            taken, self._free = self._free[:count].copy(), self._free[count:]
+            taken = self._take_recent(count)
         self._used[taken] = True
         return taken
+
+    def _take_recent(self, count: int) -> np.ndarray:
+        """Most recently freed pages first, without sorting the free list (O(count), whatever the pool size)."""
+        parts, need = [], count
+        while need and self._returned:
+            chunk = self._returned[-1]
+            if len(chunk) <= need:
+                parts.append(self._returned.pop())
+            else:
+                parts.append(chunk[len(chunk) - need:])
+                self._returned[-1] = chunk[:len(chunk) - need]
+            need -= len(parts[-1])
+        self._returned_count -= count - need
+        if need:
+            parts.append(self._free[:need])
+            self._free = self._free[need:]
+        if not parts:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate(parts) if len(parts) != 1 else parts[0].copy()
+
+    def release(self, pages: np.ndarray) -> None:
+        """Free pages the caller's own bookkeeping vouches for (the cache's tree): no per-page checks."""
+        self._used[pages] = False
+        self._returned.append(pages)
+        self._returned_count += pages.size
 
     def free(self, pages: Any) -> None:
         pages = index_array(pages, f"{self.name} pages")

@@ -92,7 +92,8 @@ class KVCache:
         except BaseException:
             self._close_engines()
             raise
-        self._controller = Controller(self._submit_backup, self._complete, self._set_depth)
+        self._controller = Controller(self._submit_backup, self._complete, self._set_depth,
+                                      lambda: device_pool.runtime.set_device(device_pool.device))
         self._gauges()
 
     # -- lookups ----------------------------------------------------------------------------------------------------
@@ -380,7 +381,7 @@ class KVCache:
                     dropped += 1
             pages = np.concatenate(released)
             self._in_tree[pages] = False
-            self.device.free(pages)
+            self.device.release(pages)
             freed += len(pages)
             self.metrics.add("evicted", len(pages) * self.page_size, "device")
             if dropped:
@@ -400,7 +401,7 @@ class KVCache:
                 if victim.device is None:
                     self.index.remove(victim)
             pages = np.concatenate(released)
-            self.host.free(pages)
+            self.host.release(pages)
             freed += len(pages)
             self.metrics.add("evicted", len(pages) * self.page_size, "host")
         return freed
@@ -539,20 +540,24 @@ class KVCache:
         return self.device.used_pages - int(self._in_tree.sum())
 
     def _check_caller_pages(self, pages: np.ndarray, what: str) -> None:
-        outside = pages[(pages < 0) | (pages >= self.device.pages)]
-        if outside.size:
-            raise InvalidArgument(f"{what}: device page {int(outside[0])} is out of range (0..{self.device.pages - 1})")
+        if not pages.size:
+            return
+        if int(pages.min()) < 0 or int(pages.max()) >= self.device.pages:
+            bad = pages[(pages < 0) | (pages >= self.device.pages)]
+            raise InvalidArgument(f"{what}: device page {int(bad[0])} is out of range (0..{self.device.pages - 1})")
         if not distinct(pages):
             raise InvalidArgument(f"{what}: a device page is named twice")
-        foreign = pages[~self.device.is_used(pages) | self._in_tree[pages]]
-        if foreign.size:
-            whose = "the cache's own" if self._in_tree[foreign[0]] else "not allocated"
-            raise InvalidArgument(f"{what}: device page {int(foreign[0])} is {whose}, not a page from allocate()")
+        foreign = self.device.is_used(pages) & ~self._in_tree[pages]
+        if not foreign.all():
+            first = int(pages[~foreign][0])
+            whose = "the cache's own" if self._in_tree[first] else "not allocated"
+            raise InvalidArgument(f"{what}: device page {first} is {whose}, not a page from allocate()")
 
     def _check_insert(self, tokens: np.ndarray, pages: np.ndarray) -> None:
-        planned = self.index.planned_device_pages(tokens)
-        tree_own = (planned >= 0) & (pages == planned)
-        self._check_caller_pages(pages[~tree_own], "insert")
+        """Pages where the tree has device pages may be the tree's own; every other page must be the caller's."""
+        tree = self.index.device_pages_along(tokens)
+        covered = pages[: len(tree)]
+        self._check_caller_pages(np.concatenate([covered[covered != tree], pages[len(tree):]]), "insert")
 
     def _set_depth(self, queue: str, depth: int) -> None:
         self.metrics.set("queue", depth, queue)

@@ -18,8 +18,10 @@ from kvtier.cache.operation import BACKUP, LOAD, Operation
 
 class Controller:
     def __init__(self, submit_backup: Callable[[list[Any], Any], Operation | None],
-                 complete: Callable[[Operation], None], on_depth: Callable[[str, int], None]) -> None:
-        self._submit_backup, self._complete, self._on_depth = submit_backup, complete, on_depth
+                 complete: Callable[[Operation], None], on_depth: Callable[[str, int], None],
+                 enter: Callable[[], None] = lambda: None) -> None:
+        """``enter`` runs first on each thread (the cache makes its pools' device current there)."""
+        self._submit_backup, self._complete, self._on_depth, self._enter = submit_backup, complete, on_depth, enter
         self._cond = threading.Condition()
         self._requests: deque[tuple[list[Any], Any]] = deque()
         self._inflight: dict[str, deque[Operation]] = {LOAD: deque(), BACKUP: deque()}
@@ -81,6 +83,7 @@ class Controller:
             self._on_depth(f"{kind}s_in_flight", len(queue))
 
     def _submitter(self) -> None:
+        self._enter()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._requests or self._stopping)
@@ -99,6 +102,7 @@ class Controller:
                     self._cond.notify_all()
 
     def _waiter(self, kind: str) -> None:
+        self._enter()
         queue = self._inflight[kind]
         while True:
             with self._cond:

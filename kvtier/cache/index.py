@@ -199,17 +199,12 @@ class RadixIndex:
         dup = np.concatenate(duplicates) if duplicates else EMPTY
         return Placement(new_node, revived, dup, existing, new_node or parent)
 
-    def planned_device_pages(self, tokens: np.ndarray) -> np.ndarray:
-        """Per whole page of ``tokens``, the device page the tree already has there (-1 where it has none)."""
-        tokens = self.whole_pages(tokens)
-        out = np.full(len(tokens) // self.page_size, -1, dtype=np.int64)
-        pos = 0
-        for node in self._walk(tokens):
-            count = len(node.tokens) // self.page_size
-            if node.device is not None:
-                out[pos:pos + count] = node.device
-            pos += count
-        return out
+    def device_pages_along(self, tokens: np.ndarray) -> np.ndarray:
+        """The device pages the tree already holds for the leading whole pages of ``tokens`` (-1 where a node on the
+        path is host-only); as long as the path the tree has for ``tokens``."""
+        parts = [n.device if n.device is not None else np.full(len(n.tokens) // self.page_size, -1, np.int64)
+                 for n in self._walk(self.whole_pages(tokens))]
+        return np.concatenate(parts) if parts else EMPTY
 
     def set_device(self, node: Node, pages: np.ndarray | None) -> None:
         self._set_tier(node, "device", pages)
