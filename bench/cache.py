@@ -75,7 +75,7 @@ def control(runtime, page_sizes, lengths, conversations, repeats, console) -> li
         for length in lengths:
             prompt = rng.integers(0, VOCAB, length)
 
-            def fresh(prompt=prompt, cache=cache):
+            def fresh(prompt=prompt, cache=cache, page=page):
                 cache.evict(device_pages=cache.device.pages)
                 return cache.allocate(len(prompt) // page)
 
@@ -98,7 +98,7 @@ def control(runtime, page_sizes, lengths, conversations, repeats, console) -> li
             prompts = [np.concatenate([system, rng.integers(0, VOCAB, length - 512)]) for _ in range(repeats)]
             pending = iter(prompts)
 
-            def take(cache=cache, pending=pending):
+            def take(cache=cache, pending=pending, page=page):
                 prompt = next(pending)
                 return prompt, cache.allocate(len(prompt) // page)
 

@@ -10,12 +10,12 @@ import threading
 
 import numpy as np
 import pytest
-from pool_helpers import engine_on
 
 from device_kernels import random_bytes
 from kvtier.memory import CpuAddress
 from kvtier.pools import KVGeometry
 from kvtier.transfer import BACKENDS
+from pool_helpers import engine_on
 
 G = KVGeometry.mha(2, kv_heads=2, head_dim=32, itemsize=2, page_size=16)
 THREADS, PAGES_EACH, ROUNDS = 4, 3, 6

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from pool_helpers import engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
 
 from conftest import is_split
 from device_kernels import TOUCH
@@ -14,6 +13,7 @@ from kvtier.memory import DeviceBuffer, HostBuffer, get_device_accessible_ptr, t
 from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry, build_pointer_table
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer import BACKENDS, TransferEngine
+from pool_helpers import engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
 
 G = KVGeometry.mha(2, kv_heads=2, head_dim=32, itemsize=2, page_size=16)
 LAYOUTS = [layout.value for layout in HostLayout]

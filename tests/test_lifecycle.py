@@ -7,13 +7,13 @@ import gc
 
 import numpy as np
 import pytest
-from pool_helpers import engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
 
 from kvtier.errors import BufferClosed, BufferInUse, KvtierError
 from kvtier.memory import DeviceBuffer, HostBuffer
 from kvtier.pools import DevicePool, HostPool, KVGeometry
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer import BACKENDS, TransferEngine
+from pool_helpers import engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
 
 G = KVGeometry.mha(2, kv_heads=2, head_dim=32, itemsize=2, page_size=16)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pool_helpers import engine_on, fill_host, host_bytes, poison_device, read_device
 
 from device_kernels import random_bytes
 from kvtier.memory import CpuAddress, HostBuffer, HostKind
 from kvtier.pools import KVGeometry
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer import BACKENDS, CURRENT
+from pool_helpers import engine_on, fill_host, host_bytes, poison_device, read_device
 
 G = KVGeometry.mha(3, kv_heads=2, head_dim=32, itemsize=2, page_size=16)
 SEEDS = range(12)

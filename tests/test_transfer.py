@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pool_helpers import engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
 
 from conftest import is_split
 from kvtier.errors import IllegalAddress, KvtierError
 from kvtier.memory import HostKind, get_device_accessible_ptr
 from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry
 from kvtier.transfer import TransferEngine
+from pool_helpers import engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
 
 LAYOUTS = [layout.value for layout in HostLayout]
 BACKENDS = ["kernel", "staged", "direct", "batch"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pool_helpers import fill_device, poison_device, read_device
 
 from conftest import is_split
 from device_kernels import random_bytes, xor_copy
@@ -18,6 +17,7 @@ from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
 from kvtier.memory import DeviceBuffer, HostBuffer, HostKind, get_device_accessible_ptr
 from kvtier.pools import DevicePool, HostPool, KVGeometry
 from kvtier.transfer import TransferEngine
+from pool_helpers import fill_device, poison_device, read_device
 
 
 @pytest.mark.parametrize("kind", [HostKind.REGISTERED, HostKind.PINNED])

@@ -39,6 +39,8 @@ from kvtier.pools import DevicePool, HostPool
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.engine import CURRENT
 
+FREE, CALLER, TREE = 0, 1, 2
+
 
 class OutOfPages(OutOfMemory):
     """No device pages could be had even after evicting everything evictable and waiting for backups in flight."""
@@ -76,7 +78,7 @@ class KVCache:
         self.index = RadixIndex(self.page_size, namespace.digest)
         self.device = PageAllocator(device_pool.pages, name="device")
         self.host = PageAllocator(host_pool.pages, name="host", contiguous=True)
-        self._in_tree = np.zeros(device_pool.pages, dtype=bool)
+        self._state = np.zeros(device_pool.pages, dtype=np.uint8)   # FREE, CALLER or TREE per device page
         self.metrics = CacheMetrics()
         self._prefill_rate: float | None = None
         self._engines: dict[str, TransferEngine] = {}
@@ -149,6 +151,8 @@ class KVCache:
         with self._lock:
             self._check_open()
             pages = self._allocate_device(count)
+            if pages is not None:
+                self._state[pages] = CALLER
             if pages is None:
                 locked = self.index.device_tokens - self._evictable_tokens("device")
                 raise OutOfPages(f"cannot allocate {count} device pages: {self.device.free_pages} free of "
@@ -162,7 +166,8 @@ class KVCache:
         with self._lock:
             self._check_open()
             self._check_caller_pages(pages, "free")
-            self.device.free(pages)
+            self._state[pages] = FREE
+            self.device.release(pages)
             self._gauges()
 
     # -- insert -----------------------------------------------------------------------------------------------------
@@ -180,13 +185,14 @@ class KVCache:
             if len(pages) < count:
                 raise InvalidArgument(f"{len(tokens)} tokens fill {count} whole pages but only {len(pages)} device "
                                       f"pages were given")
-            pages = pages[:count]
+            pages = np.array(pages[:count])
             self._check_insert(whole, pages)
             placed = self.index.place(whole, pages)
             for node in placed.revived + ([placed.new_node] if placed.new_node else []):
-                self._in_tree[node.device] = True
+                self._state[node.device] = TREE
             if placed.duplicates.size:
-                self.device.free(placed.duplicates)
+                self._state[placed.duplicates] = FREE
+                self.device.release(placed.duplicates)
             if placed.new_node is not None and self.settings.write_policy is WritePolicy.WRITE_THROUGH:
                 self._controller.request_backup([placed.new_node], self._after_marker(after))
             self._gauges()
@@ -236,7 +242,8 @@ class KVCache:
             try:
                 op.transfer = self._engines[LOAD].load(host, pages, after=after)
             except BaseException:
-                self.device.free(pages)
+                self._state[pages] = FREE
+                self.device.release(pages)
                 raise
             start = 0
             for n in chain:
@@ -244,7 +251,7 @@ class KVCache:
                 self.index.set_device(n, pages[start:start + span])
                 n.loading = op
                 start += span
-            self._in_tree[pages] = True
+            self._state[pages] = TREE
             op.prefix_pages = np.concatenate([n.device for n in reversed(list(node.path()))])
             self.metrics.add("decisions", 1, "load")
             self._controller.track(op)
@@ -340,8 +347,10 @@ class KVCache:
                 if tier == "device":
                     mask = np.zeros(self.device.pages, dtype=bool)
                     mask[owned] = True
-                    if not np.array_equal(mask, self._in_tree):
+                    if not np.array_equal(mask, self._state == TREE):
                         raise IndexCorrupted("the device pages marked as the tree's differ from the tree")
+                    if not np.array_equal(self.device.used_mask(), self._state != FREE):
+                        raise IndexCorrupted("device pages in use differ from those the tree and callers hold")
 
     # -- internals: allocation and eviction ---------------------------------------------------------------------
     def _allocate_device(self, count: int) -> np.ndarray | None:
@@ -380,7 +389,7 @@ class KVCache:
                     self.index.remove(victim)
                     dropped += 1
             pages = np.concatenate(released)
-            self._in_tree[pages] = False
+            self._state[pages] = FREE
             self.device.release(pages)
             freed += len(pages)
             self.metrics.add("evicted", len(pages) * self.page_size, "device")
@@ -520,8 +529,8 @@ class KVCache:
             if pages is None:
                 continue
             if tier == "device":
-                self._in_tree[pages] = False
-                self.device.free(pages)
+                self._state[pages] = FREE
+                self.device.release(pages)
                 self.index.set_device(node, None)
             else:
                 self.host.free(pages)
@@ -537,7 +546,7 @@ class KVCache:
             raise BufferClosed("this KVCache is closed")
 
     def _caller_pages(self) -> int:
-        return self.device.used_pages - int(self._in_tree.sum())
+        return int(np.count_nonzero(self._state == CALLER))
 
     def _check_caller_pages(self, pages: np.ndarray, what: str) -> None:
         if not pages.size:
@@ -547,10 +556,10 @@ class KVCache:
             raise InvalidArgument(f"{what}: device page {int(bad[0])} is out of range (0..{self.device.pages - 1})")
         if not distinct(pages):
             raise InvalidArgument(f"{what}: a device page is named twice")
-        foreign = self.device.is_used(pages) & ~self._in_tree[pages]
-        if not foreign.all():
-            first = int(pages[~foreign][0])
-            whose = "the cache's own" if self._in_tree[first] else "not allocated"
+        state = self._state[pages]
+        if not (state == CALLER).all():
+            first = int(pages[state != CALLER][0])
+            whose = "the cache's own" if self._state[first] == TREE else "not allocated"
             raise InvalidArgument(f"{what}: device page {first} is {whose}, not a page from allocate()")
 
     def _check_insert(self, tokens: np.ndarray, pages: np.ndarray) -> None:
@@ -576,7 +585,7 @@ class KVCache:
             if owned.size:
                 allocator.free(owned)
         self.index = RadixIndex(self.page_size, self.namespace.digest)
-        self._in_tree[:] = False
+        self._state[:] = FREE
         held = self.device.used_pages
         if held:
             self.device.free(np.flatnonzero(self.device.used_mask()))

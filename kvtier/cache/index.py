@@ -32,6 +32,7 @@ from kvtier.cache.keys import chain_keys
 from kvtier.errors import InvalidArgument, KvtierError
 
 EMPTY = np.zeros(0, dtype=np.int64)
+NO_TOKENS = np.zeros(0, dtype=np.uint32)
 
 
 class IndexCorrupted(KvtierError):
@@ -113,7 +114,7 @@ class RadixIndex:
     def __init__(self, page_size: int, root_key: bytes) -> None:
         self.page_size, self.root_key = page_size, root_key
         self._ids = itertools.count(1)
-        self.root = Node(0, None, EMPTY)
+        self.root = Node(0, None, NO_TOKENS)
         self.root.device, self.root.host = EMPTY, EMPTY
         self.root.lock = 1
         self.root._keys = []
@@ -173,7 +174,8 @@ class RadixIndex:
 
     # -- changes ----------------------------------------------------------------------------------------------------
     def place(self, tokens: np.ndarray, pages: np.ndarray) -> Placement:
-        """Put a prompt with its device ``pages`` (one per whole page) into the tree; nothing is freed here."""
+        """Put a prompt with its device ``pages`` (one per whole page) into the tree; nothing is freed here. The tree
+        keeps views of both arrays: hand it arrays nobody changes later (``KVCache`` passes its own copies)."""
         tokens = self.whole_pages(tokens)
         path = self._walk(tokens)
         page, pos, revived, duplicates = self.page_size, 0, [], []
@@ -190,12 +192,13 @@ class RadixIndex:
         new_node = None
         parent = path[-1] if path else self.root
         if pos < len(tokens):
-            new_node = Node(next(self._ids), parent, tokens[pos:].copy())
+            rest = tokens[pos:]
+            new_node = Node(next(self._ids), parent, rest if pos <= len(tokens) // 4 else rest.copy())
             parent.children[new_node.tokens[:page].tobytes()] = new_node
             self.nodes += 1
             self._clock += 1
             new_node.last_access = self._clock
-            self.set_device(new_node, pages[pos // page:].copy())
+            self.set_device(new_node, pages[pos // page:])
         dup = np.concatenate(duplicates) if duplicates else EMPTY
         return Placement(new_node, revived, dup, existing, new_node or parent)
 

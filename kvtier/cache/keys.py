@@ -29,21 +29,22 @@ TOKEN_LIMIT = 1 << 32
 
 
 def token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
-    """Token ids as a contiguous int64 array; a 1-D list, numpy array or torch tensor of non-negative ids < 2**32."""
+    """Token ids as a fresh contiguous uint32 array (the cache keeps views of it); a 1-D list, numpy array or torch
+    tensor of non-negative ids < 2**32."""
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):
         tokens = tokens.detach().cpu().numpy()
     array = np.asarray(tokens)
     if array.ndim != 1:
         raise InvalidArgument(f"{what} must be one sequence of token ids, got shape {array.shape}")
     if array.size == 0:
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.uint32)
     if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
         raise InvalidArgument(f"{what} must hold integer token ids, got dtype {array.dtype}")
-    array = np.ascontiguousarray(array, dtype=np.int64)
-    low, high = int(array.min()), int(array.max())
-    if low < 0 or high >= TOKEN_LIMIT:
-        raise InvalidArgument(f"{what} holds token id {low if low < 0 else high}: ids must be in [0, 2**32)")
-    return array
+    if array.dtype != np.uint32:
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high >= TOKEN_LIMIT:
+            raise InvalidArgument(f"{what} holds token id {low if low < 0 else high}: ids must be in [0, 2**32)")
+    return array.astype(np.uint32)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.cache import CacheSettings, KVCache, Namespace, OutOfPages, PageAllocator, RadixIndex, page_keys
+from kvtier.cache import (
+    CacheSettings,
+    KVCache,
+    Namespace,
+    OutOfPages,
+    PageAllocator,
+    RadixIndex,
+    page_keys,
+    token_array,
+)
 from kvtier.errors import KvtierError
 from kvtier.pools import DevicePool, HostPool, KVGeometry
 from kvtier.transfer import TransferEngine
@@ -111,6 +120,7 @@ class DeviceOnlyBaseline:
         self.pages, self.page_size = PageAllocator(pages, name="baseline"), page_size
 
     def serve(self, tokens: np.ndarray) -> int:
+        tokens = token_array(tokens)
         match = self.index.match(tokens)
         need = len(tokens) // self.page_size - len(match.device_pages)
         self.index.lock(match.last_node)
