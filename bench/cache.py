@@ -164,24 +164,26 @@ def data_plane(runtime, tokens: int, pairs, repeats, console) -> dict:
                 cache.drain()
                 loads, both = [], []
                 for i in range(repeats + 1):
-                    cache.evict(device_pages=pages)
+                    cache.evict(device_pages=dev.pages)
                     runtime.synchronize(0)
                     match = cache.match_prefix(prefix)
                     start = time.perf_counter()
                     load = cache.load_back(match, force=True)
-                    first_layer = None
+                    submitted = time.perf_counter() - start
                     load.wait_layer(0)
                     first_layer = time.perf_counter() - start
                     load.wait()
                     elapsed = time.perf_counter() - start
                     cache.drain()
                     if i:
-                        loads.append((elapsed, first_layer))
+                        loads.append((elapsed, first_layer, submitted))
                 # both directions: a load-back beside the write-through backup of a fresh prompt of the same size
                 for i in range(repeats + 1):
-                    cache.evict(device_pages=pages)
+                    cache.evict(device_pages=dev.pages)
                     cache.drain()
                     match = cache.match_prefix(prefix)
+                    cache.lock(match)                       # keeps the prefix's host copy; the rest goes
+                    cache.evict(host_pages=host.pages)
                     fresh = rng.integers(0, VOCAB, tokens)
                     new_pages = cache.allocate(pages)
                     runtime.synchronize(0)
@@ -191,11 +193,12 @@ def data_plane(runtime, tokens: int, pairs, repeats, console) -> dict:
                     load.wait()
                     cache.drain()
                     elapsed = time.perf_counter() - start
+                    cache.unlock(match)
                     if i:
                         both.append(elapsed)
-                    cache.evict(host_pages=pages)           # keep host room for the next round
-                t, first = min(loads)
-                row = {"load": load_name, "backup": backup_name, "load_ms": 1e3 * t, "first_layer_ms": 1e3 * first,
+                t, first, queued = min(loads)
+                row = {"load": load_name, "backup": backup_name, "load_ms": 1e3 * t, "queue_ms": 1e3 * queued,
+                       "first_layer_ms": 1e3 * first,
                        "load_gbps": nbytes / t / 1e9, "load_pct": 100 * nbytes / t / 1e9 / ceiling["h2d_gbps"],
                        "both_gbps": 2 * nbytes / min(both) / 1e9,
                        "both_pct": 100 * 2 * nbytes / min(both) / 1e9 / ceiling["bidirectional_gbps"]}
@@ -221,7 +224,8 @@ def render(console, rows, data) -> None:
     console.print(table)
     if data:
         table = Table(title=f"data plane: {data['tokens']} tokens of Llama-3-8B ({data['bytes'] / 2**30:.2f} GiB)")
-        for c in ("load", "backup", "load_ms", "first_layer_ms", "load_gbps", "load_pct", "both_gbps", "both_pct"):
+        for c in ("load", "backup", "load_ms", "queue_ms", "first_layer_ms", "load_gbps", "load_pct", "both_gbps",
+                  "both_pct"):
             table.add_column(c, justify="right")
         for r in data["rows"]:
             table.add_row(*[f"{v:.1f}" if isinstance(v, float) else str(v) for v in r.values()])
