@@ -1,10 +1,12 @@
 """Link rates per io backend and direction: what the cache chooses backends by and estimates load time with.
 
-Mixing backends is not free. On the H200 with both directions at once (Llama-3-8B pages of 16 tokens, 1 GiB each
-way), ``staged`` both ways moved 86–92 GB/s, ``kernel`` both ways 59–75, and ``staged`` backups beside ``kernel``
-loads only 66–70: SM copies lose to a concurrent DMA. So ``auto`` picks the pair with the best both-ways rate from a
-table, the default table holds those measured figures, and ``measure_rates`` (``kvtier doctor --cache-rates``)
-measures one for the machine at hand.
+Mixing backends is not free, and a fast load is useless to layer-wise overlap if layer 0 lands with the last layer.
+Measured through the cache on the H200 (Llama-3-8B, a 32k-token prefix, 4 GiB; bench/cache.py): ``staged`` loads
+reach 95% of the link but its layer 0 is ready only when the whole load is (81 of 82 ms), while ``kernel`` loads
+reach 90% with layer 0 ready after 4 ms; with a backup running beside, ``kernel`` both ways moved 75 GB/s,
+``staged`` both ways 78, ``kernel`` loads beside ``staged`` backups 74. So ``auto`` takes the pair with the best
+both-ways rate among those whose loads are layer-wise, from a table: the default holds those H200 figures, and
+``measure_rates`` measures one for the machine at hand (``bench/cache.py`` reports the cache's own figures).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class PairRate:
     load_gbps: float
     backup_gbps: float
     both_gbps: float | None = None
+    layerwise: bool | None = None
+    """Layer 0 of a per-layer load is ready well before the whole load (None: not measured)."""
 
 
 @dataclass
@@ -38,10 +42,12 @@ class RateTable:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def best_pair(self) -> PairRate:
-        """The pair with the highest both-ways rate (pairs never measured both ways rank by their slower side)."""
+        """The pair with the highest both-ways rate among those with layer-wise loads (all pairs when none is
+        known to be); pairs never measured both ways rank by their slower side."""
         if not self.rows:
             raise InvalidArgument("an empty rate table cannot choose backends")
-        return max(self.rows, key=lambda r: r.both_gbps if r.both_gbps else min(r.load_gbps, r.backup_gbps))
+        candidates = [r for r in self.rows if r.layerwise] or self.rows
+        return max(candidates, key=lambda r: r.both_gbps if r.both_gbps else min(r.load_gbps, r.backup_gbps))
 
     def rate(self, backend: str, direction: str) -> float | None:
         """The best alone-rate of ``backend`` in ``direction`` ("load" or "backup") the table knows."""
@@ -62,12 +68,13 @@ class RateTable:
 
 
 H200_TABLE = RateTable([
-    PairRate("staged", "staged", 51.0, 53.5, 89.0),
-    PairRate("kernel", "kernel", 48.7, 48.0, 67.0),
-    PairRate("kernel", "staged", 48.7, 53.5, 68.0),
+    PairRate("kernel", "kernel", 50.0, 48.0, 75.3, layerwise=True),
+    PairRate("staged", "staged", 52.6, 53.5, 78.0, layerwise=False),
+    PairRate("kernel", "staged", 50.5, 53.5, 73.6, layerwise=True),
     PairRate("direct", "direct", 42.1, 38.8),
     PairRate("batch", "batch", 42.1, 38.8),
-], source="H200 PCIe Gen5 x16, Llama-3-8B pages of 16 tokens, 2026-12-01/02 (BENCHMARKS.md)")
+], source="H200 PCIe Gen5 x16, Llama-3-8B pages of 16 tokens: loads and both-ways through the cache 2026-12-03, "
+          "backups alone and direct/batch from the engine benchmarks 2026-12-01/02 (BENCHMARKS.md)")
 
 
 def measure_rates(device_pool: Any, host_pool: Any, pairs: list[tuple[str, str]], *, pages: int | None = None,
@@ -105,9 +112,17 @@ def _measure_pair(load: Any, backup: Any, pages: tuple[np.ndarray, ...], nbytes:
     def backup_op() -> Any:
         return backup.backup(dev_b, host_b)
 
+    load.drain()
+    start = time.perf_counter()
+    layered = load.load(host_a, dev_a)
+    layered.wait_layer(0)
+    first = time.perf_counter() - start
+    layered.wait()
+    whole = time.perf_counter() - start
     return PairRate(load.backend, backup.backend, nbytes / _best_time([load_op], repeats) / 1e9,
                     nbytes / _best_time([backup_op], repeats) / 1e9,
-                    2 * nbytes / _best_time([load_op, backup_op], repeats) / 1e9)
+                    2 * nbytes / _best_time([load_op, backup_op], repeats) / 1e9,
+                    layerwise=first < 0.5 * whole)
 
 
 def _best_time(ops: list[Any], repeats: int) -> float:

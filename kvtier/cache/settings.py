@@ -93,6 +93,9 @@ class CacheSettings:
                            help="shorter host hits are recomputed (default 64)")
         group.add_argument("--prefill-tokens-per-s", type=float,
                            help="recompute estimate; default: measured from the prefills the caller reports")
+        group.add_argument("--hicache-rate-table", metavar="PATH",
+                           help="rate table to choose backends from (kvtier doctor --cache-rates PATH); default: "
+                                "the H200 table")
 
     @classmethod
     def from_arguments(cls, args: argparse.Namespace) -> CacheSettings:

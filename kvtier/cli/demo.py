@@ -24,6 +24,7 @@ from kvtier.cache import (
     OutOfPages,
     PageAllocator,
     RadixIndex,
+    RateTable,
     page_keys,
     token_array,
 )
@@ -182,7 +183,8 @@ def command(runtime: Any, args: argparse.Namespace) -> int:
                              kind=settings.hicache_host_kind, runtime=runtime)
     cache = stand_in = None
     try:
-        cache = KVCache(device, host, namespace, settings)
+        rates = RateTable.load(args.hicache_rate_table) if args.hicache_rate_table else None
+        cache = KVCache(device, host, namespace, settings, rates=rates)
         stand_in = StandInModel(device, namespace, min(64, longest // page + 1))
         baseline = DeviceOnlyBaseline(device_pages, page)
         tally = Tally()

@@ -18,6 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     parser.add_argument("--probe-mib", type=int, default=256, help="size of each probe buffer (default 256 MiB)")
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the copy-bandwidth measurement")
+    parser.add_argument("--cache-rates", metavar="PATH",
+                        help="also measure the io backend pairs the cache chooses from (Llama-3-8B pages, "
+                             "--probe-mib each way) and write the rate table to PATH (kvtier demo "
+                             "--hicache-rate-table PATH, KVCache(rates=RateTable.load(PATH)))")
 
 
 def command(runtime: Runtime, args: argparse.Namespace) -> int:
@@ -27,11 +31,31 @@ def command(runtime: Runtime, args: argparse.Namespace) -> int:
     with err.status("kvtier doctor") as status:
         report = doctor_probe.run(runtime, args.probe_mib << 20, lambda s: status.update(f"kvtier doctor: {s}"),
                                   bandwidth=not args.no_bandwidth)
+    if args.cache_rates:
+        with err.status("kvtier doctor: cache rates (every backend pair)"):
+            table = cache_rates(runtime, args.probe_mib << 20)
+        with open(args.cache_rates, "w") as file:
+            file.write(table.to_json())
+        report["cache_rates"] = json.loads(table.to_json())
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         render(report, Console())
     return 0
+
+
+def cache_rates(runtime: Runtime, nbytes: int) -> Any:
+    """The cache's rate table for this machine: every (load, backup) backend pair on Llama-3-8B pages."""
+    from kvtier.cache import measure_rates
+    from kvtier.pools import DevicePool, HostPool, KVGeometry
+
+    g = KVGeometry.mha(layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=16)
+    pages = max(2, 2 * nbytes // g.bytes_per_page)
+    pairs = [("kernel", "kernel"), ("staged", "staged"), ("kernel", "staged"), ("direct", "direct"),
+             ("batch", "batch")]
+    with DevicePool.allocate(g, pages, 0, runtime=runtime) as dev, \
+            HostPool.allocate(g, "page_first", pages=pages, kind="pinned", runtime=runtime) as host:
+        return measure_rates(dev, host, pairs)
 
 
 def _yes(value: Any) -> str:
@@ -91,3 +115,11 @@ def render(report: dict[str, Any], console: Console) -> None:
     console.print("[bold]Verdict[/]")
     for line in report["verdict"]:
         console.print(f" - {line}")
+    if report.get("cache_rates"):
+        rates = Table(title=f"Cache rate table ({report['cache_rates']['source']})")
+        for column in ("load", "backup", "load GB/s", "backup GB/s", "both ways GB/s", "layer-wise loads"):
+            rates.add_column(column)
+        for row in report["cache_rates"]["rows"]:
+            rates.add_row(row["load"], row["backup"], f"{row['load_gbps']:.2f}", f"{row['backup_gbps']:.2f}",
+                          f"{row['both_gbps']:.2f}", _yes(row["layerwise"]))
+        console.print(rates)
