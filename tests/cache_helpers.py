@@ -72,12 +72,11 @@ def serve(cache: KVCache, model: KVModel, tokens, *, force: bool = True) -> tupl
     checking every served byte."""
     page = cache.page_size
     tokens = np.asarray(tokens)
-    match = cache.match_prefix(tokens)
-    for op in match.pending:
-        op.wait()
-    assert not model.mismatches(tokens, match.device_pages), "device hit served wrong KV"
-    cache.lock(match)
+    match = cache.match_prefix(tokens, lock=True)
     try:
+        for op in match.pending:
+            op.wait()
+        assert not model.mismatches(tokens, match.device_pages), "device hit served wrong KV"
         prefix = match.device_pages
         load = cache.load_back(match, force=force)
         if load is not None:

@@ -416,3 +416,17 @@ def test_nodes_with_transfers_in_flight_are_never_evicted(runtime, monkeypatch):
     assert not model.mismatches(tokens, again.device_pages)
     cache.drain()
     close_all(cache, dev, host)
+
+
+def test_a_match_locked_in_the_same_step_keeps_its_pages(made):
+    """Regression: with match and lock as two calls, another thread could evict the match in between and hand its
+    pages to a new request (the threads test then served wrong KV); ``lock=True`` makes them one step."""
+    cache, model = made
+    tokens = prompt(4 * P)
+    serve(cache, model, tokens)
+    cache.drain()
+    match = cache.match_prefix(tokens, lock=True)
+    assert cache.evict(device_pages=16, host_pages=32) == (0, 0)
+    assert not model.mismatches(tokens, match.device_pages)
+    cache.unlock(match)
+    assert cache.evict(device_pages=16)[0] == 4

@@ -62,12 +62,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _serve(self, tokens, load):
         cache = self.cache
-        match = cache.match_prefix(tokens)
-        for op in match.pending:
-            op.wait()
-        self._served_bytes_are_right(tokens, match.device_pages)
-        cache.lock(match)
+        match = cache.match_prefix(tokens, lock=True)
         try:
+            for op in match.pending:
+                op.wait()
+            self._served_bytes_are_right(tokens, match.device_pages)
             prefix = match.device_pages
             if load:
                 loaded = cache.load_back(match, force=True)
@@ -90,9 +89,7 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.held) < 3)
     @rule(tokens=TOKENS)
     def hold(self, tokens):
-        match = self.cache.match_prefix(np.array(tokens))
-        self.cache.lock(match)
-        self.held.append(match)
+        self.held.append(self.cache.match_prefix(np.array(tokens), lock=True))
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())

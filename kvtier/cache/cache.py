@@ -3,8 +3,7 @@ load-back, a background controller and metrics.
 
 How an engine uses it, per request::
 
-    match = cache.match_prefix(tokens)          # device hit, then host-only hit; no bytes move
-    cache.lock(match)                           # pin it while the request runs
+    match = cache.match_prefix(tokens, lock=True)   # device hit, then host-only hit, pinned; no bytes move
     load = cache.load_back(match)               # host part → new device pages, one event per layer (or None)
     pages = cache.allocate(n)                   # device pages for the rest; evicts as needed
     ... model writes KV into match/load pages + pages; layer i waits with load.stream_wait(layer=i) ...
@@ -99,14 +98,18 @@ class KVCache:
         self._gauges()
 
     # -- lookups ----------------------------------------------------------------------------------------------------
-    def match_prefix(self, tokens: Any) -> Match:
+    def match_prefix(self, tokens: Any, *, lock: bool = False) -> Match:
         """The longest cached prefix (whole pages): ``device_tokens`` on the device, then ``host_tokens`` in host
-        memory only. Moves no bytes. ``match.pending`` lists load-backs still landing in the device part: wait for
-        them (``wait_for``) before reading those pages."""
+        memory only. Moves no bytes. ``lock=True`` locks the match in the same step (with other threads evicting,
+        a match locked later may already have lost its pages); ``unlock(match)`` when the request is done.
+        ``match.pending`` lists load-backs still landing in the device part: wait for them (``wait_for``) before
+        reading those pages."""
         tokens = token_array(tokens)
         with self._lock:
             self._check_open()
             match = self.index.match(tokens)
+            if lock:
+                self.index.lock(match.last_node)
             whole = len(tokens) // self.page_size * self.page_size
             self.metrics.add("lookups")
             self.metrics.add("lookup_tokens", whole)
@@ -381,8 +384,10 @@ class KVCache:
                 break
             if self.settings.write_policy is WritePolicy.WRITE_BACK:
                 self._backup_now([v for v in victims if v.host is None])
-            released, dropped = [], 0
+            released: list[np.ndarray] = []
+            dropped = 0
             for victim in victims:
+                assert victim.device is not None
                 released.append(victim.device)
                 self.index.set_device(victim, None)
                 if victim.host is None:
@@ -403,8 +408,9 @@ class KVCache:
             victims = self.index.lru_leaves("host", need - freed)
             if not victims:
                 break
-            released = []
+            released: list[np.ndarray] = []
             for victim in victims:
+                assert victim.host is not None
                 released.append(victim.host)
                 self.index.set_host(victim, None)
                 if victim.device is None:
@@ -629,7 +635,8 @@ class KVCache:
 
     def __repr__(self) -> str:
         return (f"KVCache({self.namespace.model}, {self.index.device_tokens} device / {self.index.host_tokens} host "
-                f"tokens, {self.settings.write_policy.value}, load={self.load_backend}, backup={self.backup_backend})")
+                f"tokens, {WritePolicy(self.settings.write_policy).value}, load={self.load_backend}, "
+                f"backup={self.backup_backend})")
 
 
 def _node(match: Match | Node) -> Node:

@@ -218,7 +218,7 @@ class RadixIndex:
     def _set_tier(self, node: Node, tier: str, pages: np.ndarray | None) -> None:
         before = getattr(node, tier) is not None
         after = pages is not None
-        if after and len(pages) * self.page_size != len(node.tokens):
+        if pages is not None and len(pages) * self.page_size != len(node.tokens):
             raise IndexCorrupted(f"{tier} pages of {node} must cover {len(node.tokens)} tokens, got {len(pages)}")
         setattr(node, tier, pages)
         if before == after:
@@ -325,7 +325,8 @@ class RadixIndex:
         """Raise IndexCorrupted naming the first invariant that does not hold."""
         page = self.page_size
         device_tokens = host_tokens = count = 0
-        device_leaves, host_leaves = set(), set()
+        device_leaves: set[Node] = set()
+        host_leaves: set[Node] = set()
         for node in self.all_nodes():
             count += 1
             parent = node.parent

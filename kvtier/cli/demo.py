@@ -25,6 +25,7 @@ from kvtier.cache import (
     PageAllocator,
     RadixIndex,
     RateTable,
+    WritePolicy,
     page_keys,
     token_array,
 )
@@ -222,8 +223,7 @@ def serve_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline
     page = cache.page_size
     full = np.concatenate([prompt, reply])
     keys = page_keys(cache.namespace, full)
-    match = cache.match_prefix(prompt)
-    cache.lock(match)
+    match = cache.match_prefix(prompt, lock=True)
     try:
         prefix = match.device_pages
         for op in match.pending:
@@ -258,8 +258,7 @@ def serve_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline
     finally:
         cache.unlock(match)
     if len(reply):                                   # decode: the reply's KV joins the history
-        history = cache.match_prefix(full)
-        cache.lock(history)
+        history = cache.match_prefix(full, lock=True)
         try:
             for op in history.pending:
                 op.wait()
@@ -279,7 +278,7 @@ def results(cache: KVCache, tally: Tally, elapsed: float, model: str, runtime: s
     return {
         "runtime": runtime, "model": model, "requests": tally.requests, "prompt_tokens": tally.prompt_tokens,
         "device_pool_tokens": device_pages * g.page_size, "host_pool_tokens": host_pages * g.page_size,
-        "write_policy": cache.settings.write_policy.value, "load_backend": cache.load_backend,
+        "write_policy": WritePolicy(cache.settings.write_policy).value, "load_backend": cache.load_backend,
         "backup_backend": cache.backup_backend,
         "device_hit_rate": tally.device_hit / max(tally.prompt_tokens, 1),
         "host_hit_rate": tally.host_hit / max(tally.prompt_tokens, 1),
