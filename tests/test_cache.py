@@ -430,3 +430,44 @@ def test_a_match_locked_in_the_same_step_keeps_its_pages(made):
     assert not model.mismatches(tokens, match.device_pages)
     cache.unlock(match)
     assert cache.evict(device_pages=16)[0] == 4
+
+
+@pytest.mark.gpu
+def test_a_torch_stream_waiting_on_one_layer_reads_that_layer_loaded(cuda):
+    """Layer-wise overlap from torch: the load waits behind a long kernel on the current stream; a side stream that
+    waits on layer 1's event (on the GPU, no CPU block) then reads exactly the loaded bytes of layer 1."""
+    torch = pytest.importorskip("torch")
+    from kvtier.pools import DevicePool, HostPool
+
+    g, pages = TINY, 16
+    tensors = [[torch.full((pages * g.page_bytes,), 0x5A, dtype=torch.uint8, device="cuda")
+                for _ in range(g.layers)] for _ in range(g.tensors)]
+    dev = DevicePool.from_tensors(g, tensors, runtime=cuda)
+    host = HostPool.allocate(g, "page_first", pages=32, kind="pinned", runtime=cuda)
+    cache = KVCache(dev, host, Namespace("torch", g, "bfloat16"),
+                    CacheSettings(io_backend="kernel", calibrate=False, load_back_min_tokens=0))
+    from cache_helpers import KVModel
+
+    model = KVModel(dev, cache.namespace)
+    tokens = prompt(6 * P)
+    serve(cache, model, tokens)
+    cache.drain()
+    cache.evict(device_pages=pages)
+    match = cache.match_prefix(tokens, lock=True)
+    torch.cuda._sleep(200_000_000)                     # the current stream is busy; the load is queued behind it
+    load = cache.load_back(match)
+    side = torch.cuda.Stream()
+    load.stream_wait(side, layer=1)
+    with torch.cuda.stream(side):
+        got = [[tensors[t][1][int(p) * g.page_bytes:(int(p) + 1) * g.page_bytes].clone() for p in load.prefix_pages]
+               for t in range(g.tensors)]
+    side.synchronize()
+    keys = cache.page_keys(match)
+    for t in range(g.tensors):
+        for i, key in enumerate(keys):
+            expected = model.page(key)[t * g.layers + 1]
+            assert np.array_equal(got[t][i].cpu().numpy(), expected), f"tensor {t} page {i} of layer 1 not loaded"
+    cache.unlock(match)
+    cache.close()
+    host.close()
+    dev.close()

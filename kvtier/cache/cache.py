@@ -189,8 +189,9 @@ class KVCache:
                 raise InvalidArgument(f"{len(tokens)} tokens fill {count} whole pages but only {len(pages)} device "
                                       f"pages were given")
             pages = np.array(pages[:count])
-            self._check_insert(whole, pages)
-            placed = self.index.place(whole, pages)
+            path = self.index.walk(whole)
+            self._check_insert(path, pages)
+            placed = self.index.place(whole, pages, path)
             for node in placed.revived + ([placed.new_node] if placed.new_node else []):
                 self._state[node.device] = TREE
             if placed.duplicates.size:
@@ -568,9 +569,9 @@ class KVCache:
             whose = "the cache's own" if self._state[first] == TREE else "not allocated"
             raise InvalidArgument(f"{what}: device page {first} is {whose}, not a page from allocate()")
 
-    def _check_insert(self, tokens: np.ndarray, pages: np.ndarray) -> None:
+    def _check_insert(self, path: list[Node], pages: np.ndarray) -> None:
         """Pages where the tree has device pages may be the tree's own; every other page must be the caller's."""
-        tree = self.index.device_pages_along(tokens)
+        tree = self.index.device_pages_along(path)
         covered = pages[: len(tree)]
         self._check_caller_pages(np.concatenate([covered[covered != tree], pages[len(tree):]]), "insert")
 

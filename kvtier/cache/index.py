@@ -173,11 +173,17 @@ class RadixIndex:
         return chain[::-1]
 
     # -- changes ----------------------------------------------------------------------------------------------------
-    def place(self, tokens: np.ndarray, pages: np.ndarray) -> Placement:
+    def walk(self, tokens: np.ndarray) -> list[Node]:
+        """The nodes of the longest cached prefix of ``tokens`` (whole pages), split to end on a node boundary; no
+        LRU or hit update."""
+        return self._walk(self.whole_pages(tokens))
+
+    def place(self, tokens: np.ndarray, pages: np.ndarray, path: list[Node] | None = None) -> Placement:
         """Put a prompt with its device ``pages`` (one per whole page) into the tree; nothing is freed here. The tree
-        keeps views of both arrays: hand it arrays nobody changes later (``KVCache`` passes its own copies)."""
+        keeps views of both arrays: hand it arrays nobody changes later (``KVCache`` passes its own copies).
+        ``path``: what ``walk(tokens)`` returned, if nothing changed the tree since."""
         tokens = self.whole_pages(tokens)
-        path = self._walk(tokens)
+        path = self._walk(tokens) if path is None else path
         page, pos, revived, duplicates = self.page_size, 0, [], []
         for node in path:
             count = len(node.tokens) // page
@@ -202,11 +208,10 @@ class RadixIndex:
         dup = np.concatenate(duplicates) if duplicates else EMPTY
         return Placement(new_node, revived, dup, existing, new_node or parent)
 
-    def device_pages_along(self, tokens: np.ndarray) -> np.ndarray:
-        """The device pages the tree already holds for the leading whole pages of ``tokens`` (-1 where a node on the
-        path is host-only); as long as the path the tree has for ``tokens``."""
+    def device_pages_along(self, path: list[Node]) -> np.ndarray:
+        """The device pages of the nodes of ``path`` (from ``walk``), -1 for the pages of a host-only node."""
         parts = [n.device if n.device is not None else np.full(len(n.tokens) // self.page_size, -1, np.int64)
-                 for n in self._walk(self.whole_pages(tokens))]
+                 for n in path]
         return np.concatenate(parts) if parts else EMPTY
 
     def set_device(self, node: Node, pages: np.ndarray | None) -> None:
