@@ -96,3 +96,29 @@ def close_all(cache: KVCache, dev: DevicePool, host: HostPool) -> None:
     cache.close()
     host.close()
     dev.close()
+
+
+class AsyncKVModel(KVModel):
+    """Writes KV as a GPU prefill does: copies queued on the caller's current stream, landing only when it runs."""
+
+    def __init__(self, pool: DevicePool, namespace: Namespace) -> None:
+        super().__init__(pool, namespace)
+        self.staging: list[int] = []
+
+    def write(self, tokens, pages, first_page: int = 0) -> None:
+        runtime = self.pool.runtime
+        stream = runtime.current_stream(self.pool.device)
+        for key, page in zip(page_keys(self.namespace, tokens)[first_page:], pages, strict=False):
+            data = self.page(key)
+            for row, (_, _, address) in enumerate(self.pieces):
+                staged = runtime.host_alloc(self.g.page_bytes)
+                np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * self.g.page_bytes).from_address(staged))[:] = \
+                    data[row]
+                self.staging.append(staged)
+                runtime.memcpy_async(address + int(page) * self.g.page_bytes, CpuAddress(staged), self.g.page_bytes,
+                                     stream=stream)
+
+    def close(self) -> None:
+        self.pool.runtime.synchronize(self.pool.device)
+        for staged in self.staging:
+            self.pool.runtime.host_free(staged)

@@ -219,8 +219,10 @@ def test_bad_inserts_are_refused_and_change_nothing(made):
         cache.free(mine)
     with pytest.raises(InvalidArgument, match="cache's own"):
         cache.free(own[:1])
-    with pytest.raises(InvalidArgument, match="without a matching lock"):
+    with pytest.raises(InvalidArgument, match="not locked"):
         cache.unlock(cache.match_prefix(tokens))
+    with pytest.raises(InvalidArgument, match="without a matching lock"):
+        cache.unlock(cache.match_prefix(tokens).last_node)
     cache.check()
 
 

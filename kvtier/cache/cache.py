@@ -17,8 +17,10 @@ transfer engines move them.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +37,13 @@ from kvtier.cache.settings import AUTO, CacheSettings, WritePolicy
 from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.pools import DevicePool, HostPool
+from kvtier.runtime import Event
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.engine import CURRENT
 
 FREE, CALLER, TREE = 0, 1, 2
+_CLAIMED: weakref.WeakKeyDictionary[Any, KVCache] = weakref.WeakKeyDictionary()
+"""Pools a cache owns: two caches over one pool would hand out the same pages."""
 
 
 class OutOfPages(OutOfMemory):
@@ -68,12 +73,16 @@ class KVCache:
                                   f"({device_pool.geometry}, {host_pool.geometry})")
         device_pool.check_open()
         host_pool.check_open()
+        for pool in (device_pool, host_pool):
+            owner = _CLAIMED.get(pool)
+            if owner is not None and not owner.closed:
+                raise InvalidArgument(f"{pool!r} already belongs to {owner!r}: one cache per pool (close it first)")
         self.device_pool, self.host_pool, self.namespace, self.settings = device_pool, host_pool, namespace, settings
         self.geometry, self.page_size = namespace.geometry, namespace.page_size
         self.rates = rates or H200_TABLE
         self.load_backend, self.backup_backend = self._choose_backends()
         self._lock = threading.RLock()
-        self._closed = False
+        self._closing = self._closed = False
         self.index = RadixIndex(self.page_size, namespace.digest)
         self.device = PageAllocator(device_pool.pages, name="device")
         self.host = PageAllocator(host_pool.pages, name="host", contiguous=True)
@@ -95,6 +104,7 @@ class KVCache:
             raise
         self._controller = Controller(self._submit_backup, self._complete, self._set_depth,
                                       lambda: device_pool.runtime.set_device(device_pool.device))
+        _CLAIMED[device_pool] = _CLAIMED[host_pool] = self
         self._gauges()
 
     # -- lookups ----------------------------------------------------------------------------------------------------
@@ -110,6 +120,7 @@ class KVCache:
             match = self.index.match(tokens)
             if lock:
                 self.index.lock(match.last_node)
+                match.locked = True
             whole = len(tokens) // self.page_size * self.page_size
             self.metrics.add("lookups")
             self.metrics.add("lookup_tokens", whole)
@@ -121,7 +132,7 @@ class KVCache:
                 hot = [n for n in match.last_device_node.path()
                        if n.host is None and n.hits >= self.settings.write_through_threshold]
                 if hot:
-                    self._controller.request_backup([hot[0]], self._after_marker(CURRENT))
+                    self._controller.request_backup([hot[0]], self._markers(CURRENT))
             return match
 
     @staticmethod
@@ -131,19 +142,32 @@ class KVCache:
             op.stream_wait(stream, layer=layer)
 
     def lock(self, match: Match | Node) -> None:
+        """Pin a match (prefer ``match_prefix(..., lock=True)``: between the two calls another thread may evict)."""
         with self._lock:
             self._check_open()
-            self.index.lock(_node(match))
+            node = self._own(match)
+            if isinstance(match, Match) and match.locked:
+                raise InvalidArgument("this match is already locked")
+            self.index.lock(node)
+            if isinstance(match, Match):
+                match.locked = True
 
     def unlock(self, match: Match | Node) -> None:
         with self._lock:
             self._check_open()
-            self.index.unlock(_node(match))
+            node = self._own(match)
+            if isinstance(match, Match) and not match.locked:
+                raise InvalidArgument("unlock of a match that is not locked (locked with lock=True or lock(), "
+                                      "unlocked once)")
+            self.index.unlock(node)
+            if isinstance(match, Match):
+                match.locked = False
 
     def page_keys(self, match: Match | Node) -> list[bytes]:
         """The storage keys of every page of the matched prefix (SHA-256 chain, see :mod:`kvtier.cache.keys`)."""
         with self._lock:
-            node = _node(match)
+            self._check_open()
+            node = self._own(match)
             return [key for n in reversed(list(node.path())) for key in self.index.keys(n)]
 
     # -- device pages for the caller --------------------------------------------------------------------------------
@@ -170,7 +194,7 @@ class KVCache:
             self._check_open()
             self._check_caller_pages(pages, "free")
             self._state[pages] = FREE
-            self.device.release(pages)
+            self.device.release(pages.copy())
             self._gauges()
 
     # -- insert -----------------------------------------------------------------------------------------------------
@@ -183,22 +207,24 @@ class KVCache:
         pages = index_array(device_pages, "device_pages")
         with self._lock:
             self._check_open()
+            written = self._markers(after)
             whole = self.index.whole_pages(tokens)
             count = len(whole) // self.page_size
             if len(pages) < count:
                 raise InvalidArgument(f"{len(tokens)} tokens fill {count} whole pages but only {len(pages)} device "
                                       f"pages were given")
             pages = np.array(pages[:count])
-            path = self.index.walk(whole)
-            self._check_insert(path, pages)
-            placed = self.index.place(whole, pages, path)
+            walked = self.index.walk(whole)
+            self._check_insert(walked, pages)
+            placed = self.index.place(whole, pages, walked)
             for node in placed.revived + ([placed.new_node] if placed.new_node else []):
                 self._state[node.device] = TREE
+                node.written = written
             if placed.duplicates.size:
                 self._state[placed.duplicates] = FREE
                 self.device.release(placed.duplicates)
             if placed.new_node is not None and self.settings.write_policy is WritePolicy.WRITE_THROUGH:
-                self._controller.request_backup([placed.new_node], self._after_marker(after))
+                self._controller.request_backup([placed.new_node], None)
             self._gauges()
             return Inserted(placed.existing_tokens, len(whole) - placed.existing_tokens, placed.duplicates,
                             placed.last_node)
@@ -207,7 +233,7 @@ class KVCache:
         """Ask for a backup of a cached prefix now, whatever the write policy (off the caller's thread)."""
         with self._lock:
             self._check_open()
-            self._controller.request_backup([_node(match)], self._after_marker(after))
+            self._controller.request_backup([self._own(match)], self._markers(after))
 
     # -- load-back --------------------------------------------------------------------------------------------------
     def load_back(self, match: Match, *, after: Any = CURRENT, force: bool = False) -> LoadBack | None:
@@ -220,10 +246,14 @@ class KVCache:
         """
         with self._lock:
             self._check_open()
+            order = self._markers(after)
+            if not isinstance(match, Match):
+                raise InvalidArgument(f"load_back takes a Match, got {type(match).__name__}")
             node = match.last_node
             if not node.alive:
                 self.metrics.add("decisions", 1, "stale_match")
                 return None
+            self._own(match)
             chain = self.index.host_chain(node)
             if not chain:
                 return None
@@ -244,7 +274,7 @@ class KVCache:
             host = np.concatenate([n.host for n in chain])
             op = LoadBack(list(chain), pages, host, count * self.geometry.bytes_per_page, tokens)
             try:
-                op.transfer = self._engines[LOAD].load(host, pages, after=after)
+                op.transfer = self._engines[LOAD].load(host, pages, after=order)
             except BaseException:
                 self._state[pages] = FREE
                 self.device.release(pages)
@@ -267,15 +297,16 @@ class KVCache:
         if tokens < self.settings.load_back_min_tokens:
             return "too_short"
         rate = self.settings.prefill_tokens_per_s or self._prefill_rate
-        if force or not rate or not self.load_gbps:
+        if force or not rate or not self.load_gbps or not math.isfinite(self.load_gbps):
             return "load"
         load_s = tokens // self.page_size * self.geometry.bytes_per_page / (self.load_gbps * 1e9)
         return "load" if load_s < tokens / rate else "slower_than_recompute"
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         """Report a prefill the caller ran, so the cache learns the recompute rate (a moving average)."""
-        if tokens <= 0 or seconds <= 0:
-            return
+        if not (math.isfinite(tokens) and math.isfinite(seconds)) or tokens <= 0 or seconds <= 0:
+            raise InvalidArgument(f"record_prefill needs finite positive tokens and seconds, got {tokens!r}, "
+                                  f"{seconds!r}")
         rate = tokens / seconds
         with self._lock:
             self._prefill_rate = rate if self._prefill_rate is None else 0.8 * self._prefill_rate + 0.2 * rate
@@ -292,7 +323,8 @@ class KVCache:
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
     def drain(self) -> None:
-        """Wait until every backup asked for so far is submitted and every transfer has completed."""
+        """Wait until every backup asked for so far is submitted and every transfer has completed (the controller
+        completes them; this thread waits)."""
         self._check_open()
         self._controller.drain()
 
@@ -305,9 +337,9 @@ class KVCache:
         return every page of both tiers and check that none leaked; the pools stay open (they are the caller's).
         Idempotent."""
         with self._lock:
-            if self._closed:
+            if self._closing:
                 return
-            self._closed = True
+            self._closing = True
         try:
             dropped = self._controller.close(cancel=cancel)
             if dropped:
@@ -315,6 +347,7 @@ class KVCache:
             with self._lock:
                 self._release_everything()
         finally:
+            self._closed = True
             self._close_engines()
 
     def __enter__(self) -> KVCache:
@@ -358,6 +391,8 @@ class KVCache:
 
     # -- internals: allocation and eviction ---------------------------------------------------------------------
     def _allocate_device(self, count: int) -> np.ndarray | None:
+        if count > self.device.free_pages + self.index.device_tokens // self.page_size:
+            return None                      # more than free + everything cached: evicting could not help
         pages = self.device.allocate(count)
         if pages is None:
             self._evict_device(count - self.device.free_pages)
@@ -427,14 +462,31 @@ class KVCache:
         return sum(len(n.tokens) for n in leaves if not n.busy)
 
     # -- internals: backups -----------------------------------------------------------------------------------------
-    def _after_marker(self, after: Any) -> Any:
-        """What a backup queued later must wait for: the caller's stream *now*, as an event."""
-        if isinstance(after, str) and after == CURRENT:
-            runtime = self.device_pool.runtime
-            marker = runtime.create_event(self.device_pool.device)
-            marker.record(runtime.current_stream(self.device_pool.device))
-            return marker
-        return after
+    def _markers(self, after: Any) -> list[Any] | None:
+        """``after`` (CURRENT, an event or stream of this runtime or torch's, a list of them, or None) as events
+        recorded now: what a transfer queued later must wait for. Checked here, on the caller's thread."""
+        if after is None:
+            return None
+        runtime, device = self.device_pool.runtime, self.device_pool.device
+        if isinstance(after, str):
+            if after != CURRENT:
+                raise InvalidArgument(f"after={after!r}: use {CURRENT!r}, an event, a stream, a list or None")
+            after = runtime.current_stream(device)
+        markers = []
+        for item in after if isinstance(after, (list, tuple)) else [after]:
+            if isinstance(item, Event) or hasattr(item, "cuda_event"):
+                markers.append(runtime.as_event(item))
+                continue
+            marker = runtime.create_event(device)
+            marker.record(runtime.as_stream(item))
+            markers.append(marker)
+        return markers
+
+    @staticmethod
+    def _written(chain: list[Node], after: list[Any] | None) -> list[Any] | None:
+        """Events a backup of ``chain`` waits for: ``after`` and where each node's KV was written."""
+        events = list(after or []) + [e for n in chain for e in (n.written or [])]
+        return events or None
 
     def _start_backup(self, targets: list[Node], after: Any) -> Operation | None:
         """Assign host pages to ``targets`` and every ancestor not yet on the host, and queue the copy."""
@@ -465,7 +517,7 @@ class KVCache:
         device = np.concatenate([n.device for n in chain])
         op = Operation(BACKUP, list(chain), device, host, count * self.geometry.bytes_per_page)
         try:
-            op.transfer = self._engines[BACKUP].backup(device, host, after=after)
+            op.transfer = self._engines[BACKUP].backup(device, host, after=self._written(chain, after))
         except BaseException:
             self.host.free(host)
             raise
@@ -479,8 +531,6 @@ class KVCache:
 
     def _submit_backup(self, targets: list[Node], after: Any) -> Operation | None:
         with self._lock:
-            if self._closed:
-                return None
             try:
                 op = self._start_backup(targets, after)
             except KvtierError:
@@ -492,7 +542,7 @@ class KVCache:
     def _backup_now(self, nodes: list[Node]) -> None:
         """write_back: copy these device-leaf victims (and ancestors not on the host) before their pages go."""
         if nodes:
-            op = self._start_backup(nodes, CURRENT)
+            op = self._start_backup(nodes, self._markers(CURRENT))
             if op is not None:
                 self._finish_now(op)
 
@@ -519,6 +569,9 @@ class KVCache:
                     if node.alive:
                         self._drop_subtree(node, "host" if op.kind == BACKUP else "device")
             else:
+                if op.kind == BACKUP:
+                    for node in nodes:
+                        node.written = None          # on the host now; later backups need no wait
                 self.metrics.add("bytes", op.nbytes, op.kind)
                 self.metrics.add("pages", len(op.device_pages), op.kind)
                 self.metrics.add("seconds", time.perf_counter() - op.submitted, op.kind)
@@ -543,14 +596,21 @@ class KVCache:
                 self.host.free(pages)
                 self.index.set_host(node, None)
             if node.device is None and node.host is None and not node.children:
-                node.lock = 0
-                node.writing = node.loading = None
-                self.index.remove(node)
+                self.index.discard(node)
 
     # -- internals: checks, gauges, teardown ------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closing:
             raise BufferClosed("this KVCache is closed")
+
+    def _own(self, match: Match | Node) -> Node:
+        """The node of ``match``, checked to be a live node of this cache's tree."""
+        node = match.last_node if isinstance(match, Match) else match
+        if not isinstance(node, Node):
+            raise InvalidArgument(f"expected a Match or a Node, got {type(match).__name__}")
+        if not self.index.owns(node):
+            raise InvalidArgument(f"{node} is not in this cache (another cache's match, or evicted since)")
+        return node
 
     def _caller_pages(self) -> int:
         return int(np.count_nonzero(self._state == CALLER))
@@ -569,9 +629,9 @@ class KVCache:
             whose = "the cache's own" if self._state[first] == TREE else "not allocated"
             raise InvalidArgument(f"{what}: device page {first} is {whose}, not a page from allocate()")
 
-    def _check_insert(self, path: list[Node], pages: np.ndarray) -> None:
+    def _check_insert(self, walked: tuple[list[Node], int], pages: np.ndarray) -> None:
         """Pages where the tree has device pages may be the tree's own; every other page must be the caller's."""
-        tree = self.index.device_pages_along(path)
+        tree = self.index.device_pages_along(walked)
         covered = pages[: len(tree)]
         self._check_caller_pages(np.concatenate([covered[covered != tree], pages[len(tree):]]), "insert")
 
@@ -600,6 +660,9 @@ class KVCache:
             raise KvtierError(f"pages leaked at close: {self.device.pages - self.device.free_pages} device, "
                               f"{self.host.pages - self.host.free_pages} host")
         self.returned_caller_pages = held
+        for pool in (self.device_pool, self.host_pool):
+            if _CLAIMED.get(pool) is self:
+                del _CLAIMED[pool]
 
     def _close_engines(self) -> None:
         for engine in {id(e): e for e in self._engines.values()}.values():
@@ -639,10 +702,3 @@ class KVCache:
                 f"tokens, {WritePolicy(self.settings.write_policy).value}, load={self.load_backend}, "
                 f"backup={self.backup_backend})")
 
-
-def _node(match: Match | Node) -> Node:
-    if isinstance(match, Match):
-        return match.last_node
-    if isinstance(match, Node):
-        return match
-    raise InvalidArgument(f"expected a Match or a Node, got {type(match).__name__}")

@@ -41,7 +41,7 @@ class IndexCorrupted(KvtierError):
 
 class Node:
     __slots__ = ("id", "parent", "children", "tokens", "device", "host", "lock", "hits", "last_access",
-                 "writing", "loading", "device_children", "host_children", "alive", "_keys")
+                 "writing", "loading", "written", "device_children", "host_children", "alive", "_keys")
 
     def __init__(self, node_id: int, parent: Node | None, tokens: np.ndarray) -> None:
         self.id, self.parent, self.tokens = node_id, parent, tokens
@@ -51,6 +51,8 @@ class Node:
         self.lock = self.hits = self.last_access = 0
         self.writing: Any = None
         self.loading: Any = None
+        self.written: Any = None
+        """What a backup of this node's device pages must wait for: where its KV was written (events)."""
         self.device_children = self.host_children = 0
         self.alive = True
         self._keys: list[bytes] | None = None
@@ -92,6 +94,7 @@ class Match:
     last_node: Node
     host_nodes: list[Node] = field(default_factory=list)
     pending: list[Any] = field(default_factory=list)
+    locked: bool = False
 
     @property
     def cached_tokens(self) -> int:
@@ -129,7 +132,7 @@ class RadixIndex:
 
     def match(self, tokens: np.ndarray, *, touch: bool = True) -> Match:
         """Longest cached prefix of ``tokens`` (whole pages), split so it ends at a node boundary."""
-        path = self._walk(self.whole_pages(tokens))
+        path, _ = self._walk(self.whole_pages(tokens))
         if touch:
             self._clock += 1
             for node in path:
@@ -145,7 +148,9 @@ class RadixIndex:
                      last_device_node=device_nodes[-1] if device_nodes else self.root,
                      last_node=path[-1] if path else self.root, host_nodes=host_nodes, pending=pending)
 
-    def _walk(self, tokens: np.ndarray) -> list[Node]:
+    def _walk(self, tokens: np.ndarray, split: bool = True) -> tuple[list[Node], int]:
+        """The nodes ``tokens`` runs through, and how many pages of the last one it covers when that is only part of
+        it (0 when whole). With ``split`` the last node is split there instead, so the path ends on a boundary."""
         page, node, pos, path = self.page_size, self.root, 0, []
         total = len(tokens)
         while pos < total:
@@ -159,13 +164,16 @@ class RadixIndex:
                 if differ.size:
                     matched = page + int(differ[0]) // page * page
             if matched < len(child.tokens):
+                if not split:
+                    path.append(child)
+                    return path, matched // page
                 child = self._split(child, matched // page)
             path.append(child)
             pos += matched
             node = child
             if matched < length:
                 break
-        return path
+        return path, 0
 
     def host_chain(self, node: Node) -> list[Node]:
         """The host-only nodes from the device boundary down to ``node`` (top-down)."""
@@ -173,17 +181,20 @@ class RadixIndex:
         return chain[::-1]
 
     # -- changes ----------------------------------------------------------------------------------------------------
-    def walk(self, tokens: np.ndarray) -> list[Node]:
-        """The nodes of the longest cached prefix of ``tokens`` (whole pages), split to end on a node boundary; no
-        LRU or hit update."""
-        return self._walk(self.whole_pages(tokens))
+    def walk(self, tokens: np.ndarray) -> tuple[list[Node], int]:
+        """The nodes of the longest cached prefix of ``tokens`` (whole pages) and the pages of the last one it covers
+        if only part (0: whole). Changes nothing: no split, no LRU or hit update."""
+        return self._walk(self.whole_pages(tokens), split=False)
 
-    def place(self, tokens: np.ndarray, pages: np.ndarray, path: list[Node] | None = None) -> Placement:
+    def place(self, tokens: np.ndarray, pages: np.ndarray,
+              walked: tuple[list[Node], int] | None = None) -> Placement:
         """Put a prompt with its device ``pages`` (one per whole page) into the tree; nothing is freed here. The tree
         keeps views of both arrays: hand it arrays nobody changes later (``KVCache`` passes its own copies).
-        ``path``: what ``walk(tokens)`` returned, if nothing changed the tree since."""
+        ``walked``: what ``walk(tokens)`` returned, if nothing changed the tree since."""
         tokens = self.whole_pages(tokens)
-        path = self._walk(tokens) if path is None else path
+        path, partial = self._walk(tokens, split=False) if walked is None else walked
+        if partial:
+            path = path[:-1] + [self._split(path[-1], partial)]
         page, pos, revived, duplicates = self.page_size, 0, [], []
         for node in path:
             count = len(node.tokens) // page
@@ -208,10 +219,13 @@ class RadixIndex:
         dup = np.concatenate(duplicates) if duplicates else EMPTY
         return Placement(new_node, revived, dup, existing, new_node or parent)
 
-    def device_pages_along(self, path: list[Node]) -> np.ndarray:
-        """The device pages of the nodes of ``path`` (from ``walk``), -1 for the pages of a host-only node."""
+    def device_pages_along(self, walked: tuple[list[Node], int]) -> np.ndarray:
+        """The device pages along what ``walk`` returned, -1 for the pages of a host-only node."""
+        path, partial = walked
         parts = [n.device if n.device is not None else np.full(len(n.tokens) // self.page_size, -1, np.int64)
                  for n in path]
+        if partial:
+            parts[-1] = parts[-1][:partial]
         return np.concatenate(parts) if parts else EMPTY
 
     def set_device(self, node: Node, pages: np.ndarray | None) -> None:
@@ -256,6 +270,14 @@ class RadixIndex:
         node.alive = False
         self.nodes -= 1
 
+    def discard(self, node: Node) -> None:
+        """Remove a node whose pages a failed transfer left unusable, even if requests hold it: their locks are
+        taken off its ancestors too (a later unlock of it is refused as not in the cache)."""
+        for ancestor in node.parent.path() if node.parent is not None else ():
+            ancestor.lock -= node.lock
+        node.lock, node.writing, node.loading, node.written = 0, None, None, None
+        self.remove(node)
+
     def _split(self, node: Node, pages: int) -> Node:
         """Cut ``node`` after ``pages`` pages: a new node takes the head, ``node`` keeps the tail (so references to
         a deep node stay valid for locking). State is copied, so the split changes no answer."""
@@ -266,7 +288,7 @@ class RadixIndex:
         head.device = None if node.device is None else node.device[:pages]
         head.host = None if node.host is None else node.host[:pages]
         head.lock, head.hits, head.last_access = node.lock, node.hits, node.last_access
-        head.writing, head.loading = node.writing, node.loading
+        head.writing, head.loading, head.written = node.writing, node.loading, node.written
         for op in {id(o): o for o in (node.writing, node.loading) if o is not None}.values():
             op.nodes.append(head)
         head.device_children = int(node.device is not None)
@@ -281,6 +303,14 @@ class RadixIndex:
         node.parent = head
         self.nodes += 1
         return head
+
+    def owns(self, node: Node) -> bool:
+        """Whether ``node`` is a live node of this tree (not of another cache, not removed)."""
+        if not node.alive:
+            return False
+        while node.parent is not None:
+            node = node.parent
+        return node is self.root
 
     # -- locks --------------------------------------------------------------------------------------------------------
     def lock(self, node: Node) -> None:

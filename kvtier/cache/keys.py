@@ -69,8 +69,13 @@ class Namespace:
             raise InvalidArgument(f"Namespace.geometry must be a KVGeometry, got {type(self.geometry).__name__}")
         if not isinstance(self.dtype, str) or not self.dtype:
             raise InvalidArgument("Namespace.dtype must name the KV element type, e.g. 'bfloat16'")
-        if not (isinstance(self.tp_size, int) and isinstance(self.tp_rank, int) and 0 <= self.tp_rank < self.tp_size):
-            raise InvalidArgument(f"tensor-parallel rank {self.tp_rank!r} of size {self.tp_size!r} is not valid")
+        ints = all(type(v) is int for v in (self.tp_rank, self.tp_size))
+        if not ints or not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidArgument(f"tensor-parallel rank {self.tp_rank!r} of size {self.tp_size!r} is not valid "
+                                  f"(ints, 0 <= rank < size)")
+        for name in ("adapter", "tenant"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidArgument(f"Namespace.{name} must be a string or None, got {getattr(self, name)!r}")
         object.__setattr__(self, "digest", hashlib.sha256(self.canonical().encode()).digest())
 
     def canonical(self) -> str:

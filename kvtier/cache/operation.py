@@ -41,7 +41,8 @@ class Operation:
 class LoadBack(Operation):
     """A load-back the caller can wait on per layer: ``stream_wait(layer=i)`` makes the caller's stream (or
     ``stream``) wait on the GPU for layer i only, so layer i's attention overlaps the load of later layers;
-    ``wait_layer`` blocks the CPU instead. ``device_pages`` are the pages of the whole matched prefix."""
+    ``wait_layer`` blocks the CPU instead. ``device_pages`` are the pages it fills; ``prefix_pages`` those of the
+    whole matched prefix (the device part of the match, then these)."""
 
     def __init__(self, nodes: list[Any], device_pages: np.ndarray, host_pages: np.ndarray, nbytes: int,
                  loaded_tokens: int) -> None:

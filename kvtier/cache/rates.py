@@ -12,6 +12,7 @@ both-ways rate among those whose loads are layer-wise, from a table: the default
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,11 +61,21 @@ class RateTable:
 
     @classmethod
     def load(cls, path: str | Path) -> RateTable:
+        """Read a table ``to_json`` (or ``kvtier doctor --cache-rates``) wrote; every field is checked."""
         try:
             data = json.loads(Path(path).read_text())
-            return cls([PairRate(**row) for row in data["rows"]], data.get("source", str(path)))
+            rows = [PairRate(**row) for row in data["rows"]]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InvalidArgument(f"{path} is not a kvtier rate table: {exc}") from exc
+        from kvtier.cache.settings import IO_BACKENDS
+
+        for row in rows:
+            rates = [row.load_gbps, row.backup_gbps] + ([row.both_gbps] if row.both_gbps is not None else [])
+            if row.load not in IO_BACKENDS or row.backup not in IO_BACKENDS or not all(
+                    isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0
+                    for r in rates) or row.layerwise not in (True, False, None):
+                raise InvalidArgument(f"{path} is not a kvtier rate table: bad row {row}")
+        return cls(rows, data.get("source", str(path)))
 
 
 H200_TABLE = RateTable([

@@ -4,6 +4,7 @@ where the meaning is the same."""
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, fields
 
 from kvtier.checks import Choice, integer
@@ -59,11 +60,13 @@ class CacheSettings:
             allowed = IO_BACKENDS + ((AUTO,) if name == "io_backend" else ())
             if (value is not None or name == "io_backend") and value not in allowed:
                 raise InvalidArgument(f"unknown {name} {value!r}: choose one of {allowed}")
-        if self.prefill_tokens_per_s is not None and not self.prefill_tokens_per_s > 0:
-            raise InvalidArgument(f"prefill_tokens_per_s must be positive, got {self.prefill_tokens_per_s!r}")
-        if not self.hicache_ratio > 0 or self.hicache_size < 0:
-            raise InvalidArgument(f"hicache_ratio must be > 0 and hicache_size >= 0, got {self.hicache_ratio!r} and "
-                                  f"{self.hicache_size!r}")
+        if self.prefill_tokens_per_s is not None and not _finite(self.prefill_tokens_per_s, low=0.0):
+            raise InvalidArgument(f"prefill_tokens_per_s must be a finite positive number, got "
+                                  f"{self.prefill_tokens_per_s!r}")
+        if not _finite(self.hicache_ratio, low=0.0) or not (_finite(self.hicache_size, low=0.0)
+                                                             or self.hicache_size == 0):
+            raise InvalidArgument(f"hicache_ratio must be finite and > 0, hicache_size finite and >= 0; got "
+                                  f"{self.hicache_ratio!r} and {self.hicache_size!r}")
 
     def host_pages(self, device_pages: int, bytes_per_page: int) -> int:
         """Pages of a host pool sized by ``hicache_size`` (GB) when set, else ``hicache_ratio`` × the device pool."""
@@ -108,3 +111,8 @@ class CacheSettings:
                   "prefill_tokens_per_s": args.prefill_tokens_per_s}
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def _finite(value: object, *, low: float) -> bool:
+    """A real, finite number above ``low`` (NaN and infinities fail every comparison we rely on)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > low
