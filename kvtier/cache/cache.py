@@ -633,7 +633,11 @@ class KVCache:
         """Pages where the tree has device pages may be the tree's own; every other page must be the caller's."""
         tree = self.index.device_pages_along(walked)
         covered = pages[: len(tree)]
-        self._check_caller_pages(np.concatenate([covered[covered != tree], pages[len(tree):]]), "insert")
+        own = covered == tree
+        if own.all():                        # the usual call: the match's pages, then new ones
+            self._check_caller_pages(pages[len(tree):], "insert")
+        else:
+            self._check_caller_pages(np.concatenate([covered[~own], pages[len(tree):]]), "insert")
 
     def _set_depth(self, queue: str, depth: int) -> None:
         self.metrics.set("queue", depth, queue)
