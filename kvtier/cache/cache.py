@@ -34,6 +34,7 @@ from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.operation import BACKUP, LOAD, LoadBack, Operation
 from kvtier.cache.rates import H200_TABLE, RateTable
 from kvtier.cache.settings import AUTO, CacheSettings, WritePolicy
+from kvtier.cache.tiers import CALLER, FREE, TREE, Tiers
 from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.pools import DevicePool, HostPool
@@ -41,7 +42,6 @@ from kvtier.runtime import Event
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.engine import CURRENT
 
-FREE, CALLER, TREE = 0, 1, 2
 _CLAIMED: weakref.WeakKeyDictionary[Any, KVCache] = weakref.WeakKeyDictionary()
 """Pools a cache owns: two caches over one pool would hand out the same pages."""
 
@@ -83,13 +83,12 @@ class KVCache:
         self.load_backend, self.backup_backend = self._choose_backends()
         self._lock = threading.RLock()
         self._closing = self._closed = False
-        self.index = RadixIndex(self.page_size, namespace.digest)
-        self.device = PageAllocator(device_pool.pages, name="device")
-        self.host = PageAllocator(host_pool.pages, name="host", contiguous=True)
-        self._state = np.zeros(device_pool.pages, dtype=np.uint8)   # FREE, CALLER or TREE per device page
         self.metrics = CacheMetrics()
-        self._prefill_rate: float | None = None
         self._engines: dict[str, TransferEngine] = {}
+        self.tiers = Tiers(RadixIndex(self.page_size, namespace.digest), self.geometry, device_pool.pages,
+                           host_pool.pages, settings, self.metrics, self._engines, self._markers,
+                           lambda: self._controller.inflight(BACKUP))
+        self._prefill_rate: float | None = None
         try:
             self._engines[LOAD] = TransferEngine(device_pool, host_pool, backend=self.load_backend,
                                                  max_blocks=settings.max_blocks)
@@ -106,6 +105,19 @@ class KVCache:
                                       lambda: device_pool.runtime.set_device(device_pool.device))
         _CLAIMED[device_pool] = _CLAIMED[host_pool] = self
         self._gauges()
+
+    @property
+    def index(self) -> RadixIndex:
+        return self.tiers.index
+
+    @property
+    def device(self) -> PageAllocator:
+        """The device pages' allocator (read its counts; take pages with ``allocate``)."""
+        return self.tiers.device
+
+    @property
+    def host(self) -> PageAllocator:
+        return self.tiers.host
 
     # -- lookups ----------------------------------------------------------------------------------------------------
     def match_prefix(self, tokens: Any, *, lock: bool = False) -> Match:
@@ -177,11 +189,12 @@ class KVCache:
         count = integer(count, "count", low=0)
         with self._lock:
             self._check_open()
-            pages = self._allocate_device(count)
+            pages = self.tiers.allocate_device(count)
+            self._gauges()
             if pages is not None:
-                self._state[pages] = CALLER
+                self.tiers.state[pages] = CALLER
             if pages is None:
-                locked = self.index.device_tokens - self._evictable_tokens("device")
+                locked = self.index.device_tokens - self.tiers.evictable_tokens("device")
                 raise OutOfPages(f"cannot allocate {count} device pages: {self.device.free_pages} free of "
                                  f"{self.device.pages}, nothing more is evictable ({locked} cached tokens are locked "
                                  f"or in flight; caller-held pages: {self._caller_pages()})")
@@ -193,7 +206,7 @@ class KVCache:
         with self._lock:
             self._check_open()
             self._check_caller_pages(pages, "free")
-            self._state[pages] = FREE
+            self.tiers.state[pages] = FREE
             self.device.release(pages.copy())
             self._gauges()
 
@@ -218,10 +231,10 @@ class KVCache:
             self._check_insert(walked, pages)
             placed = self.index.place(whole, pages, walked)
             for node in placed.revived + ([placed.new_node] if placed.new_node else []):
-                self._state[node.device] = TREE
+                self.tiers.state[node.device] = TREE
                 node.written = written
             if placed.duplicates.size:
-                self._state[placed.duplicates] = FREE
+                self.tiers.state[placed.duplicates] = FREE
                 self.device.release(placed.duplicates)
             if placed.new_node is not None and self.settings.write_policy is WritePolicy.WRITE_THROUGH:
                 self._controller.request_backup([placed.new_node], None)
@@ -265,7 +278,7 @@ class KVCache:
             count = tokens // self.page_size
             self.index.lock(node)
             try:
-                pages = self._allocate_device(count)
+                pages = self.tiers.allocate_device(count)
             finally:
                 self.index.unlock(node)
             if pages is None:
@@ -276,7 +289,7 @@ class KVCache:
             try:
                 op.transfer = self._engines[LOAD].load(host, pages, after=order)
             except BaseException:
-                self._state[pages] = FREE
+                self.tiers.state[pages] = FREE
                 self.device.release(pages)
                 raise
             start = 0
@@ -285,7 +298,7 @@ class KVCache:
                 self.index.set_device(n, pages[start:start + span])
                 n.loading = op
                 start += span
-            self._state[pages] = TREE
+            self.tiers.state[pages] = TREE
             op.prefix_pages = np.concatenate([n.device for n in reversed(list(node.path()))])
             self.metrics.add("decisions", 1, "load")
             self._controller.track(op)
@@ -316,8 +329,8 @@ class KVCache:
         """Evict at least this many pages per tier where possible; returns the pages freed per tier."""
         with self._lock:
             self._check_open()
-            freed = self._evict_device(integer(device_pages, "device_pages", low=0)), \
-                self._evict_host(integer(host_pages, "host_pages", low=0))
+            freed = self.tiers.evict_device(integer(device_pages, "device_pages", low=0)), \
+                self.tiers.evict_host(integer(host_pages, "host_pages", low=0))
             self._gauges()
             return freed
 
@@ -345,7 +358,10 @@ class KVCache:
             if dropped:
                 self.metrics.add("skipped", dropped, "cancelled_at_close")
             with self._lock:
-                self._release_everything()
+                self.returned_caller_pages = self.tiers.release_everything()
+                for pool in (self.device_pool, self.host_pool):
+                    if _CLAIMED.get(pool) is self:
+                        del _CLAIMED[pool]
         finally:
             self._closed = True
             self._close_engines()
@@ -369,98 +385,11 @@ class KVCache:
 
     def check(self) -> None:
         """Verify the index invariants and the page accounting of both tiers (raises IndexCorrupted)."""
-        from kvtier.cache.index import IndexCorrupted
-
         with self._lock:
             self.index.check()
-            for tier, allocator in (("device", self.device), ("host", self.host)):
-                owned = self.index.page_owners(tier)
-                if np.unique(owned).size != owned.size:
-                    raise IndexCorrupted(f"a {tier} page belongs to two nodes")
-                if owned.size and not allocator.is_used(owned).all():
-                    raise IndexCorrupted(f"the tree holds a {tier} page the allocator calls free")
-                if tier == "host" and owned.size != allocator.used_pages:
-                    raise IndexCorrupted(f"{allocator.used_pages} host pages allocated, the tree holds {owned.size}")
-                if tier == "device":
-                    mask = np.zeros(self.device.pages, dtype=bool)
-                    mask[owned] = True
-                    if not np.array_equal(mask, self._state == TREE):
-                        raise IndexCorrupted("the device pages marked as the tree's differ from the tree")
-                    if not np.array_equal(self.device.used_mask(), self._state != FREE):
-                        raise IndexCorrupted("device pages in use differ from those the tree and callers hold")
+            self.tiers.check()
 
     # -- internals: allocation and eviction ---------------------------------------------------------------------
-    def _allocate_device(self, count: int) -> np.ndarray | None:
-        if count > self.device.free_pages + self.index.device_tokens // self.page_size:
-            return None                      # more than free + everything cached: evicting could not help
-        pages = self.device.allocate(count)
-        if pages is None:
-            self._evict_device(count - self.device.free_pages)
-            pages = self.device.allocate(count)
-        if pages is None and self._controller.inflight(BACKUP):
-            for op in self._controller.inflight(BACKUP):
-                self._finish_now(op)
-            self._evict_device(count - self.device.free_pages)
-            pages = self.device.allocate(count)
-        self._gauges()
-        return pages
-
-    def _allocate_host(self, count: int) -> np.ndarray | None:
-        pages = self.host.allocate(count)
-        if pages is None:
-            self._evict_host(count - self.host.free_pages)
-            pages = self.host.allocate(count)
-        return pages
-
-    def _evict_device(self, need: int) -> int:
-        freed = 0
-        while freed < need:
-            victims = self.index.lru_leaves("device", need - freed)
-            if not victims:
-                break
-            if self.settings.write_policy is WritePolicy.WRITE_BACK:
-                self._backup_now([v for v in victims if v.host is None])
-            released: list[np.ndarray] = []
-            dropped = 0
-            for victim in victims:
-                assert victim.device is not None
-                released.append(victim.device)
-                self.index.set_device(victim, None)
-                if victim.host is None:
-                    self.index.remove(victim)
-                    dropped += 1
-            pages = np.concatenate(released)
-            self._state[pages] = FREE
-            self.device.release(pages)
-            freed += len(pages)
-            self.metrics.add("evicted", len(pages) * self.page_size, "device")
-            if dropped:
-                self.metrics.add("skipped", dropped, "evicted_without_backup")
-        return freed
-
-    def _evict_host(self, need: int) -> int:
-        freed = 0
-        while freed < need:
-            victims = self.index.lru_leaves("host", need - freed)
-            if not victims:
-                break
-            released: list[np.ndarray] = []
-            for victim in victims:
-                assert victim.host is not None
-                released.append(victim.host)
-                self.index.set_host(victim, None)
-                if victim.device is None:
-                    self.index.remove(victim)
-            pages = np.concatenate(released)
-            self.host.release(pages)
-            freed += len(pages)
-            self.metrics.add("evicted", len(pages) * self.page_size, "host")
-        return freed
-
-    def _evictable_tokens(self, tier: str) -> int:
-        leaves = self.index.device_leaves if tier == "device" else self.index.host_leaves
-        return sum(len(n.tokens) for n in leaves if not n.busy)
-
     # -- internals: backups -----------------------------------------------------------------------------------------
     def _markers(self, after: Any) -> list[Any] | None:
         """``after`` (CURRENT, an event or stream of this runtime or torch's, a list of them, or None) as events
@@ -482,123 +411,23 @@ class KVCache:
             markers.append(marker)
         return markers
 
-    @staticmethod
-    def _written(chain: list[Node], after: list[Any] | None) -> list[Any] | None:
-        """Events a backup of ``chain`` waits for: ``after`` and where each node's KV was written."""
-        events = list(after or []) + [e for n in chain for e in (n.written or [])]
-        return events or None
-
-    def _start_backup(self, targets: list[Node], after: Any) -> Operation | None:
-        """Assign host pages to ``targets`` and every ancestor not yet on the host, and queue the copy."""
-        chain: list[Node] = []
-        seen: set[int] = set()
-        for target in targets:
-            if not target.alive or target.device is None:
-                continue
-            for node in reversed(list(target.path())):
-                if node.host is None and node.id not in seen:
-                    seen.add(node.id)
-                    chain.append(node)
-        if not chain:
-            return None
-        count = sum(len(n.tokens) for n in chain) // self.page_size
-        for target in targets:
-            if target.alive:
-                self.index.lock(target)
-        try:
-            host = self._allocate_host(count)
-        finally:
-            for target in targets:
-                if target.alive:
-                    self.index.unlock(target)
-        if host is None:
-            self.metrics.add("skipped", len(chain), "host_full")
-            return None
-        device = np.concatenate([n.device for n in chain])
-        op = Operation(BACKUP, list(chain), device, host, count * self.geometry.bytes_per_page)
-        try:
-            op.transfer = self._engines[BACKUP].backup(device, host, after=self._written(chain, after))
-        except BaseException:
-            self.host.free(host)
-            raise
-        start = 0
-        for node in chain:
-            span = len(node.tokens) // self.page_size
-            self.index.set_host(node, host[start:start + span])
-            node.writing = op
-            start += span
-        return op
-
     def _submit_backup(self, targets: list[Node], after: Any) -> Operation | None:
         with self._lock:
             try:
-                op = self._start_backup(targets, after)
+                op = self.tiers.start_backup(targets, after)
             except KvtierError:
                 self.metrics.add("errors", 1, BACKUP)
                 return None
             self._gauges()
             return op
 
-    def _backup_now(self, nodes: list[Node]) -> None:
-        """write_back: copy these device-leaf victims (and ancestors not on the host) before their pages go."""
-        if nodes:
-            op = self._start_backup(nodes, self._markers(CURRENT))
-            if op is not None:
-                self._finish_now(op)
-
-    def _finish_now(self, op: Operation) -> None:
-        try:
-            op.wait()
-        except BaseException as exc:  # noqa: BLE001 - completed as failed below
-            op.error = exc
-        self._complete(op)
-
     # -- internals: completion --------------------------------------------------------------------------------------
+    # -- internals: checks, gauges, teardown ------------------------------------------------------------------------
     def _complete(self, op: Operation) -> None:
         with self._lock:
-            if op.finished:
-                return
-            op.finished = True
-            field = "writing" if op.kind == BACKUP else "loading"
-            nodes = [n for n in op.nodes if n.alive and getattr(n, field) is op]
-            for node in nodes:
-                setattr(node, field, None)
-            if op.error is not None:
-                self.metrics.add("errors", 1, op.kind)
-                for node in nodes:
-                    if node.alive:
-                        self._drop_subtree(node, "host" if op.kind == BACKUP else "device")
-            else:
-                if op.kind == BACKUP:
-                    for node in nodes:
-                        node.written = None          # on the host now; later backups need no wait
-                self.metrics.add("bytes", op.nbytes, op.kind)
-                self.metrics.add("pages", len(op.device_pages), op.kind)
-                self.metrics.add("seconds", time.perf_counter() - op.submitted, op.kind)
+            self.tiers.complete(op)
             self._gauges()
 
-    def _drop_subtree(self, top: Node, tier: str) -> None:
-        """A failed transfer left ``tier`` of ``top`` holding garbage: take that tier from it and everything below."""
-        order, stack = [], [top]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(node.children.values())
-        for node in reversed(order):
-            pages = getattr(node, tier)
-            if pages is None:
-                continue
-            if tier == "device":
-                self._state[pages] = FREE
-                self.device.release(pages)
-                self.index.set_device(node, None)
-            else:
-                self.host.free(pages)
-                self.index.set_host(node, None)
-            if node.device is None and node.host is None and not node.children:
-                self.index.discard(node)
-
-    # -- internals: checks, gauges, teardown ------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closing:
             raise BufferClosed("this KVCache is closed")
@@ -613,7 +442,7 @@ class KVCache:
         return node
 
     def _caller_pages(self) -> int:
-        return int(np.count_nonzero(self._state == CALLER))
+        return int(np.count_nonzero(self.tiers.state == CALLER))
 
     def _check_caller_pages(self, pages: np.ndarray, what: str) -> None:
         if not pages.size:
@@ -623,10 +452,10 @@ class KVCache:
             raise InvalidArgument(f"{what}: device page {int(bad[0])} is out of range (0..{self.device.pages - 1})")
         if not distinct(pages):
             raise InvalidArgument(f"{what}: a device page is named twice")
-        state = self._state[pages]
+        state = self.tiers.state[pages]
         if not (state == CALLER).all():
             first = int(pages[state != CALLER][0])
-            whose = "the cache's own" if self._state[first] == TREE else "not allocated"
+            whose = "the cache's own" if self.tiers.state[first] == TREE else "not allocated"
             raise InvalidArgument(f"{what}: device page {first} is {whose}, not a page from allocate()")
 
     def _check_insert(self, walked: tuple[list[Node], int], pages: np.ndarray) -> None:
@@ -647,26 +476,6 @@ class KVCache:
         self.metrics.set("tokens", self.index.host_tokens, "host")
         self.metrics.set("free_pages", self.device.free_pages, "device")
         self.metrics.set("free_pages", self.host.free_pages, "host")
-
-    def _release_everything(self) -> None:
-        for node in list(self.index.all_nodes()):
-            node.lock, node.writing, node.loading = 0, None, None
-        for tier, allocator in (("device", self.device), ("host", self.host)):
-            owned = self.index.page_owners(tier)
-            if owned.size:
-                allocator.free(owned)
-        self.index = RadixIndex(self.page_size, self.namespace.digest)
-        self._state[:] = FREE
-        held = self.device.used_pages
-        if held:
-            self.device.free(np.flatnonzero(self.device.used_mask()))
-        if self.device.free_pages != self.device.pages or self.host.free_pages != self.host.pages:
-            raise KvtierError(f"pages leaked at close: {self.device.pages - self.device.free_pages} device, "
-                              f"{self.host.pages - self.host.free_pages} host")
-        self.returned_caller_pages = held
-        for pool in (self.device_pool, self.host_pool):
-            if _CLAIMED.get(pool) is self:
-                del _CLAIMED[pool]
 
     def _close_engines(self) -> None:
         for engine in {id(e): e for e in self._engines.values()}.values():

@@ -1,0 +1,251 @@
+"""The pages of both tiers and every move between them: allocation that evicts, backups, completions.
+
+This is the policy half of the cache: which pages to evict (LRU leaves of each tier, never a busy node), what a write
+policy backs up and when, how a finished or failed transfer changes the tree. ``KVCache`` is the other half: it checks
+arguments, holds the lock (every method here runs under it) and runs the controller. Pages are numbers; the transfer
+engines turn them into addresses.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from kvtier.cache.allocator import PageAllocator
+from kvtier.cache.index import IndexCorrupted, Node, RadixIndex
+from kvtier.cache.metrics import CacheMetrics
+from kvtier.cache.operation import BACKUP, Operation
+from kvtier.cache.settings import CacheSettings, WritePolicy
+from kvtier.errors import KvtierError
+from kvtier.pools.geometry import KVGeometry
+from kvtier.transfer.engine import CURRENT
+
+FREE, CALLER, TREE = 0, 1, 2
+"""What a device page is: free, held by a caller (from ``allocate``, not inserted yet), or the tree's."""
+
+
+class Tiers:
+    def __init__(self, index: RadixIndex, geometry: KVGeometry, device_pages: int, host_pages: int,
+                 settings: CacheSettings, metrics: CacheMetrics, engines: dict[str, Any],
+                 markers: Callable[[Any], list[Any] | None], inflight: Callable[[], list[Operation]]) -> None:
+        """``markers(after)`` turns an ordering request into events recorded now; ``inflight()`` lists the backups
+        the controller has in flight (an allocation that finds nothing to evict waits for them)."""
+        self.index, self.geometry, self.page_size = index, geometry, geometry.page_size
+        self.settings, self.metrics, self.engines = settings, metrics, engines
+        self.markers, self.inflight = markers, inflight
+        self.device = PageAllocator(device_pages, name="device")
+        self.host = PageAllocator(host_pages, name="host", contiguous=True)
+        self.state = np.zeros(device_pages, dtype=np.uint8)
+
+    def allocate_device(self, count: int) -> np.ndarray | None:
+        if count > self.device.free_pages + self.index.device_tokens // self.page_size:
+            return None                      # more than free + everything cached: evicting could not help
+        pages = self.device.allocate(count)
+        if pages is None:
+            self.evict_device(count - self.device.free_pages)
+            pages = self.device.allocate(count)
+        if pages is None and self.inflight():
+            for op in self.inflight():
+                self.finish_now(op)
+            self.evict_device(count - self.device.free_pages)
+            pages = self.device.allocate(count)
+        return pages
+
+    def allocate_host(self, count: int) -> np.ndarray | None:
+        pages = self.host.allocate(count)
+        if pages is None:
+            self.evict_host(count - self.host.free_pages)
+            pages = self.host.allocate(count)
+        return pages
+
+    def evict_device(self, need: int) -> int:
+        freed = 0
+        while freed < need:
+            victims = self.index.lru_leaves("device", need - freed)
+            if not victims:
+                break
+            if self.settings.write_policy is WritePolicy.WRITE_BACK:
+                self.backup_now([v for v in victims if v.host is None])
+            released: list[np.ndarray] = []
+            dropped = 0
+            for victim in victims:
+                assert victim.device is not None
+                released.append(victim.device)
+                self.index.set_device(victim, None)
+                if victim.host is None:
+                    self.index.remove(victim)
+                    dropped += 1
+            pages = np.concatenate(released)
+            self.state[pages] = FREE
+            self.device.release(pages)
+            freed += len(pages)
+            self.metrics.add("evicted", len(pages) * self.page_size, "device")
+            if dropped:
+                self.metrics.add("skipped", dropped, "evicted_without_backup")
+        return freed
+
+    def evict_host(self, need: int) -> int:
+        freed = 0
+        while freed < need:
+            victims = self.index.lru_leaves("host", need - freed)
+            if not victims:
+                break
+            released: list[np.ndarray] = []
+            for victim in victims:
+                assert victim.host is not None
+                released.append(victim.host)
+                self.index.set_host(victim, None)
+                if victim.device is None:
+                    self.index.remove(victim)
+            pages = np.concatenate(released)
+            self.host.release(pages)
+            freed += len(pages)
+            self.metrics.add("evicted", len(pages) * self.page_size, "host")
+        return freed
+
+    def evictable_tokens(self, tier: str) -> int:
+        leaves = self.index.device_leaves if tier == "device" else self.index.host_leaves
+        return sum(len(n.tokens) for n in leaves if not n.busy)
+
+    @staticmethod
+    def written(chain: list[Node], after: list[Any] | None) -> list[Any] | None:
+        """Events a backup of ``chain`` waits for: ``after`` and where each node's KV was written."""
+        events = list(after or []) + [e for n in chain for e in (n.written or [])]
+        return events or None
+
+    def start_backup(self, targets: list[Node], after: Any) -> Operation | None:
+        """Assign host pages to ``targets`` and every ancestor not yet on the host, and queue the copy."""
+        chain: list[Node] = []
+        seen: set[int] = set()
+        for target in targets:
+            if not target.alive or target.device is None:
+                continue
+            for node in reversed(list(target.path())):
+                if node.host is None and node.id not in seen:
+                    seen.add(node.id)
+                    chain.append(node)
+        if not chain:
+            return None
+        count = sum(len(n.tokens) for n in chain) // self.page_size
+        for target in targets:
+            if target.alive:
+                self.index.lock(target)
+        try:
+            host = self.allocate_host(count)
+        finally:
+            for target in targets:
+                if target.alive:
+                    self.index.unlock(target)
+        if host is None:
+            self.metrics.add("skipped", len(chain), "host_full")
+            return None
+        device = np.concatenate([n.device for n in chain])
+        op = Operation(BACKUP, list(chain), device, host, count * self.geometry.bytes_per_page)
+        try:
+            op.transfer = self.engines[BACKUP].backup(device, host, after=self.written(chain, after))
+        except BaseException:
+            self.host.free(host)
+            raise
+        start = 0
+        for node in chain:
+            span = len(node.tokens) // self.page_size
+            self.index.set_host(node, host[start:start + span])
+            node.writing = op
+            start += span
+        return op
+
+    def backup_now(self, nodes: list[Node]) -> None:
+        """write_back: copy these device-leaf victims (and ancestors not on the host) before their pages go."""
+        if nodes:
+            op = self.start_backup(nodes, self.markers(CURRENT))
+            if op is not None:
+                self.finish_now(op)
+
+    def finish_now(self, op: Operation) -> None:
+        try:
+            op.wait()
+        except BaseException as exc:  # noqa: BLE001 - completed as failed below
+            op.error = exc
+        self.complete(op)
+
+    def complete(self, op: Operation) -> None:
+        """Finish ``op`` once (the controller's waiter, or a thread that had to wait for it itself)."""
+        if op.finished:
+            return
+        op.finished = True
+        field = "writing" if op.kind == BACKUP else "loading"
+        nodes = [n for n in op.nodes if n.alive and getattr(n, field) is op]
+        for node in nodes:
+            setattr(node, field, None)
+        if op.error is not None:
+            self.metrics.add("errors", 1, op.kind)
+            for node in nodes:
+                if node.alive:
+                    self.drop_subtree(node, "host" if op.kind == BACKUP else "device")
+        else:
+            if op.kind == BACKUP:
+                for node in nodes:
+                    node.written = None          # on the host now; later backups need no wait
+            self.metrics.add("bytes", op.nbytes, op.kind)
+            self.metrics.add("pages", len(op.device_pages), op.kind)
+            self.metrics.add("seconds", time.perf_counter() - op.submitted, op.kind)
+
+    def drop_subtree(self, top: Node, tier: str) -> None:
+        """A failed transfer left ``tier`` of ``top`` holding garbage: take that tier from it and everything below."""
+        order, stack = [], [top]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        for node in reversed(order):
+            pages = getattr(node, tier)
+            if pages is None:
+                continue
+            if tier == "device":
+                self.state[pages] = FREE
+                self.device.release(pages)
+                self.index.set_device(node, None)
+            else:
+                self.host.free(pages)
+                self.index.set_host(node, None)
+            if node.device is None and node.host is None and not node.children:
+                self.index.discard(node)
+
+    def release_everything(self) -> int:
+        """Every page back to its allocator (the caller's too); raises if any page leaked. Returns how many device
+        pages callers still held."""
+        for node in list(self.index.all_nodes()):
+            node.lock, node.writing, node.loading = 0, None, None
+        for tier, allocator in (("device", self.device), ("host", self.host)):
+            owned = self.index.page_owners(tier)
+            if owned.size:
+                allocator.free(owned)
+        self.index = RadixIndex(self.page_size, self.index.root_key)
+        self.state[:] = FREE
+        held = self.device.used_pages
+        if held:
+            self.device.free(np.flatnonzero(self.device.used_mask()))
+        if self.device.free_pages != self.device.pages or self.host.free_pages != self.host.pages:
+            raise KvtierError(f"pages leaked at close: {self.device.pages - self.device.free_pages} device, "
+                              f"{self.host.pages - self.host.free_pages} host")
+        return held
+
+    def check(self) -> None:
+        """The page accounting of both tiers against the tree (raises IndexCorrupted)."""
+        for tier, allocator in (("device", self.device), ("host", self.host)):
+            owned = self.index.page_owners(tier)
+            if np.unique(owned).size != owned.size:
+                raise IndexCorrupted(f"a {tier} page belongs to two nodes")
+            if owned.size and not allocator.is_used(owned).all():
+                raise IndexCorrupted(f"the tree holds a {tier} page the allocator calls free")
+            if tier == "host" and owned.size != allocator.used_pages:
+                raise IndexCorrupted(f"{allocator.used_pages} host pages allocated, the tree holds {owned.size}")
+            if tier == "device":
+                mask = np.zeros(self.device.pages, dtype=bool)
+                mask[owned] = True
+                if not np.array_equal(mask, self.state == TREE):
+                    raise IndexCorrupted("the device pages marked as the tree's differ from the tree")
+                if not np.array_equal(self.device.used_mask(), self.state != FREE):
+                    raise IndexCorrupted("device pages in use differ from those the tree and callers hold")
