@@ -229,3 +229,119 @@ def test_a_failed_load_back_is_undone_and_nothing_it_touched_is_served(monkeypat
     cache.unlock(match)
     assert serve(cache, model, tokens)[1] == 6            # the retry loads and checks every byte
     close_all(cache, dev, host)
+
+
+# -- a second review, on the fixed code ---------------------------------------------------------------------------
+
+
+def test_pages_freed_as_duplicates_are_not_overwritten_by_their_late_write():
+    """Request 2 prefilled a prompt the tree already had, on a stream that has not run yet; its pages are freed as
+    duplicates at insert. A load-back that gets them must land after that late write, not before it."""
+    runtime = create("emulated:split:1:lazy")
+    cache, _, dev, host = build(runtime)
+    model = AsyncKVModel(dev, cache.namespace)
+    s1, s2 = runtime.create_stream(0), runtime.create_stream(0)
+    q, r = prompt(4 * P), prompt(4 * P)
+    for tokens in (q, r):
+        pages = cache.allocate(4)
+        model.write(tokens, pages)
+        runtime.synchronize(0)
+        cache.insert(tokens, pages)
+        cache.drain()
+        if tokens is q:
+            cache.evict(device_pages=4)
+    with runtime.use_stream(s1):
+        late = cache.allocate(4)
+        model.write(r, late)
+        assert cache.insert(r, late).freed.size == 4
+    with runtime.use_stream(s2):
+        match = cache.match_prefix(q, lock=True)
+        load = cache.load_back(match, force=True)
+        load.wait()
+    runtime.synchronize(0)
+    assert not model.mismatches(q, cache.match_prefix(q).device_pages)
+    cache.unlock(match)
+    model.close()
+    close_all(cache, dev, host)
+
+
+def test_a_dropped_node_s_pages_wait_for_its_write_before_reuse():
+    runtime = create("emulated:split:1:lazy")
+    cache, _, dev, host = build(runtime, device_pages=4, write_policy="write_through_selective",
+                                write_through_threshold=99)
+    model = AsyncKVModel(dev, cache.namespace)
+    s1 = runtime.create_stream(0)
+    r, q = prompt(4 * P), prompt(4 * P)
+    with runtime.use_stream(s1):
+        pages = cache.allocate(4)
+        model.write(r, pages)
+        cache.insert(r, pages)                         # never backed up; its write still queued on s1
+    again = cache.allocate(4)                          # drops r, hands its pages out on the legacy stream
+    model.write(q, again)
+    cache.insert(q, again)
+    runtime.synchronize(0)
+    assert not model.mismatches(q, cache.match_prefix(q).device_pages)
+    model.close()
+    close_all(cache, dev, host)
+
+
+def test_returned_arrays_do_not_alias_the_cache_s_own():
+    cache, model, dev, host = build(create("emulated:split"))
+    tokens = prompt(4 * P)
+    serve(cache, model, tokens)
+    dup = cache.allocate(4)
+    model.write(tokens, dup)
+    inserted = cache.insert(tokens, dup)
+    inserted.freed[:] = cache.match_prefix(tokens).device_pages
+    cache.check()
+    cache.free(cache.allocate(12))
+    cache.drain()
+    cache.evict(device_pages=16)
+    match = cache.match_prefix(tokens, lock=True)
+    load = cache.load_back(match)
+    load.wait()
+    load.device_pages[:] = load.device_pages[::-1].copy()
+    assert not model.mismatches(tokens, cache.match_prefix(tokens).device_pages)
+    cache.unlock(match)
+    cache.check()
+    close_all(cache, dev, host)
+
+
+def test_a_refused_evict_evicts_nothing():
+    cache, model, dev, host = build(create("emulated:split"))
+    serve(cache, model, prompt(4 * P))
+    for bad in (-1, "2", 1.5):
+        with pytest.raises(InvalidArgument):
+            cache.evict(device_pages=4, host_pages=bad)
+    assert cache.index.device_tokens == 4 * P
+    close_all(cache, dev, host)
+
+
+def test_a_second_close_returns_only_once_the_cache_is_closed(monkeypatch):
+    import time
+
+    from kvtier.cache import Operation
+
+    cache, model, dev, host = build(create("emulated:split:1:lazy"))
+    real_wait = Operation.wait
+
+    def slow_wait(op):
+        time.sleep(0.5)
+        real_wait(op)
+
+    tokens = prompt(4 * P)
+    pages = cache.allocate(4)
+    model.write(tokens, pages)
+    monkeypatch.setattr(Operation, "wait", slow_wait)
+    cache.insert(tokens, pages)
+    first = threading.Thread(target=cache.close)
+    first.start()
+    time.sleep(0.1)
+    cache.close()
+    assert cache.closed and cache.device.free_pages == cache.device.pages
+    first.join()
+    registry = cache.metrics.registry
+    assert registry.get_sample_value("kvtier_cache_tokens", {"tier": "device"}) == 0
+    assert registry.get_sample_value("kvtier_cache_free_pages", {"tier": "device"}) == cache.device.pages
+    host.close()
+    dev.close()

@@ -83,6 +83,7 @@ class KVCache:
         self.load_backend, self.backup_backend = self._choose_backends()
         self._lock = threading.RLock()
         self._closing = self._closed = False
+        self._done = threading.Event()
         self.metrics = CacheMetrics()
         self._engines: dict[str, TransferEngine] = {}
         self.tiers = Tiers(RadixIndex(self.page_size, namespace.digest), self.geometry, device_pool.pages,
@@ -185,7 +186,8 @@ class KVCache:
     # -- device pages for the caller --------------------------------------------------------------------------------
     def allocate(self, count: int) -> np.ndarray:
         """``count`` device pages for new KV; evicts least recently used pages as needed, then waits for backups
-        in flight and evicts again; raises OutOfPages when still short (nothing changed)."""
+        in flight and evicts again; raises OutOfPages when still short. The caller's current stream is made to wait
+        (on the GPU) for writes still queued to pages freed before (duplicates, dropped nodes, ``free``)."""
         count = integer(count, "count", low=0)
         with self._lock:
             self._check_open()
@@ -193,6 +195,9 @@ class KVCache:
             self._gauges()
             if pages is not None:
                 self.tiers.state[pages] = CALLER
+                stream = self.device_pool.runtime.current_stream(self.device_pool.device)
+                for fence in self.tiers.pending_fences():
+                    stream.wait(fence)               # on the GPU: writes to freed pages land before yours
             if pages is None:
                 locked = self.index.device_tokens - self.tiers.evictable_tokens("device")
                 raise OutOfPages(f"cannot allocate {count} device pages: {self.device.free_pages} free of "
@@ -200,12 +205,15 @@ class KVCache:
                                  f"or in flight; caller-held pages: {self._caller_pages()})")
             return pages
 
-    def free(self, pages: Any) -> None:
-        """Give back device pages from ``allocate`` that were not inserted."""
+    def free(self, pages: Any, *, after: Any = CURRENT) -> None:
+        """Give back device pages from ``allocate`` that were not inserted; whoever gets them next waits for
+        ``after`` (default: what is queued on the caller's current stream now, where it may still write them)."""
         pages = index_array(pages, "pages")
         with self._lock:
             self._check_open()
+            fences = self._markers(after)
             self._check_caller_pages(pages, "free")
+            self.tiers.fence(fences)
             self.tiers.state[pages] = FREE
             self.device.release(pages.copy())
             self._gauges()
@@ -235,11 +243,12 @@ class KVCache:
                 node.written = written
             if placed.duplicates.size:
                 self.tiers.state[placed.duplicates] = FREE
-                self.device.release(placed.duplicates)
+                self.device.release(placed.duplicates.copy())
+                self.tiers.fence(written)            # the caller may still be writing them
             if placed.new_node is not None and self.settings.write_policy is WritePolicy.WRITE_THROUGH:
                 self._controller.request_backup([placed.new_node], None)
             self._gauges()
-            return Inserted(placed.existing_tokens, len(whole) - placed.existing_tokens, placed.duplicates,
+            return Inserted(placed.existing_tokens, len(whole) - placed.existing_tokens, placed.duplicates.copy(),
                             placed.last_node)
 
     def backup(self, match: Match | Node, *, after: Any = CURRENT) -> None:
@@ -285,9 +294,10 @@ class KVCache:
                 self.metrics.add("decisions", 1, "no_device_pages")
                 return None
             host = np.concatenate([n.host for n in chain])
-            op = LoadBack(list(chain), pages, host, count * self.geometry.bytes_per_page, tokens)
+            op = LoadBack(list(chain), pages.copy(), host, count * self.geometry.bytes_per_page, tokens)
             try:
-                op.transfer = self._engines[LOAD].load(host, pages, after=order)
+                order = (order or []) + self.tiers.pending_fences()
+                op.transfer = self._engines[LOAD].load(host, pages, after=order or None)
             except BaseException:
                 self.tiers.state[pages] = FREE
                 self.device.release(pages)
@@ -327,10 +337,11 @@ class KVCache:
     # -- eviction -----------------------------------------------------------------------------------------------
     def evict(self, *, device_pages: int = 0, host_pages: int = 0) -> tuple[int, int]:
         """Evict at least this many pages per tier where possible; returns the pages freed per tier."""
+        device_pages = integer(device_pages, "device_pages", low=0)
+        host_pages = integer(host_pages, "host_pages", low=0)
         with self._lock:
             self._check_open()
-            freed = self.tiers.evict_device(integer(device_pages, "device_pages", low=0)), \
-                self.tiers.evict_host(integer(host_pages, "host_pages", low=0))
+            freed = self.tiers.evict_device(device_pages), self.tiers.evict_host(host_pages)
             self._gauges()
             return freed
 
@@ -350,9 +361,11 @@ class KVCache:
         return every page of both tiers and check that none leaked; the pools stay open (they are the caller's).
         Idempotent."""
         with self._lock:
-            if self._closing:
-                return
+            first = not self._closing
             self._closing = True
+        if not first:
+            self._done.wait()                        # another thread is closing: return when it has
+            return
         try:
             dropped = self._controller.close(cancel=cancel)
             if dropped:
@@ -362,9 +375,13 @@ class KVCache:
                 for pool in (self.device_pool, self.host_pool):
                     if _CLAIMED.get(pool) is self:
                         del _CLAIMED[pool]
+                self._gauges()
         finally:
             self._closed = True
-            self._close_engines()
+            try:
+                self._close_engines()
+            finally:
+                self._done.set()
 
     def __enter__(self) -> KVCache:
         return self

@@ -38,6 +38,17 @@ class Tiers:
         self.device = PageAllocator(device_pages, name="device")
         self.host = PageAllocator(host_pages, name="host", contiguous=True)
         self.state = np.zeros(device_pages, dtype=np.uint8)
+        self.fences: list[Any] = []
+        """Events of writes that may still be queued to freed device pages: whoever gets pages next waits."""
+
+    def fence(self, events: list[Any] | None) -> None:
+        if events:
+            self.fences.extend(events)
+
+    def pending_fences(self) -> list[Any]:
+        """The fences not yet passed (those passed are dropped)."""
+        self.fences = [event for event in self.fences if not event.query()]
+        return list(self.fences)
 
     def allocate_device(self, count: int) -> np.ndarray | None:
         if count > self.device.free_pages + self.index.device_tokens // self.page_size:
@@ -75,6 +86,7 @@ class Tiers:
                 released.append(victim.device)
                 self.index.set_device(victim, None)
                 if victim.host is None:
+                    self.fence(victim.written)       # dropped before any backup waited for its KV
                     self.index.remove(victim)
                     dropped += 1
             pages = np.concatenate(released)
