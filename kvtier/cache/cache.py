@@ -302,12 +302,7 @@ class KVCache:
                 self.tiers.state[pages] = FREE
                 self.device.release(pages)
                 raise
-            start = 0
-            for n in chain:
-                span = len(n.tokens) // self.page_size
-                self.index.set_device(n, pages[start:start + span])
-                n.loading = op
-                start += span
+            self.tiers.assign(chain, "device", pages, op)
             self.tiers.state[pages] = TREE
             op.prefix_pages = np.concatenate([n.device for n in reversed(list(node.path()))])
             self.metrics.add("decisions", 1, "load")

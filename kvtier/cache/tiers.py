@@ -160,13 +160,21 @@ class Tiers:
         except BaseException:
             self.host.free(host)
             raise
+        self.assign(chain, "host", host, op)
+        return op
+
+    def assign(self, chain: list[Node], tier: str, pages: np.ndarray, op: Operation) -> None:
+        """Give each node of ``chain`` its run of ``pages`` on ``tier``, marked as in flight with ``op``."""
         start = 0
         for node in chain:
             span = len(node.tokens) // self.page_size
-            self.index.set_host(node, host[start:start + span])
-            node.writing = op
+            if tier == "device":
+                self.index.set_device(node, pages[start:start + span])
+                node.loading = op
+            else:
+                self.index.set_host(node, pages[start:start + span])
+                node.writing = op
             start += span
-        return op
 
     def backup_now(self, nodes: list[Node]) -> None:
         """write_back: copy these device-leaf victims (and ancestors not on the host) before their pages go."""
