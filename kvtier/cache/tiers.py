@@ -72,49 +72,43 @@ class Tiers:
         return pages
 
     def evict_device(self, need: int) -> int:
+        return self._evict("device", need)
+
+    def evict_host(self, need: int) -> int:
+        return self._evict("host", need)
+
+    def _evict(self, tier: str, need: int) -> int:
+        """Free at least ``need`` pages of ``tier`` (fewer when not enough are evictable), LRU leaves first. A node
+        keeping its other tier stays in the tree; one left with none is removed (device: under write_back it is
+        backed up first; without a backup its pending writes become fences)."""
+        other = "host" if tier == "device" else "device"
         freed = 0
         while freed < need:
-            victims = self.index.lru_leaves("device", need - freed)
+            victims = self.index.lru_leaves(tier, need - freed)
             if not victims:
                 break
-            if self.settings.write_policy is WritePolicy.WRITE_BACK:
+            if tier == "device" and self.settings.write_policy is WritePolicy.WRITE_BACK:
                 self.backup_now([v for v in victims if v.host is None])
             released: list[np.ndarray] = []
             dropped = 0
             for victim in victims:
-                assert victim.device is not None
-                released.append(victim.device)
-                self.index.set_device(victim, None)
-                if victim.host is None:
-                    self.fence(victim.written)       # dropped before any backup waited for its KV
+                pages = getattr(victim, tier)
+                assert pages is not None
+                released.append(pages)
+                (self.index.set_device if tier == "device" else self.index.set_host)(victim, None)
+                if getattr(victim, other) is None:
+                    if tier == "device":
+                        self.fence(victim.written)   # dropped before any backup waited for its KV
+                        dropped += 1
                     self.index.remove(victim)
-                    dropped += 1
             pages = np.concatenate(released)
-            self.state[pages] = FREE
-            self.device.release(pages)
+            if tier == "device":
+                self.state[pages] = FREE
+            (self.device if tier == "device" else self.host).release(pages)
             freed += len(pages)
-            self.metrics.add("evicted", len(pages) * self.page_size, "device")
+            self.metrics.add("evicted", len(pages) * self.page_size, tier)
             if dropped:
                 self.metrics.add("skipped", dropped, "evicted_without_backup")
-        return freed
-
-    def evict_host(self, need: int) -> int:
-        freed = 0
-        while freed < need:
-            victims = self.index.lru_leaves("host", need - freed)
-            if not victims:
-                break
-            released: list[np.ndarray] = []
-            for victim in victims:
-                assert victim.host is not None
-                released.append(victim.host)
-                self.index.set_host(victim, None)
-                if victim.device is None:
-                    self.index.remove(victim)
-            pages = np.concatenate(released)
-            self.host.release(pages)
-            freed += len(pages)
-            self.metrics.add("evicted", len(pages) * self.page_size, "host")
         return freed
 
     def evictable_tokens(self, tier: str) -> int:
