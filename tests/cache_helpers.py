@@ -56,14 +56,15 @@ class KVModel:
 
 
 def build(runtime, *, device_pages=16, host_pages=32, geometry=TINY, layout="page_first", model="tiny",
-          **settings) -> tuple[KVCache, KVModel, DevicePool, HostPool]:
+          storage=None, **settings) -> tuple[KVCache, KVModel, DevicePool, HostPool]:
+    """``storage``: a callable namespace → backend (the cache gets the backend; close it after the cache)."""
     settings.setdefault("calibrate", False)
     settings.setdefault("io_backend", "kernel")
     settings.setdefault("load_back_min_tokens", 0)
     dev = DevicePool.allocate(geometry, device_pages, 0, runtime=runtime)
     host = HostPool.allocate(geometry, layout, pages=host_pages, kind="pinned", runtime=runtime)
     ns = Namespace(model, geometry, "bfloat16")
-    cache = KVCache(dev, host, ns, CacheSettings(**settings))
+    cache = KVCache(dev, host, ns, CacheSettings(**settings), storage=storage(ns) if storage else None)
     return cache, KVModel(dev, ns), dev, host
 
 

@@ -3,6 +3,9 @@ machine with a usable GPU, cuda (marked ``gpu``)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 
 from kvtier.errors import RuntimeUnavailable
@@ -51,3 +54,47 @@ def two_devices(runtime: Runtime) -> Runtime:
 
 def is_split(runtime: Runtime) -> bool:
     return not runtime.device_attributes(0).can_use_host_pointer_for_registered_mem
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A standalone Redis: CI's (KVTIER_TEST_REDIS_URL) or one started for this session."""
+    from storage_helpers import RedisServer, need_server
+
+    need_server()
+    if os.environ.get("KVTIER_TEST_REDIS_URL"):
+        yield os.environ["KVTIER_TEST_REDIS_URL"]
+        return
+    server = RedisServer()
+    yield server.url
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """A 3-node Redis Cluster: CI's (KVTIER_TEST_REDIS_CLUSTER_URL) or one started for this session."""
+    from storage_helpers import RedisClusterServers, need_server
+
+    need_server()
+    if os.environ.get("KVTIER_TEST_REDIS_CLUSTER_URL"):
+        yield os.environ["KVTIER_TEST_REDIS_CLUSTER_URL"]
+        return
+    cluster = RedisClusterServers()
+    yield cluster.url
+    cluster.close()
+
+
+STORE_KINDS = ["memory", "file", "redis", "redis-cluster"]
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store_spec(request: pytest.FixtureRequest, tmp_path) -> str:
+    """A storage spec of each kind (Redis ones on real servers)."""
+    kind = request.param
+    if kind == "memory":
+        return "memory:"
+    if kind == "file":
+        return f"file:{tmp_path / 'store'}"
+    if kind == "redis":
+        return request.getfixturevalue("redis_url")
+    return request.getfixturevalue("redis_cluster_url")

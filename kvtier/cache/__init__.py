@@ -7,8 +7,9 @@ from kvtier.cache.keys import Namespace, page_keys, token_array
 from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.operation import LoadBack, Operation
 from kvtier.cache.rates import H200_TABLE, PairRate, RateTable, measure_rates
-from kvtier.cache.settings import CacheSettings, WritePolicy
+from kvtier.cache.settings import CacheSettings, PrefetchPolicy, WritePolicy
+from kvtier.cache.storage_tier import Prefetch
 
 __all__ = ["CacheMetrics", "CacheSettings", "H200_TABLE", "IndexCorrupted", "Inserted", "KVCache", "LoadBack",
-           "Match", "Namespace", "Node", "Operation", "OutOfPages", "PageAllocator", "PairRate", "RadixIndex",
-           "RateTable", "WritePolicy", "measure_rates", "page_keys", "token_array"]
+           "Match", "Namespace", "Node", "Operation", "OutOfPages", "PageAllocator", "PairRate", "Prefetch",
+           "PrefetchPolicy", "RadixIndex", "RateTable", "WritePolicy", "measure_rates", "page_keys", "token_array"]

@@ -34,11 +34,13 @@ from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.operation import BACKUP, LOAD, LoadBack, Operation
 from kvtier.cache.rates import H200_TABLE, RateTable
 from kvtier.cache.settings import AUTO, CacheSettings, WritePolicy
+from kvtier.cache.storage_tier import Prefetch, StorageTier
 from kvtier.cache.tiers import CALLER, FREE, TREE, Tiers
 from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.pools import DevicePool, HostPool
 from kvtier.runtime import Event
+from kvtier.storage import StorageBackend
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.engine import CURRENT
 
@@ -63,11 +65,17 @@ class Inserted:
 
 class KVCache:
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, namespace: Namespace,
-                 settings: CacheSettings | None = None, *, rates: RateTable | None = None) -> None:
+                 settings: CacheSettings | None = None, *, rates: RateTable | None = None,
+                 storage: StorageBackend | None = None) -> None:
         """The cache takes every page of both pools. ``rates``: a measured table to choose backends from
         (``io_backend="auto"``) and estimate load time with; default: the H200 table of :mod:`kvtier.cache.rates`,
-        refined by a calibration transfer when ``settings.calibrate``."""
+        refined by a calibration transfer when ``settings.calibrate``. ``storage``: a backend of the same namespace
+        (:func:`kvtier.storage.open_store`) to prefetch from and write through to; it stays the caller's to close."""
         settings = settings or CacheSettings()
+        if storage is not None and (not isinstance(storage, StorageBackend) or storage.namespace != namespace
+                                    or storage.closed):
+            raise InvalidArgument(f"storage must be an open StorageBackend of this cache's namespace, got "
+                                  f"{storage!r}")
         if device_pool.geometry != namespace.geometry or host_pool.geometry != namespace.geometry:
             raise InvalidArgument(f"the namespace's geometry {namespace.geometry} differs from the pools' "
                                   f"({device_pool.geometry}, {host_pool.geometry})")
@@ -104,6 +112,9 @@ class KVCache:
             raise
         self._controller = Controller(self._submit_backup, self._complete, self._set_depth,
                                       lambda: device_pool.runtime.set_device(device_pool.device))
+        self.storage = storage
+        self._storage = StorageTier(storage, host_pool, self.tiers, self.metrics, self._lock, settings,
+                                    self._decide_storage) if storage is not None else None
         _CLAIMED[device_pool] = _CLAIMED[host_pool] = self
         self._gauges()
 
@@ -153,6 +164,20 @@ class KVCache:
         """Make ``stream`` (default: the current one) wait on the GPU for the load-backs a match depends on."""
         for op in match.pending:
             op.stream_wait(stream, layer=layer)
+
+    def prefetch(self, tokens: Any) -> Prefetch:
+        """Start reading the prompt's stored pages past its host-resident prefix into host memory, off this thread;
+        each verified batch joins the host tier the moment it lands (``match_prefix`` then sees it). Call early (when
+        the request arrives) and ``settle()`` it when the request is about to run. Without a storage backend the
+        prefetch is finished at once (outcome ``no_storage``)."""
+        tokens = token_array(tokens)
+        with self._lock:
+            self._check_open()
+            if self._storage is None:
+                prefetch = Prefetch(self.index.whole_pages(tokens), 0, self.page_size, self.settings)
+                prefetch._finish("no_storage")
+                return prefetch
+            return self._storage.prefetch(tokens)
 
     def lock(self, match: Match | Node) -> None:
         """Pin a match (prefer ``match_prefix(..., lock=True)``: between the two calls another thread may evict)."""
@@ -320,6 +345,19 @@ class KVCache:
         load_s = tokens // self.page_size * self.geometry.bytes_per_page / (self.load_gbps * 1e9)
         return "load" if load_s < tokens / rate else "slower_than_recompute"
 
+    def _decide_storage(self, tokens: int) -> str:
+        """Whether reading ``tokens`` from storage (and then loading them to the device) beats recomputing them:
+        bytes / the storage read rate (measured once 64 MiB were read, else ``storage_gbps``) plus the load."""
+        rate = self.settings.prefill_tokens_per_s or self._prefill_rate
+        assert self.storage is not None
+        stats = self.storage.stats()
+        gbps = stats["get.gbps"] if stats.get("get.bytes", 0) >= 64 << 20 else self.settings.storage_gbps
+        if not rate or not gbps:
+            return "load"
+        nbytes = tokens // self.page_size * self.geometry.bytes_per_page
+        seconds = nbytes / (gbps * 1e9) + (nbytes / (self.load_gbps * 1e9) if self.load_gbps else 0.0)
+        return "load" if seconds < tokens / rate else "slower_than_recompute"
+
     def record_prefill(self, tokens: int, seconds: float) -> None:
         """Report a prefill the caller ran, so the cache learns the recompute rate (a moving average)."""
         if not (math.isfinite(tokens) and math.isfinite(seconds)) or tokens <= 0 or seconds <= 0:
@@ -346,6 +384,8 @@ class KVCache:
         completes them; this thread waits)."""
         self._check_open()
         self._controller.drain()
+        if self._storage is not None:
+            self._storage.drain()
 
     @property
     def closed(self) -> bool:
@@ -362,9 +402,15 @@ class KVCache:
             self._done.wait()                        # another thread is closing: return when it has
             return
         try:
+            if self._storage is not None:
+                self._storage.stop_prefetches()
             dropped = self._controller.close(cancel=cancel)
             if dropped:
                 self.metrics.add("skipped", dropped, "cancelled_at_close")
+            if self._storage is not None:
+                unwritten = self._storage.close(cancel=cancel)
+                if unwritten:
+                    self.metrics.add("storage_skipped", unwritten, "cancelled_at_close")
             with self._lock:
                 self.returned_caller_pages = self.tiers.release_everything()
                 for pool in (self.device_pool, self.host_pool):
@@ -393,7 +439,9 @@ class KVCache:
                              "host_free_pages": self.host.free_pages, "load_backend": self.load_backend,
                              "backup_backend": self.backup_backend, "load_gbps_estimate": self.load_gbps,
                              "prefill_tokens_per_s": self.settings.prefill_tokens_per_s or self._prefill_rate})
-            return snapshot
+        if self.storage is not None:
+            snapshot.update({f"storage.{k}": v for k, v in self.storage.stats().items()})
+        return snapshot
 
     def check(self) -> None:
         """Verify the index invariants and the page accounting of both tiers (raises IndexCorrupted)."""

@@ -41,7 +41,8 @@ class IndexCorrupted(KvtierError):
 
 class Node:
     __slots__ = ("id", "parent", "children", "tokens", "device", "host", "lock", "hits", "last_access",
-                 "writing", "loading", "written", "device_children", "host_children", "alive", "_keys")
+                 "writing", "loading", "written", "storing", "stored", "device_children", "host_children", "alive",
+                 "_keys")
 
     def __init__(self, node_id: int, parent: Node | None, tokens: np.ndarray) -> None:
         self.id, self.parent, self.tokens = node_id, parent, tokens
@@ -53,6 +54,10 @@ class Node:
         self.loading: Any = None
         self.written: Any = None
         """What a backup of this node's device pages must wait for: where its KV was written (events)."""
+        self.storing: Any = None
+        """The storage write reading this node's host pages (they stay put until it is done)."""
+        self.stored = False
+        """Known to be in storage (written there, or read from there): not written again."""
         self.device_children = self.host_children = 0
         self.alive = True
         self._keys: list[bytes] | None = None
@@ -61,6 +66,11 @@ class Node:
     def busy(self) -> bool:
         """Pinned: locked, or a transfer touching it is in flight."""
         return self.lock > 0 or self.writing is not None or self.loading is not None
+
+    @property
+    def host_busy(self) -> bool:
+        """Pinned on the host tier: busy, or storage is reading its host pages (device pages may still go)."""
+        return self.busy or self.storing is not None
 
     @property
     def host_valid(self) -> bool:
@@ -186,6 +196,24 @@ class RadixIndex:
         if only part (0: whole). Changes nothing: no split, no LRU or hit update."""
         return self._walk(self.whole_pages(tokens), split=False)
 
+    def split_path(self, tokens: np.ndarray) -> list[Node]:
+        """The nodes of the longest cached prefix of ``tokens`` (whole pages), the last split so the path ends on a
+        node boundary. No LRU or hit update."""
+        return self._walk(self.whole_pages(tokens), split=True)[0]
+
+    def add_host_node(self, parent: Node, tokens: np.ndarray, host: np.ndarray) -> Node:
+        """A new host-only child of ``parent`` (which must be on the host tier) holding ``tokens`` in ``host``."""
+        page = self.page_size
+        if parent.host is None or tokens[:page].tobytes() in parent.children:
+            raise IndexCorrupted(f"cannot add a host node under {parent}: it is not on the host or has that child")
+        node = Node(next(self._ids), parent, tokens)
+        parent.children[tokens[:page].tobytes()] = node
+        self.nodes += 1
+        self._clock += 1
+        node.last_access = self._clock
+        self.set_host(node, host)
+        return node
+
     def place(self, tokens: np.ndarray, pages: np.ndarray,
               walked: tuple[list[Node], int] | None = None) -> Placement:
         """Put a prompt with its device ``pages`` (one per whole page) into the tree; nothing is freed here. The tree
@@ -262,7 +290,7 @@ class RadixIndex:
 
     def remove(self, node: Node) -> None:
         """Take a node with no pages left and no children out of the tree."""
-        if node.children or node.device is not None or node.host is not None or node.busy:
+        if node.children or node.device is not None or node.host is not None or node.host_busy:
             raise IndexCorrupted(f"cannot remove {node}: it still has children, pages or users")
         parent = node.parent
         assert parent is not None
@@ -275,7 +303,7 @@ class RadixIndex:
         taken off its ancestors too (a later unlock of it is refused as not in the cache)."""
         for ancestor in node.parent.path() if node.parent is not None else ():
             ancestor.lock -= node.lock
-        node.lock, node.writing, node.loading, node.written = 0, None, None, None
+        node.lock, node.writing, node.loading, node.written, node.storing = 0, None, None, None, None
         self.remove(node)
 
     def _split(self, node: Node, pages: int) -> Node:
@@ -289,7 +317,8 @@ class RadixIndex:
         head.host = None if node.host is None else node.host[:pages]
         head.lock, head.hits, head.last_access = node.lock, node.hits, node.last_access
         head.writing, head.loading, head.written = node.writing, node.loading, node.written
-        for op in {id(o): o for o in (node.writing, node.loading) if o is not None}.values():
+        head.storing, head.stored = node.storing, node.stored
+        for op in {id(o): o for o in (node.writing, node.loading, node.storing) if o is not None}.values():
             op.nodes.append(head)
         head.device_children = int(node.device is not None)
         head.host_children = int(node.host is not None)
@@ -330,7 +359,7 @@ class RadixIndex:
         """Least recently used evictable leaves of ``tier`` holding at least ``pages`` pages in all (fewer when
         not enough are evictable). Leaves only: a parent becomes a leaf once its children are gone."""
         leaves = self.device_leaves if tier == "device" else self.host_leaves
-        heap = [(n.last_access, n.id, n) for n in leaves if not n.busy]
+        heap = [(n.last_access, n.id, n) for n in leaves if not (n.host_busy if tier == "host" else n.busy)]
         heapq.heapify(heap)
         chosen, total = [], 0
         while heap and total < pages:

@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-TIERS = ("device", "host")
+TIERS = ("device", "host", "storage")
 DIRECTIONS = ("load", "backup")
 
 
@@ -36,6 +36,14 @@ class CacheMetrics:
                                  registry=r),
             "skipped": Counter("kvtier_cache_backups_skipped", "backups not made", ["reason"], registry=r),
             "errors": Counter("kvtier_cache_transfer_errors", "transfers that failed", ["direction"], registry=r),
+            "prefetches": Counter("kvtier_cache_prefetches", "storage prefetches by outcome", ["outcome"],
+                                  registry=r),
+            "storage_pages": Counter("kvtier_cache_storage_pages", "pages read from / written to storage",
+                                     ["direction"], registry=r),
+            "storage_bytes": Counter("kvtier_cache_storage_bytes", "bytes read from / written to storage",
+                                     ["direction"], registry=r),
+            "storage_skipped": Counter("kvtier_cache_storage_writes_skipped", "pages not written to storage",
+                                       ["reason"], registry=r),
         }
         self._gauges = {
             "queue": Gauge("kvtier_cache_queue_depth", "work waiting or in flight", ["queue"], registry=r),

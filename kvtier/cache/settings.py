@@ -20,6 +20,13 @@ class WritePolicy(Choice):
     WRITE_BACK = "write_back"
 
 
+class PrefetchPolicy(Choice):
+    __what__ = "prefetch policy"
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
 IO_BACKENDS = ("kernel", "staged", "direct", "batch")
 AUTO = "auto"
 
@@ -32,7 +39,14 @@ class CacheSettings:
     ``backup_backend`` override one direction. A load-back shorter than ``load_back_min_tokens`` is recomputed, and so
     is one whose estimated time (bytes / measured link rate) is not below the recompute estimate
     (``prefill_tokens_per_s`` when given, else what ``KVCache.record_prefill`` measured; with neither, loading is
-    taken). ``hicache_ratio`` / ``hicache_size`` (GB) size a host pool the cache builds itself."""
+    taken). ``hicache_ratio`` / ``hicache_size`` (GB) size a host pool the cache builds itself.
+
+    Storage (when the cache has a storage backend): ``prefetch_policy`` says what ``Prefetch.settle()`` does with a
+    prefetch still reading — ``best_effort`` keeps what has landed and stops, ``wait_complete`` waits for all of it,
+    ``timeout`` waits up to ``prefetch_timeout_base + prefetch_timeout_per_1k_tokens × tokens / 1000`` seconds,
+    at most ``prefetch_timeout_max``. ``storage_write`` writes every backed-up page to storage too, off the
+    caller's thread, with at most ``storage_queue_pages`` pages queued (more are skipped and counted).
+    ``storage_gbps`` is the storage read rate assumed before one is measured (None: fetching is always taken)."""
 
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
     write_through_threshold: int = 2
@@ -47,11 +61,30 @@ class CacheSettings:
     hicache_size: float = 0.0
     hicache_mem_layout: HostLayout | str = HostLayout.PAGE_FIRST
     hicache_host_kind: HostKind | str = HostKind.PINNED
+    prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.TIMEOUT
+    prefetch_timeout_base: float = 1.0
+    prefetch_timeout_per_1k_tokens: float = 0.25
+    prefetch_timeout_max: float = 30.0
+    storage_write: bool = True
+    storage_queue_pages: int = 8192
+    storage_batch_pages: int = 32
+    storage_threads: int = 2
+    storage_gbps: float | None = None
 
     def __post_init__(self) -> None:
         self.write_policy = WritePolicy(self.write_policy)
         self.hicache_mem_layout = HostLayout(self.hicache_mem_layout)
         self.hicache_host_kind = HostKind(self.hicache_host_kind)
+        self.prefetch_policy = PrefetchPolicy(self.prefetch_policy)
+        for name in ("prefetch_timeout_base", "prefetch_timeout_per_1k_tokens", "prefetch_timeout_max"):
+            value = getattr(self, name)
+            if not (_finite(value, low=0.0) or value == 0):
+                raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if self.storage_gbps is not None and not _finite(self.storage_gbps, low=0.0):
+            raise InvalidArgument(f"storage_gbps must be a finite positive number or None, got {self.storage_gbps!r}")
+        self.storage_queue_pages = integer(self.storage_queue_pages, "storage_queue_pages", low=0)
+        self.storage_batch_pages = integer(self.storage_batch_pages, "storage_batch_pages", low=1)
+        self.storage_threads = integer(self.storage_threads, "storage_threads", low=1)
         self.write_through_threshold = integer(self.write_through_threshold, "write_through_threshold", low=1)
         self.max_blocks = integer(self.max_blocks, "max_blocks", low=1)
         self.load_back_min_tokens = integer(self.load_back_min_tokens, "load_back_min_tokens", low=0)
@@ -67,6 +100,11 @@ class CacheSettings:
                                                              or self.hicache_size == 0):
             raise InvalidArgument(f"hicache_ratio must be finite and > 0, hicache_size finite and >= 0; got "
                                   f"{self.hicache_ratio!r} and {self.hicache_size!r}")
+
+    def prefetch_timeout(self, tokens: int) -> float:
+        """Seconds ``timeout`` waits for a prefetch of ``tokens``."""
+        return min(self.prefetch_timeout_max,
+                   self.prefetch_timeout_base + self.prefetch_timeout_per_1k_tokens * tokens / 1000)
 
     def host_pages(self, device_pages: int, bytes_per_page: int) -> int:
         """Pages of a host pool sized by ``hicache_size`` (GB) when set, else ``hicache_ratio`` × the device pool."""
@@ -96,6 +134,15 @@ class CacheSettings:
                            help="shorter host hits are recomputed (default 64)")
         group.add_argument("--prefill-tokens-per-s", type=float,
                            help="recompute estimate; default: measured from the prefills the caller reports")
+        group.add_argument("--hicache-storage-prefetch-policy", default="timeout",
+                           choices=[p.value for p in PrefetchPolicy],
+                           help="what a request does with a storage prefetch still reading (default timeout)")
+        group.add_argument("--prefetch-timeout-base", type=float, default=1.0, help="seconds (timeout policy)")
+        group.add_argument("--prefetch-timeout-per-1k-tokens", type=float, default=0.25,
+                           help="seconds per 1000 tokens (timeout policy)")
+        group.add_argument("--prefetch-timeout-max", type=float, default=30.0, help="cap in seconds")
+        group.add_argument("--storage-queue-pages", type=int, default=8192,
+                           help="pages queued for storage writes before more are skipped (counted)")
         group.add_argument("--hicache-rate-table", metavar="PATH",
                            help="rate table to choose backends from (kvtier doctor --cache-rates PATH); default: "
                                 "the H200 table")
@@ -108,7 +155,11 @@ class CacheSettings:
                   "io_backend": args.hicache_io_backend, "load_backend": args.hicache_load_backend,
                   "backup_backend": args.hicache_backup_backend, "hicache_mem_layout": args.hicache_mem_layout,
                   "hicache_host_kind": args.hicache_host_kind, "load_back_min_tokens": args.load_back_min_tokens,
-                  "prefill_tokens_per_s": args.prefill_tokens_per_s}
+                  "prefill_tokens_per_s": args.prefill_tokens_per_s,
+                  "prefetch_policy": args.hicache_storage_prefetch_policy,
+                  "prefetch_timeout_base": args.prefetch_timeout_base,
+                  "prefetch_timeout_per_1k_tokens": args.prefetch_timeout_per_1k_tokens,
+                  "prefetch_timeout_max": args.prefetch_timeout_max, "storage_queue_pages": args.storage_queue_pages}
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
 

@@ -40,6 +40,10 @@ class Tiers:
         self.state = np.zeros(device_pages, dtype=np.uint8)
         self.fences: list[Any] = []
         """Events of writes that may still be queued to freed device pages: whoever gets pages next waits."""
+        self.held_host = 0
+        """Host pages in use outside the tree: read into by a prefetch, or dropped from it while storage reads them."""
+        self.on_backed_up: Callable[[list[Node]], None] | None = None
+        """Called (under the lock) with the nodes of each backup that completes: write-through to storage."""
 
     def fence(self, events: list[Any] | None) -> None:
         if events:
@@ -113,7 +117,7 @@ class Tiers:
 
     def evictable_tokens(self, tier: str) -> int:
         leaves = self.index.device_leaves if tier == "device" else self.index.host_leaves
-        return sum(len(n.tokens) for n in leaves if not n.busy)
+        return sum(len(n.tokens) for n in leaves if not (n.host_busy if tier == "host" else n.busy))
 
     @staticmethod
     def written(chain: list[Node], after: list[Any] | None) -> list[Any] | None:
@@ -202,6 +206,8 @@ class Tiers:
             if op.kind == BACKUP:
                 for node in nodes:
                     node.written = None          # on the host now; later backups need no wait
+                if self.on_backed_up is not None:
+                    self.on_backed_up(nodes)
             self.metrics.add("bytes", op.nbytes, op.kind)
             self.metrics.add("pages", len(op.device_pages), op.kind)
             self.metrics.add("seconds", time.perf_counter() - op.submitted, op.kind)
@@ -222,7 +228,12 @@ class Tiers:
                 self.device.release(pages)
                 self.index.set_device(node, None)
             else:
-                self.host.free(pages)
+                if node.storing is not None:     # storage is still reading them: it frees them when done
+                    node.storing.orphans.append(pages)
+                    node.storing = None
+                    self.held_host += len(pages)
+                else:
+                    self.host.free(pages)
                 self.index.set_host(node, None)
             if node.device is None and node.host is None and not node.children:
                 self.index.discard(node)
@@ -231,7 +242,7 @@ class Tiers:
         """Every page back to its allocator (the caller's too); raises if any page leaked. Returns how many device
         pages callers still held."""
         for node in list(self.index.all_nodes()):
-            node.lock, node.writing, node.loading = 0, None, None
+            node.lock, node.writing, node.loading, node.storing = 0, None, None, None
         for tier, allocator in (("device", self.device), ("host", self.host)):
             owned = self.index.page_owners(tier)
             if owned.size:
@@ -254,8 +265,9 @@ class Tiers:
                 raise IndexCorrupted(f"a {tier} page belongs to two nodes")
             if owned.size and not allocator.is_used(owned).all():
                 raise IndexCorrupted(f"the tree holds a {tier} page the allocator calls free")
-            if tier == "host" and owned.size != allocator.used_pages:
-                raise IndexCorrupted(f"{allocator.used_pages} host pages allocated, the tree holds {owned.size}")
+            if tier == "host" and owned.size + self.held_host != allocator.used_pages:
+                raise IndexCorrupted(f"{allocator.used_pages} host pages allocated, the tree holds {owned.size} "
+                                     f"and storage I/O {self.held_host}")
             if tier == "device":
                 mask = np.zeros(self.device.pages, dtype=bool)
                 mask[owned] = True

@@ -1,0 +1,334 @@
+"""The storage backend interface, and the rules every backend shares: verify on read, degrade never fail.
+
+A backend stores whole pages of one namespace under their page keys (the SHA-256 chain of :mod:`kvtier.cache.keys`).
+Callers hand it CPU-domain buffers (views of host pages, numpy arrays, CPU tensors): it never sees a device address.
+
+- ``exists(keys)`` → how many leading keys are stored (the stored prefix of a chain).
+- ``get(keys, pages)`` reads into ``pages`` (one list of buffers per page) and returns how many *leading* pages were
+  read and verified: a page that is absent, short, corrupt or written under another namespace, key, geometry or
+  format ends the chain (counted by reason); nothing after it is read.
+- ``set(keys, pages)`` stores pages (header + bytes); ``delete(keys)``; ``close()``; ``stats()``.
+
+Errors never escape: an exception from the store (a server down, a disk full) becomes misses, skipped writes and an
+error count, and the backend stays "down" for ``retry_interval`` seconds (calls return at once as misses) before it
+tries again; the first success after that counts a reconnect.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import InvalidArgument, KvtierError
+from kvtier.storage.format import HEADER_BYTES, PageFormat, PageRejected
+
+if TYPE_CHECKING:
+    from kvtier.cache.keys import Namespace
+
+Pieces = Sequence[Any]
+KEY_BYTES = 32
+
+
+class StorageError(KvtierError):
+    """A storage backend was misconfigured or used wrongly (bad URL, closed store, malformed keys)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A stored page as an operator sees it: namespace (16 hex digits), key (hex) and stored size in bytes."""
+
+    namespace: str
+    key: str
+    nbytes: int
+
+
+def writable(piece: Any, what: str = "page buffer") -> memoryview:
+    """A flat byte view of a CPU buffer; refuses GPU tensors (storage never sees a device address) and
+    non-contiguous views with an error that says so."""
+    if hasattr(piece, "untyped_storage"):           # a torch tensor
+        if piece.device.type != "cpu":
+            raise InvalidArgument(f"{what} lives on {piece.device}: storage reads and writes CPU memory only (a "
+                                  f"host page's CPU view), never a device address")
+        if not piece.is_contiguous():
+            raise InvalidArgument(f"{what} is a non-contiguous tensor view; storage moves whole contiguous pieces")
+        import torch
+
+        piece = piece.reshape(-1).view(torch.uint8).numpy()
+    view = memoryview(piece)
+    if not view.c_contiguous:
+        raise InvalidArgument(f"{what} is not contiguous; storage moves whole contiguous pieces")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def scatter(data: memoryview, pieces: Sequence[memoryview]) -> None:
+    """Copy one verified buffer into a page's pieces, in order."""
+    at = 0
+    for piece in pieces:
+        piece[:] = data[at:at + piece.nbytes]
+        at += piece.nbytes
+
+
+class StorageStats:
+    """Thread-safe counters; ``snapshot()`` is a plain dict."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, float] = {}
+
+    def add(self, name: str, value: float = 1) -> None:
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + value
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class StorageBackend:
+    """Base class: batching, verification bookkeeping, the down/up state machine and counters. Subclasses implement
+    ``_exists``, ``_get``, ``_set``, ``_delete``, ``_entries``, ``_remove`` and ``_close``."""
+
+    kind = "abstract"
+
+    def __init__(self, namespace: Namespace, *, retry_interval: float = 1.0, batch_pages: int = 32) -> None:
+        if not retry_interval >= 0 or batch_pages < 1:
+            raise InvalidArgument("retry_interval must be >= 0 seconds and batch_pages >= 1")
+        self.namespace = namespace
+        self.format = PageFormat.of(namespace)
+        self.namespace_id = namespace.digest.hex()[:16]
+        self.retry_interval, self.batch_pages = float(retry_interval), int(batch_pages)
+        self.counters = StorageStats()
+        self._state_lock = threading.Lock()
+        self._down_until = 0.0
+        self._down = False
+        self._closed = False
+
+    # -- public -----------------------------------------------------------------------------------------------------
+    @property
+    def page_bytes(self) -> int:
+        return self.format.payload_bytes
+
+    @property
+    def up(self) -> bool:
+        return not self._down
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def exists(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are stored (0 when the store is down)."""
+        keys = self._keys(keys)
+        total = 0
+        for start in range(0, len(keys), self.batch_pages):
+            batch = keys[start:start + self.batch_pages]
+            found = self._guarded("exists", lambda b=batch: self._exists(b), None)
+            if found is None:
+                return total
+            run = next((i for i, hit in enumerate(found) if not hit), len(batch))
+            total += run
+            if run < len(batch):
+                break
+        return total
+
+    def get(self, keys: Sequence[bytes], pages: Sequence[Pieces]) -> int:
+        """Read the pages of ``keys`` into ``pages`` (per page, its buffers in order) and return how many leading
+        pages were read and verified. Buffers of pages past that count may have been written: treat them as
+        garbage."""
+        keys = self._keys(keys)
+        if len(pages) != len(keys):
+            raise InvalidArgument(f"get: {len(keys)} keys but {len(pages)} pages")
+        views = [self._pieces(p, i) for i, p in enumerate(pages)]
+        start_time = time.perf_counter()
+        done = 0
+        for start in range(0, len(keys), self.batch_pages):
+            batch_keys, batch_views = keys[start:start + self.batch_pages], views[start:start + self.batch_pages]
+            ok = self._guarded("get", lambda k=batch_keys, v=batch_views: self._read_batch(k, v), 0,
+                               skipped="miss.down")
+            done += ok
+            if ok < len(batch_keys):
+                break
+        self.counters.add("get.pages", len(keys))
+        self.counters.add("get.hit_pages", done)
+        if done < len(keys):
+            self.counters.add("get.truncated_pages", len(keys) - done - 1)
+        if done:
+            self.counters.add("get.bytes", done * self.page_bytes)
+            self.counters.add("get.seconds", time.perf_counter() - start_time)
+        return done
+
+    def set(self, keys: Sequence[bytes], pages: Sequence[Pieces]) -> int:
+        """Store the pages of ``keys`` from ``pages``; returns how many were stored (0 when the store is down)."""
+        keys = self._keys(keys)
+        if len(pages) != len(keys):
+            raise InvalidArgument(f"set: {len(keys)} keys but {len(pages)} pages")
+        views = [self._pieces(p, i) for i, p in enumerate(pages)]
+        start_time = time.perf_counter()
+        stored = 0
+        for start in range(0, len(keys), self.batch_pages):
+            batch_keys, batch_views = keys[start:start + self.batch_pages], views[start:start + self.batch_pages]
+            headers = [self.format.header(k, v) for k, v in zip(batch_keys, batch_views, strict=False)]
+            ok = self._guarded("set", lambda k=batch_keys, h=headers, v=batch_views: self._store(k, h, v), False,
+                               skipped="set.skipped_down")
+            if not ok:
+                self.counters.add("set.failed_pages", len(keys) - stored)
+                break
+            stored += len(batch_keys)
+        if stored:
+            self.counters.add("set.pages", stored)
+            self.counters.add("set.bytes", stored * self.page_bytes)
+            self.counters.add("set.seconds", time.perf_counter() - start_time)
+        return stored
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove these pages; returns how many were there."""
+        keys = self._keys(keys)
+        removed = self._guarded("delete", lambda: self._delete(keys), 0) if keys else 0
+        self.counters.add("deleted_pages", removed)
+        return removed
+
+    def entries(self) -> Iterator[Entry]:
+        """Every stored page of every namespace in this store (operators: ``kvtier storage ls``). Raises on error:
+        this is an operator's call, not the serving path."""
+        self._check_open()
+        return self._entries()
+
+    def namespaces(self) -> dict[str, dict[str, Any] | None]:
+        """Namespace id (16 hex digits) → the namespace's description, as its writers recorded it."""
+        self._check_open()
+        return self._namespaces()
+
+    def clear(self, *, every_namespace: bool = False) -> int:
+        """Remove this namespace's pages (every namespace's with ``every_namespace``); returns how many. Raises
+        on error (an operator's call)."""
+        self._check_open()
+        return self._remove(None if every_namespace else self.namespace_id)
+
+    def stats(self) -> dict[str, Any]:
+        counts: dict[str, Any] = dict(self.counters.snapshot())
+        counts.update({"kind": self.kind, "up": self.up, "namespace": self.namespace_id})
+        for op in ("get", "set"):
+            seconds = counts.get(f"{op}.seconds", 0.0)
+            counts[f"{op}.gbps"] = counts.get(f"{op}.bytes", 0) / seconds / 1e9 if seconds else 0.0
+        return counts
+
+    def close(self) -> None:
+        """Release connections and files. Idempotent; later calls raise StorageError."""
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._close()
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def describe(self) -> dict[str, Any]:
+        """What a namespace record holds (so operators can tell namespaces apart)."""
+        return {"digest": self.namespace.digest.hex(), **json.loads(self.namespace.canonical())}
+
+    # -- rules shared by every backend ------------------------------------------------------------------------------
+    def _read_batch(self, keys: list[bytes], views: list[list[memoryview]]) -> int:
+        done = 0
+        for key, pieces, outcome in zip(keys, views, self._get(keys, views), strict=False):
+            del key, pieces
+            if outcome is not None:
+                self.counters.add(f"miss.{outcome.reason}")
+                return done
+            done += 1
+        return done
+
+    def _store(self, keys: list[bytes], headers: list[bytes], views: list[list[memoryview]]) -> bool:
+        self._set(keys, headers, views)
+        return True
+
+    def _guarded(self, op: str, call: Any, failed: Any, skipped: str | None = None) -> Any:
+        """Run ``call`` unless the store is down; an exception marks it down and returns ``failed``."""
+        self._check_open()
+        now = time.monotonic()
+        with self._state_lock:
+            if self._down and now < self._down_until:
+                if skipped:
+                    self.counters.add(skipped)
+                return failed
+        try:
+            result = call()
+        except (InvalidArgument, StorageError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - degrade, never fail: counted, the caller sees a miss
+            self.counters.add(f"errors.{op}")
+            self._reset()
+            with self._state_lock:
+                self._down = True
+                self._down_until = time.monotonic() + self.retry_interval
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            return failed
+        with self._state_lock:
+            if self._down:
+                self._down = False
+                self.counters.add("reconnects")
+        return result
+
+    def _keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        keys = list(keys)
+        for key in keys:
+            if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+                raise InvalidArgument(f"a page key is {KEY_BYTES} bytes (kvtier.cache.page_keys), got {key!r:.40}")
+        return [bytes(k) for k in keys]
+
+    def _pieces(self, page: Pieces, index: int) -> list[memoryview]:
+        pieces = [writable(p, f"page {index}") for p in (page if isinstance(page, (list, tuple)) else [page])]
+        total = sum(p.nbytes for p in pieces)
+        if total != self.page_bytes:
+            raise InvalidArgument(f"page {index} has {total} bytes in its buffers; a page of this namespace is "
+                                  f"{self.page_bytes}")
+        return pieces
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError(f"{self!r} is closed")
+
+    # -- what a backend implements ----------------------------------------------------------------------------------
+    def _exists(self, keys: list[bytes]) -> list[bool]:
+        raise NotImplementedError
+
+    def _get(self, keys: list[bytes], pages: list[list[memoryview]]) -> Iterator[PageRejected | None]:
+        """Per page in order: None when it was read into its buffers and verified, else why not. The consumer stops
+        at the first failure."""
+        raise NotImplementedError
+
+    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> None:
+        raise NotImplementedError
+
+    def _delete(self, keys: list[bytes]) -> int:
+        raise NotImplementedError
+
+    def _entries(self) -> Iterator[Entry]:
+        raise NotImplementedError
+
+    def _namespaces(self) -> dict[str, dict[str, Any] | None]:
+        raise NotImplementedError
+
+    def _remove(self, namespace_id: str | None) -> int:
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        """After an error: drop connections so the next call starts afresh."""
+
+    def _close(self) -> None:
+        pass
+
+    def verify_blob(self, key: bytes, blob: Any) -> memoryview:
+        """Check a stored value (header + payload as one buffer); returns the payload view or raises PageRejected."""
+        view = memoryview(blob)
+        checksum = self.format.check_header(view[:HEADER_BYTES], key)
+        payload = view[HEADER_BYTES:]
+        self.format.check_payload(view[:HEADER_BYTES], checksum, [payload])
+        return payload

@@ -1,0 +1,295 @@
+"""``FileStore``: the embedded default — one file per page under a directory.
+
+Layout: ``ROOT/<namespace id>/<first two hex digits of the key>/<key hex>.kvp``, plus ``ROOT/<namespace id>/
+namespace.json`` saying which model, geometry and dtype the namespace is. Several processes may share a directory:
+what one writes is a hit for the others.
+
+- **Atomic writes.** A page is written to a temporary file in its final directory (vectored ``pwritev``: header and
+  the page's pieces, no copy), optionally synced (``fsync="data"``: the file before the rename; ``"full"``: the
+  directory too), then renamed over the final name. A writer killed at any point leaves the old page or no page,
+  never a torn one; its temporary file is swept by the next store that opens the directory (the owner pid is in
+  its name). Without fsync a power loss may leave a torn page: the checksum makes that a miss.
+- **Reads** go straight into host memory (``preadv`` into the page's pieces) and are verified before the page counts.
+- **Size bound.** ``max_bytes`` bounds the directory: past it, the least recently used pages (by modification time,
+  which a hit refreshes) are removed down to 90% of the bound. Each process tracks what it writes and rescans the
+  directory when its own view cannot explain the size, so sharing processes converge on the bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import InvalidArgument
+from kvtier.storage.backend import Entry, StorageBackend
+from kvtier.storage.format import HEADER_BYTES, PageRejected
+
+if TYPE_CHECKING:
+    from kvtier.cache.keys import Namespace
+
+SUFFIX = ".kvp"
+FSYNC_POLICIES = ("none", "data", "full")
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _transfer(call: Any, fd: int, buffers: list[memoryview], offset: int) -> int:
+    """Run ``preadv``/``pwritev`` until every buffer is done or the file ends; returns the bytes moved."""
+    total = sum(b.nbytes for b in buffers)
+    moved = 0
+    while buffers:
+        n = call(fd, buffers, offset + moved)
+        if n <= 0:
+            break
+        moved += n
+        while buffers and n >= buffers[0].nbytes:
+            n -= buffers[0].nbytes
+            buffers = buffers[1:]
+        if buffers and n:
+            buffers = [buffers[0][n:], *buffers[1:]]
+    return moved if moved < total else total
+
+
+class FileStore(StorageBackend):
+    kind = "file"
+
+    def __init__(self, root: str | os.PathLike[str], namespace: Namespace, *, max_bytes: int | None = None,
+                 fsync: str = "none", **options: Any) -> None:
+        super().__init__(namespace, **options)
+        if fsync not in FSYNC_POLICIES:
+            raise InvalidArgument(f"fsync={fsync!r}: choose one of {', '.join(FSYNC_POLICIES)}")
+        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < self.format.stored_bytes):
+            raise InvalidArgument(f"max_bytes={max_bytes!r} must be an int of at least one stored page "
+                                  f"({self.format.stored_bytes} bytes)")
+        self.root = Path(root)
+        self.fsync, self.max_bytes = fsync, max_bytes
+        self.directory = self.root / self.namespace_id
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._made: set[str] = set()
+        self._lru: OrderedDict[str, int] = OrderedDict()
+        self._lru_lock = threading.Lock()
+        self._used = 0
+        self._scanned = 0.0
+        self._record_namespace()
+        self._sweep_temporaries()
+        if max_bytes is not None:
+            self._rescan()
+
+    def __repr__(self) -> str:
+        return f"FileStore({str(self.root)!r}, namespace {self.namespace_id})"
+
+    # -- paths ---------------------------------------------------------------------------------------------------------
+    def path(self, key: bytes) -> Path:
+        hexkey = key.hex()
+        return self.directory / hexkey[:2] / (hexkey + SUFFIX)
+
+    def _record_namespace(self) -> None:
+        record = self.directory / "namespace.json"
+        if record.exists():
+            return
+        temporary = self.directory / f".namespace.{os.getpid()}.{threading.get_ident()}.tmp"
+        temporary.write_text(json.dumps(self.describe(), indent=1))
+        os.replace(temporary, record)
+
+    def _sweep_temporaries(self) -> None:
+        """Remove temporary files of writers that died before their rename."""
+        for path in self.root.glob("*/*/.*.tmp"):
+            try:
+                pid = int(path.name.split(".")[2])
+            except (IndexError, ValueError):
+                continue
+            if pid != os.getpid() and not _alive(pid):
+                path.unlink(missing_ok=True)
+
+    # -- the backend ---------------------------------------------------------------------------------------------------
+    def _exists(self, keys: list[bytes]) -> list[bool]:
+        return [self.path(k).is_file() for k in keys]
+
+    def _get(self, keys: list[bytes], pages: list[list[memoryview]]) -> Iterator[PageRejected | None]:
+        for key, pieces in zip(keys, pages, strict=False):
+            path = self.path(key)
+            try:
+                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+            except FileNotFoundError:
+                yield PageRejected("absent", str(path))
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                header = os.pread(fd, HEADER_BYTES, 0)
+                try:
+                    checksum = self.format.check_header(header, key)
+                    if size != self.format.stored_bytes:
+                        raise PageRejected("short", f"{path} holds {size} bytes, a page is "
+                                                    f"{self.format.stored_bytes}")
+                    moved = _transfer(os.preadv, fd, list(pieces), HEADER_BYTES)
+                    if moved != self.format.payload_bytes:
+                        raise PageRejected("short", f"read {moved} of {self.format.payload_bytes} payload bytes")
+                    self.format.check_payload(header, checksum, pieces)
+                except PageRejected as rejected:
+                    yield rejected
+                    continue
+            finally:
+                os.close(fd)
+            self._touch(path, size)
+            yield None
+
+    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> None:
+        for key, header, pieces in zip(keys, headers, pages, strict=False):
+            path = self.path(key)
+            parent = path.parent
+            if parent.name not in self._made:
+                parent.mkdir(parents=True, exist_ok=True)
+                self._made.add(parent.name)
+            temporary = parent / f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp"
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o600)
+            try:
+                try:
+                    buffers = [memoryview(header), *pieces]
+                    if _transfer(os.pwritev, fd, buffers, 0) != len(header) + self.format.payload_bytes:
+                        raise OSError(f"short write to {temporary}")
+                    if self.fsync != "none":
+                        os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(temporary, path)
+            except BaseException:
+                temporary.unlink(missing_ok=True)
+                raise
+            if self.fsync == "full":
+                directory = os.open(parent, os.O_RDONLY | _O_CLOEXEC)
+                try:
+                    os.fsync(directory)
+                finally:
+                    os.close(directory)
+            self._added(path, len(header) + self.format.payload_bytes)
+
+    def _delete(self, keys: list[bytes]) -> int:
+        removed = 0
+        for key in keys:
+            path = self.path(key)
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+            with self._lru_lock:
+                self._used -= self._lru.pop(str(path), 0)
+        return removed
+
+    def _entries(self) -> Iterator[Entry]:
+        for namespace in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            for path in namespace.glob(f"*/*{SUFFIX}"):
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError:
+                    continue
+                yield Entry(namespace.name, path.stem, size)
+
+    def _namespaces(self) -> dict[str, dict[str, Any] | None]:
+        found: dict[str, dict[str, Any] | None] = {}
+        for namespace in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            try:
+                found[namespace.name] = json.loads((namespace / "namespace.json").read_text())
+            except (OSError, ValueError):
+                found[namespace.name] = None
+        return found
+
+    def _remove(self, namespace_id: str | None) -> int:
+        removed = 0
+        for entry in list(self._entries()):
+            if namespace_id is None or entry.namespace == namespace_id:
+                path = self.root / entry.namespace / entry.key[:2] / (entry.key + SUFFIX)
+                try:
+                    path.unlink()
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        with self._lru_lock:
+            for name in [n for n in self._lru if not os.path.exists(n)]:
+                self._used -= self._lru.pop(name)
+        return removed
+
+    # -- the size bound ------------------------------------------------------------------------------------------------
+    def _touch(self, path: Path, size: int) -> None:
+        if self.max_bytes is None:
+            return
+        name = str(path)
+        with self._lru_lock:
+            if name in self._lru:
+                self._lru.move_to_end(name)
+            else:
+                self._lru[name] = size
+                self._used += size
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path)
+
+    def _added(self, path: Path, size: int) -> None:
+        if self.max_bytes is None:
+            return
+        name = str(path)
+        with self._lru_lock:
+            self._used += size - self._lru.pop(name, 0)
+            self._lru[name] = size
+            over = self._used > self.max_bytes
+        if over:
+            self._shrink()
+
+    def _shrink(self) -> None:
+        assert self.max_bytes is not None
+        target = int(self.max_bytes * 0.9)
+        with self._lru_lock:
+            if time.monotonic() - self._scanned > 1.0:
+                self._rescan_locked()
+            victims = []
+            while self._used > target and self._lru:
+                name, size = self._lru.popitem(last=False)
+                self._used -= size
+                victims.append(name)
+        for name in victims:
+            try:
+                os.unlink(name)
+            except FileNotFoundError:
+                continue
+            self.counters.add("evicted_pages")
+
+    def _rescan(self) -> None:
+        with self._lru_lock:
+            self._rescan_locked()
+
+    def _rescan_locked(self) -> None:
+        """The whole directory (every namespace and process), oldest first."""
+        found = []
+        for path in self.root.glob(f"*/*/*{SUFFIX}"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            found.append((stat.st_mtime_ns, str(path), stat.st_size))
+        found.sort()
+        self._lru = OrderedDict((name, size) for _, name, size in found)
+        self._used = sum(size for _, _, size in found)
+        self._scanned = time.monotonic()
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of pages this store knows of in its directory (all namespaces; exact after a rescan)."""
+        with self._lru_lock:
+            if self.max_bytes is None:
+                self._rescan_locked()
+            return self._used
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

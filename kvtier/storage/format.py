@@ -1,0 +1,127 @@
+"""The stored page format: a fixed header, then the page's bytes.
+
+A page in storage outlives the process that wrote it and may be read by another process, another version of kvtier,
+another model: so it says what it is. The header carries the format version, the namespace digest, the page key, the
+KV geometry, the dtype, the payload length and an xxh3-128 checksum over the header fields and the payload. A reader
+compares every field with what it expects and recomputes the checksum; a page that fails any check is a *miss*
+(counted by reason), never loaded. xxh3 guards against corruption (torn writes, flipped bits, truncation); identity
+comes from the SHA-256 keys.
+
+Layout (little-endian): magic ``KVTP``, version u16, header length u16, checksum algorithm u8, pool kind u8,
+2 reserved bytes, layers / page size / row bytes / heads u32 each, payload length u64, namespace digest (32 bytes),
+page key (32 bytes), dtype (16 bytes, NUL-padded ASCII), checksum (16 bytes).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from kvtier.errors import InvalidArgument
+from kvtier.pools.geometry import KVGeometry, PoolKind
+
+if TYPE_CHECKING:
+    from kvtier.cache.keys import Namespace
+
+MAGIC = b"KVTP"
+VERSION = 1
+XXH3_128 = 1
+_FIELDS = struct.Struct("<4sHHBB2xIIIIQ32s32s16s")
+_CHECKSUM = struct.Struct("<16s")
+HEADER_BYTES = _FIELDS.size + _CHECKSUM.size
+KINDS = {kind: number for number, kind in enumerate(PoolKind, start=1)}
+
+
+class PageRejected(Exception):
+    """A stored page failed verification; ``reason`` is the miss counter it goes to."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """What every page of one namespace must say about itself; builds and checks headers."""
+
+    namespace_digest: bytes
+    geometry: KVGeometry
+    dtype: str
+
+    @classmethod
+    def of(cls, namespace: Namespace) -> PageFormat:
+        dtype = namespace.dtype
+        if len(dtype.encode()) > 16 or not dtype.isascii():
+            raise InvalidArgument(f"dtype {dtype!r}: stored pages name their dtype in at most 16 ASCII characters")
+        return cls(namespace.digest, namespace.geometry, dtype)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.geometry.bytes_per_page
+
+    @property
+    def stored_bytes(self) -> int:
+        return HEADER_BYTES + self.payload_bytes
+
+    def _fields(self, key: bytes) -> bytes:
+        g = self.geometry
+        return _FIELDS.pack(MAGIC, VERSION, HEADER_BYTES, XXH3_128, KINDS[g.kind], g.layers, g.page_size,
+                            g.row_bytes, g.heads, self.payload_bytes, self.namespace_digest, key, self.dtype.encode())
+
+    def header(self, key: bytes, payload: Sequence[Any]) -> bytes:
+        """The header of a page whose bytes are the buffers ``payload`` (in order)."""
+        fields = self._fields(key)
+        digest = xxhash.xxh3_128(fields)
+        for piece in payload:
+            digest.update(piece)
+        return fields + digest.digest()
+
+    def check_header(self, header: Any, key: bytes) -> bytes:
+        """Raise PageRejected unless ``header`` is this namespace's header for ``key``; returns its checksum."""
+        if len(header) < HEADER_BYTES:
+            raise PageRejected("short", f"{len(header)} header bytes of {HEADER_BYTES}")
+        header = bytes(header[:HEADER_BYTES])
+        if header[:4] != MAGIC:
+            raise PageRejected("corrupt", "not a kvtier page (bad magic)")
+        version = struct.unpack_from("<H", header, 4)[0]
+        if version != VERSION:
+            raise PageRejected("format", f"stored format version {version}, this kvtier reads {VERSION}")
+        expected = self._fields(key)
+        stored = header[:_FIELDS.size]
+        if stored != expected:
+            unpacked, wanted = _FIELDS.unpack(stored), _FIELDS.unpack(expected)
+            names = ("magic", "version", "header length", "checksum algorithm", "pool kind", "layers", "page size",
+                     "row bytes", "heads", "payload length", "namespace", "key", "dtype")
+            first = next(n for n, a, b in zip(names, unpacked, wanted, strict=False) if a != b)
+            reason = {"namespace": "namespace", "key": "key"}.get(first, "geometry" if first != "header length"
+                                                                   else "format")
+            raise PageRejected(reason, f"stored {first} differs from this namespace's")
+        return header[_FIELDS.size:HEADER_BYTES]
+
+    def check_payload(self, header: Any, checksum: bytes, payload: Sequence[Any]) -> None:
+        """Raise PageRejected unless the payload (the buffers, in order) has the length and checksum the header
+        names."""
+        length = sum(memoryview(p).nbytes for p in payload)
+        if length != self.payload_bytes:
+            raise PageRejected("short", f"{length} payload bytes of {self.payload_bytes}")
+        digest = xxhash.xxh3_128(bytes(header[:_FIELDS.size]))
+        for piece in payload:
+            digest.update(piece)
+        if digest.digest() != checksum:
+            raise PageRejected("corrupt", "checksum mismatch")
+
+
+def describe_header(header: bytes) -> dict[str, Any] | None:
+    """The fields of a stored header (for ``kvtier storage ls``), or None if it is not one."""
+    if len(header) < HEADER_BYTES or header[:4] != MAGIC:
+        return None
+    (_, version, _, _, kind, layers, page_size, row_bytes, heads, length, namespace, key,
+     dtype) = _FIELDS.unpack_from(header)
+    kinds = {v: k for k, v in KINDS.items()}
+    return {"version": version, "kind": kinds[kind].value if kind in kinds else kind, "layers": layers,
+            "page_size": page_size, "row_bytes": row_bytes, "heads": heads, "payload_bytes": length,
+            "namespace": namespace.hex(), "key": key.hex(), "dtype": dtype.rstrip(b"\0").decode(errors="replace")}

@@ -1,0 +1,214 @@
+"""``RedisStore``: Redis or Valkey as the distributed engine, standalone or Redis Cluster, through redis-py.
+
+One key per page, ``<prefix>:<namespace id>:p:<key hex>``, whose value is the stored page (header + payload: one
+round trip reads and verifies it); the namespace's description lives at ``<prefix>:<namespace id>:namespace``.
+Batches are pipelined (one round trip per batch, per cluster node). A Redis value is one buffer, so a page is copied
+once into it on ``set`` and once out of the reply on ``get``, whatever the host layout.
+
+URLs: ``redis://[user:password@]host:port/db``, ``rediss://…`` (TLS), ``unix:///path.sock``; a cluster with
+``redis+cluster://host:port`` (or ``rediss+cluster://``, or ``cluster=True``): any node, the others are discovered,
+keys spread over every slot. Memory bounds are the server's (``maxmemory`` with ``allkeys-lru``); ``ttl`` sets an
+expiry per page. The client does not retry on its own: the store's down/up logic does (see
+:mod:`kvtier.storage.backend`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import InvalidArgument
+from kvtier.storage.backend import Entry, StorageBackend, scatter
+from kvtier.storage.format import PageRejected
+
+if TYPE_CHECKING:
+    from kvtier.cache.keys import Namespace
+
+SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+
+
+class RedisStore(StorageBackend):
+    kind = "redis"
+
+    def __init__(self, url: str, namespace: Namespace, *, cluster: bool | None = None, prefix: str = "kvtier",
+                 ttl: int | None = None, timeout: float = 5.0, connect_timeout: float = 2.0,
+                 **options: Any) -> None:
+        super().__init__(namespace, **options)
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if scheme not in SCHEMES:
+            raise InvalidArgument(f"Redis URL {url!r}: the scheme must be one of {', '.join(SCHEMES)}")
+        if ttl is not None and (type(ttl) is not int or ttl < 1):
+            raise InvalidArgument(f"ttl={ttl!r}: whole seconds >= 1, or None")
+        if not prefix or ":" in prefix:
+            raise InvalidArgument(f"prefix={prefix!r}: a non-empty name without ':'")
+        self.cluster = scheme.endswith("+cluster") if cluster is None else bool(cluster)
+        self.url = url.replace("+cluster", "", 1)
+        self.prefix, self.ttl = prefix, ttl
+        self._options = {"socket_timeout": timeout, "socket_connect_timeout": connect_timeout}
+        self._client_lock = threading.Lock()
+        self._client: Any = None
+        self._recorded = False
+
+    def __repr__(self) -> str:
+        where = self.url.split("@")[-1]
+        return f"RedisStore({'cluster ' if self.cluster else ''}{where}, namespace {self.namespace_id})"
+
+    # -- the client ----------------------------------------------------------------------------------------------------
+    def client(self) -> Any:
+        """The redis-py client, made on first use (a cluster client connects when made: a server down at start-up
+        is then an error of the first call, counted, not of the constructor)."""
+        with self._client_lock:
+            if self._client is None:
+                from redis import Redis
+                from redis.backoff import NoBackoff
+                from redis.cluster import RedisCluster
+                from redis.retry import Retry
+
+                if self.cluster:
+                    self._client = RedisCluster.from_url(self.url, retry=Retry(NoBackoff(), 1), **self._options)
+                else:
+                    self._client = Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), **self._options)
+            return self._client
+
+    def key(self, key: bytes) -> str:
+        return f"{self.prefix}:{self.namespace_id}:p:{key.hex()}"
+
+    def _pipeline(self) -> Any:
+        client = self.client()
+        return client.pipeline() if self.cluster else client.pipeline(transaction=False)
+
+    # -- the backend ---------------------------------------------------------------------------------------------------
+    def _exists(self, keys: list[bytes]) -> list[bool]:
+        pipe = self._pipeline()
+        for key in keys:
+            pipe.exists(self.key(key))
+        return [bool(n) for n in pipe.execute()]
+
+    def _get(self, keys: list[bytes], pages: list[list[memoryview]]) -> Iterator[PageRejected | None]:
+        pipe = self._pipeline()
+        for key in keys:
+            pipe.get(self.key(key))
+        blobs = pipe.execute()
+        for key, pieces, blob in zip(keys, pages, blobs, strict=False):
+            if blob is None:
+                yield PageRejected("absent", self.key(key))
+                continue
+            try:
+                payload = self.verify_blob(key, blob)
+            except PageRejected as rejected:
+                yield rejected
+                continue
+            scatter(payload, pieces)
+            yield None
+
+    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> None:
+        """SETs written straight to the connection: header and host pieces go to the socket as they are, with no
+        copy into one value (redis-py's pipeline needs each value as one buffer)."""
+        if not self._recorded:
+            self.client().set(f"{self.prefix}:{self.namespace_id}:namespace", json.dumps(self.describe()))
+            self._recorded = True
+        expiry = b"" if self.ttl is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl)), self.ttl)
+        words = b"*3\r\n" if self.ttl is None else b"*5\r\n"
+        for client, members in self._by_node(keys):
+            chunks: list[Any] = []
+            for i in members:
+                name = self.key(keys[i]).encode()
+                length = len(headers[i]) + sum(p.nbytes for p in pages[i])
+                chunks.append(b"%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (words, len(name), name, length,
+                                                                            headers[i]))
+                chunks.extend(pages[i])
+                chunks.append(b"\r\n" + expiry)
+            _send(client, chunks, len(members))
+
+    def _by_node(self, keys: list[bytes]) -> list[tuple[Any, list[int]]]:
+        """(client of the node holding them, indices) per node: one for a standalone server."""
+        client = self.client()
+        if not self.cluster:
+            return [(client, list(range(len(keys))))]
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, key in enumerate(keys):
+            node = client.get_node_from_key(self.key(key))
+            groups.setdefault(node.name, (node.redis_connection, []))[1].append(i)
+        return list(groups.values())
+
+    def _delete(self, keys: list[bytes]) -> int:
+        pipe = self._pipeline()
+        for key in keys:
+            pipe.delete(self.key(key))
+        return sum(pipe.execute())
+
+    def _scan(self, pattern: str) -> Iterator[str]:
+        for name in self.client().scan_iter(match=pattern, count=1000):
+            yield name.decode() if isinstance(name, bytes) else name
+
+    def _entries(self) -> Iterator[Entry]:
+        names = list(self._scan(f"{self.prefix}:*:p:*"))
+        for start in range(0, len(names), 512):
+            batch = names[start:start + 512]
+            pipe = self._pipeline()
+            for name in batch:
+                pipe.strlen(name)
+            for name, size in zip(batch, pipe.execute(), strict=False):
+                _, namespace, _, key = name.split(":", 3)
+                if size:
+                    yield Entry(namespace, key, int(size))
+
+    def _namespaces(self) -> dict[str, dict[str, Any] | None]:
+        found: dict[str, dict[str, Any] | None] = {}
+        for name in self._scan(f"{self.prefix}:*:namespace"):
+            raw = self.client().get(name)
+            try:
+                found[name.split(":")[1]] = json.loads(raw) if raw else None
+            except ValueError:
+                found[name.split(":")[1]] = None
+        for entry in self._entries():
+            found.setdefault(entry.namespace, None)
+        return found
+
+    def _remove(self, namespace_id: str | None) -> int:
+        pattern = f"{self.prefix}:{namespace_id or '*'}:p:*"
+        names = list(self._scan(pattern))
+        removed = 0
+        for start in range(0, len(names), 512):
+            pipe = self._pipeline()
+            for name in names[start:start + 512]:
+                pipe.delete(name)
+            removed += sum(pipe.execute())
+        return removed
+
+    def _reset(self) -> None:
+        """After an error: drop the client, so the next call connects afresh (and a cluster re-learns its slots)."""
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):     # the connection is already broken; nothing else to release
+                client.close()
+
+    def _close(self) -> None:
+        self._reset()
+
+
+def _send(client: Any, chunks: list[Any], replies: int) -> None:
+    """Write packed commands on one pooled connection and read their replies; the first error reply raises."""
+    from redis.exceptions import ResponseError
+
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        connection.send_packed_command(chunks)
+        failed = None
+        for _ in range(replies):
+            try:
+                connection.read_response()
+            except ResponseError as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)

@@ -1,0 +1,117 @@
+"""CPU-domain views of host pages: what storage backends read into and write from.
+
+Storage is a CPU-side consumer: it gets each page as the list of its contiguous pieces in host memory, built from
+``HostPool.page_metadata`` (CPU addresses, never a device alias). A page of a ``page_first``, ``page_first_direct``
+or ``page_head`` pool is one piece per tensor (K and V for MHA, one for MLA); a ``layer_first`` page is one piece per
+tensor and layer. Backends move the pieces with vectored I/O where they can (``preadv``/``pwritev``), so no layout
+needs a copy on the file path; ``PageIO.contiguous`` gathers a page through one bounce buffer where a backend needs
+the page as one value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import BufferClosed
+from kvtier.pools import HostPool
+
+Pieces = list[memoryview]
+
+
+def _view(address: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
+
+
+class PageIO:
+    """The pieces of some host pages, for one batch of storage I/O over an open pool. Built inside
+    :meth:`HostPages.batch`, which keeps the pool from closing until the batch is done."""
+
+    def __init__(self, pool: HostPool, pages: Sequence[int] | np.ndarray) -> None:
+        self.pool = pool
+        self.pages = [[_view(address.value, size) for address, size in page] for page in pool.page_metadata(pages)]
+        self.page_bytes = pool.geometry.bytes_per_page
+        self._bounce: bytearray | None = None
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    def pieces(self, index: int) -> Pieces:
+        return self.pages[index]
+
+    def contiguous(self, index: int) -> memoryview:
+        """Page ``index`` as one buffer: its own memory when it is one piece, else gathered into the batch's bounce
+        buffer (valid until the next call)."""
+        pieces = self.pages[index]
+        if len(pieces) == 1:
+            return pieces[0]
+        if self._bounce is None:
+            self._bounce = bytearray(self.page_bytes)
+        bounce = memoryview(self._bounce)
+        at = 0
+        for piece in pieces:
+            bounce[at:at + piece.nbytes] = piece
+            at += piece.nbytes
+        return bounce
+
+    def scatter(self, index: int, data: memoryview) -> None:
+        """Copy a verified page's bytes (one buffer) into its pieces."""
+        at = 0
+        for piece in self.pages[index]:
+            piece[:] = data[at:at + piece.nbytes]
+            at += piece.nbytes
+
+
+class HostPages:
+    """A host pool as seen by storage I/O: batches register as users of the pool, so closing the pool waits for
+    the I/O in flight instead of unmapping memory a read is writing into."""
+
+    def __init__(self, pool: HostPool) -> None:
+        self.pool = pool
+        self._cond = threading.Condition()
+        self._inflight = 0
+        pool.add_user(self)
+
+    def batch(self, pages: Sequence[int] | np.ndarray) -> _Batch:
+        return _Batch(self, pages)
+
+    def drain(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._inflight == 0)
+
+    def close(self) -> None:
+        self.drain()
+        if not self.pool.closed:
+            self.pool.remove_user(self)
+
+    def _enter(self) -> None:
+        with self._cond:
+            self._inflight += 1
+
+    def _exit(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
+
+class _Batch:
+    def __init__(self, owner: HostPages, pages: Any) -> None:
+        self.owner, self.pages = owner, pages
+
+    def __enter__(self) -> PageIO:
+        self.owner._enter()
+        try:
+            if self.owner.pool.closed:
+                raise BufferClosed(f"{self.owner.pool!r} is closed")
+            self.owner.pool.check_open()
+            return PageIO(self.owner.pool, self.pages)
+        except BaseException:
+            self.owner._exit()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.owner._exit()

@@ -1,0 +1,135 @@
+"""The file store's own promises: atomic pages under SIGKILL, a size bound with LRU eviction, sharing a directory
+between processes, fsync policies."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvtier.cache import page_keys
+from kvtier.storage import HEADER_BYTES, FileStore
+from storage_helpers import GEOMETRY, namespace
+
+PAGE = GEOMETRY.bytes_per_page
+
+
+def data(count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng()
+    return [rng.integers(1, 256, PAGE, dtype=np.uint8) for _ in range(count)]
+
+
+def read(store: FileStore, keys) -> tuple[int, list[np.ndarray]]:
+    out = [np.full(PAGE, 0x5A, np.uint8) for _ in keys]
+    return store.get(keys, [[o] for o in out]), out
+
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    sys.path.insert(0, {tests!r})
+    from storage_helpers import GEOMETRY
+    from kvtier.cache import Namespace, page_keys
+    from kvtier.storage import FileStore
+    ns = Namespace("test-model", GEOMETRY, "bfloat16", tenant={tenant!r})
+    store = FileStore({root!r}, ns)
+    keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
+    page = np.frombuffer(bytes.fromhex({payload!r}), np.uint8)
+    if {kill!r} == "before_rename":
+        real = os.replace
+        def replace(src, dst):
+            if str(src).endswith(".tmp") and "namespace" not in str(src):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(src, dst)
+        os.replace = replace
+    elif {kill!r} == "mid_write":
+        real_pwritev = os.pwritev
+        def pwritev(fd, buffers, offset):
+            real_pwritev(fd, [memoryview(buffers[0])[:100]], offset)
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.pwritev = pwritev
+    store.set(keys[1:], [[page]])
+""")
+
+
+@pytest.mark.parametrize("kill", ["before_rename", "mid_write"])
+@pytest.mark.parametrize("previous", [True, False])
+def test_a_writer_killed_mid_page_leaves_the_old_page_or_a_miss(tmp_path, kill, previous):
+    ns = namespace()
+    store = FileStore(tmp_path, ns)
+    keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
+    old = data(2)
+    if previous:
+        store.set(keys, [[p] for p in old])
+    new = data(1)[0]
+    script = CHILD.format(tests=os.path.dirname(__file__), tenant=ns.tenant, root=str(tmp_path),
+                          payload=new.tobytes().hex(), kill=kill)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert child.returncode == -9, child.stderr.decode()
+    assert list(tmp_path.glob("*/*/.*.tmp")), "the killed writer left its temporary file"
+    count, out = read(FileStore(tmp_path, ns), keys)    # a new store sweeps the dead writer's temporaries
+    assert not list(tmp_path.glob("*/*/.*.tmp"))
+    if previous:
+        assert count == 2 and np.array_equal(out[1], old[1]), "the old page survives intact"
+    else:
+        assert count == 0
+
+
+def test_size_bound_evicts_least_recently_used_pages(tmp_path):
+    ns = namespace()
+    stored = HEADER_BYTES + PAGE
+    store = FileStore(tmp_path, ns, max_bytes=10 * stored)
+    keys = page_keys(ns, np.arange(30 * GEOMETRY.page_size))
+    pages = data(30)
+    store.set(keys[:8], [[p] for p in pages[:8]])
+    os.utime(store.path(keys[0]), ns=(1, 1))        # make the LRU order unambiguous: page 0 is oldest by mtime ...
+    assert read(store, keys[:1])[0] == 1           # ... but a hit refreshes it
+    for i in range(8, 30):
+        store.set(keys[i:i + 1], [[pages[i]]])
+    files = list(tmp_path.glob("*/*/*.kvp"))
+    assert len(files) * stored <= 10 * stored
+    assert store.stats()["evicted_pages"] >= 20
+    assert read(store, keys[29:30])[0] == 1, "the newest page stays"
+    assert store.used_bytes <= 10 * stored
+
+
+def test_two_processes_share_a_directory_and_namespaces_stay_apart(tmp_path):
+    ns = namespace()
+    payload = data(1)[0]
+    script = CHILD.format(tests=os.path.dirname(__file__), tenant=ns.tenant, root=str(tmp_path),
+                          payload=payload.tobytes().hex(), kill="no")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
+    store = FileStore(tmp_path, ns)
+    count, out = read(store, keys[1:])
+    assert count == 1 and np.array_equal(out[0], payload)
+    other = namespace()
+    assert FileStore(tmp_path, other).exists(page_keys(other, np.arange(2 * GEOMETRY.page_size))[1:]) == 0
+
+
+@pytest.mark.parametrize("fsync", ["none", "data", "full"])
+def test_fsync_policies_store_the_same_bytes(tmp_path, fsync):
+    ns = namespace()
+    store = FileStore(tmp_path, ns, fsync=fsync)
+    keys = page_keys(ns, np.arange(3 * GEOMETRY.page_size))
+    pages = data(3)
+    assert store.set(keys, [[p] for p in pages]) == 3
+    count, out = read(store, keys)
+    assert count == 3 and all(np.array_equal(a, b) for a, b in zip(out, pages, strict=False))
+    assert oct(store.path(keys[0]).stat().st_mode & 0o777) == "0o600"
+
+
+def test_an_unwritable_directory_degrades_to_counted_failures(tmp_path):
+    ns = namespace()
+    store = FileStore(tmp_path, ns, retry_interval=0)
+    keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
+    for sub in {store.path(k).parent for k in keys}:
+        sub.parent.mkdir(parents=True, exist_ok=True)
+        sub.write_text("not a directory")            # makes every write to these pages fail
+    assert store.set(keys, [[p] for p in data(2)]) == 0
+    assert store.stats()["errors.set"] >= 1
+    assert store.exists(keys) == 0
