@@ -11,7 +11,7 @@ from kvtier.runtime import get as get_runtime
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier.cli import demo, doctor, shm
+    from kvtier.cli import demo, doctor, shm, storage
 
     runtime_help = (f"cuda | emulated:split | emulated:unified (default: ${ENV_VAR}, else cuda when a GPU is "
                     "usable, else emulated:split)")
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=demo.command, needs_runtime=True)
     shm.add_parser(commands)
+    storage.add_parser(commands)
     return parser
 
 

@@ -31,6 +31,7 @@ from kvtier.cache import (
 )
 from kvtier.errors import KvtierError
 from kvtier.pools import DevicePool, HostPool, KVGeometry
+from kvtier.storage import SPEC_HELP, open_store
 from kvtier.transfer import TransferEngine
 
 MODELS = {
@@ -55,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check every loaded-back page byte for byte (default) or not")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--save", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--storage", metavar="SPEC",
+                        help=f"a storage tier to prefetch from and write through to ({SPEC_HELP}); a second run of "
+                             "the demo with the same storage is served from it")
     CacheSettings.add_arguments(parser)
 
 
@@ -64,6 +68,7 @@ class Tally:
     prompt_tokens: int = 0
     device_hit: int = 0
     host_hit: int = 0
+    storage_hit: int = 0
     loaded: int = 0
     computed: int = 0
     baseline_computed: int = 0
@@ -75,12 +80,14 @@ class Tally:
 
 class StandInModel:
     """Writes the KV of new pages (bytes derived from the page key, different in every 16-byte piece) through a
-    pinned scratch pool, and reads pages back to check them."""
+    pinned scratch pool, and reads pages back to check them. The salt is fresh in every run, except with storage:
+    then it is derived from the namespace, so that pages a previous run stored are the KV this run expects."""
 
-    def __init__(self, device: DevicePool, namespace: Namespace, scratch_pages: int) -> None:
+    def __init__(self, device: DevicePool, namespace: Namespace, scratch_pages: int, *, stable: bool = False) -> None:
         g = device.geometry
         self.namespace, self.bytes_per_page = namespace, g.bytes_per_page
-        self.salt = np.random.default_rng().bytes(16)
+        self.salt = hashlib.sha256(b"kvtier-demo" + namespace.digest).digest()[:16] if stable else \
+            np.random.default_rng().bytes(16)
         self.scratch = HostPool.allocate(g, "page_first", pages=scratch_pages, kind="pinned", runtime=device.runtime)
         self.engine = TransferEngine(device, self.scratch, backend="direct")
         self.view = self.scratch.buffer.as_tensor().numpy().reshape(g.tensors, scratch_pages, -1)
@@ -182,11 +189,12 @@ def command(runtime: Any, args: argparse.Namespace) -> int:
     host_pages = settings.host_pages(device_pages, geometry.bytes_per_page)
     host = HostPool.allocate(geometry, settings.hicache_mem_layout, pages=host_pages,
                              kind=settings.hicache_host_kind, runtime=runtime)
-    cache = stand_in = None
+    cache = stand_in = storage = None
     try:
         rates = RateTable.load(args.hicache_rate_table) if args.hicache_rate_table else None
-        cache = KVCache(device, host, namespace, settings, rates=rates)
-        stand_in = StandInModel(device, namespace, min(64, longest // page + 1))
+        storage = open_store(args.storage, namespace) if args.storage else None
+        cache = KVCache(device, host, namespace, settings, rates=rates, storage=storage)
+        stand_in = StandInModel(device, namespace, min(64, longest // page + 1), stable=storage is not None)
         baseline = DeviceOnlyBaseline(device_pages, page)
         tally = Tally()
         started = time.perf_counter()
@@ -197,7 +205,8 @@ def command(runtime: Any, args: argparse.Namespace) -> int:
                 serve_turn(cache, stand_in, baseline, tally, prompt, reply, args.verify == "all")
                 seen = max(tally.prompt_tokens, 1)
                 progress.update(task, advance=1, description=(
-                    f"hits: device {tally.device_hit / seen:.0%}, host {tally.host_hit / seen:.0%}"))
+                    f"hits: device {tally.device_hit / seen:.0%}, host {tally.host_hit / seen:.0%}"
+                    + (f" (storage {tally.storage_hit / seen:.0%})" if storage is not None else "")))
         cache.drain()
         elapsed = time.perf_counter() - started
         report = results(cache, tally, elapsed, model, runtime.name, device_pages, host_pages)
@@ -206,6 +215,8 @@ def command(runtime: Any, args: argparse.Namespace) -> int:
             stand_in.close()
         if cache is not None:
             cache.close()
+        if storage is not None:
+            storage.close()
         host.close()
         device.close()
     if args.save:
@@ -223,6 +234,7 @@ def serve_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline
     page = cache.page_size
     full = np.concatenate([prompt, reply])
     keys = page_keys(cache.namespace, full)
+    fetched = cache.prefetch(prompt).settle() if cache.storage is not None else 0
     match = cache.match_prefix(prompt, lock=True)
     try:
         prefix = match.device_pages
@@ -253,6 +265,7 @@ def serve_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline
         tally.prompt_tokens += len(prompt)
         tally.device_hit += match.device_tokens
         tally.host_hit += cached - match.device_tokens
+        tally.storage_hit += min(fetched, cached - match.device_tokens)
         tally.computed += len(prompt) - cached
         tally.baseline_computed += len(prompt) - baseline.serve(prompt)
     finally:
@@ -294,6 +307,14 @@ def results(cache: KVCache, tally: Tally, elapsed: float, model: str, runtime: s
         "evicted_device_tokens": int(s.get("evicted.device", 0)), "evicted_host_tokens": int(s.get("evicted.host", 0)),
         "pages_checked": tally.pages_checked, "mismatched_pages": tally.mismatched_pages,
         "out_of_pages": tally.out_of_pages, "seconds": elapsed,
+        "storage": cache.storage.kind if cache.storage is not None else None,
+        "storage_hit_rate": tally.storage_hit / max(tally.prompt_tokens, 1),
+        "storage_pages_read": int(s.get("storage_pages.read", 0)),
+        "storage_pages_written": int(s.get("storage_pages.written", 0)),
+        "storage_read_gbps": s.get("storage.get.gbps", 0.0), "storage_write_gbps": s.get("storage.set.gbps", 0.0),
+        "storage_misses": {k[len("storage.miss."):]: int(v) for k, v in s.items() if k.startswith("storage.miss.")},
+        "storage_errors": int(sum(v for k, v in s.items() if k.startswith("storage.errors."))),
+        "storage_writes_skipped": int(sum(v for k, v in s.items() if k.startswith("storage_skipped."))),
     }
 
 
@@ -320,6 +341,16 @@ def show(console: Any, r: dict[str, Any]) -> None:
         ("loaded pages checked, byte for byte", f"{r['pages_checked']:,}, {r['mismatched_pages']} wrong"),
         ("wall time", f"{r['seconds']:.1f} s"),
     ]
+    if r["storage"]:
+        rows[2:2] = [
+            ("hit rate: storage (part of host)", f"{r['storage_hit_rate']:.1%} ({r['storage']})"),
+            ("storage: pages read / written", f"{r['storage_pages_read']:,} / {r['storage_pages_written']:,}"),
+            ("storage: read / write rate", f"{r['storage_read_gbps']:.2f} / {r['storage_write_gbps']:.2f} GB/s"),
+            ("storage: misses (why), errors, writes skipped",
+             f"{sum(r['storage_misses'].values())}"
+             + "".join(f" {k}={v}" for k, v in r["storage_misses"].items())
+             + f", {r['storage_errors']}, {r['storage_writes_skipped']}"),
+        ]
     for row in rows:
         table.add_row(*row)
     console.print(table)

@@ -94,12 +94,13 @@ class StorageBackend:
 
     kind = "abstract"
 
-    def __init__(self, namespace: Namespace, *, retry_interval: float = 1.0, batch_pages: int = 32) -> None:
+    def __init__(self, namespace: Namespace | None, *, retry_interval: float = 1.0, batch_pages: int = 32) -> None:
+        """``namespace=None`` opens the store for operators (list, describe, clear): page calls are refused."""
         if not retry_interval >= 0 or batch_pages < 1:
             raise InvalidArgument("retry_interval must be >= 0 seconds and batch_pages >= 1")
-        self.namespace = namespace
-        self.format = PageFormat.of(namespace)
-        self.namespace_id = namespace.digest.hex()[:16]
+        self._namespace = namespace
+        self._format = PageFormat.of(namespace) if namespace is not None else None
+        self.namespace_id = namespace.digest.hex()[:16] if namespace is not None else ""
         self.retry_interval, self.batch_pages = float(retry_interval), int(batch_pages)
         self.counters = StorageStats()
         self._state_lock = threading.Lock()
@@ -108,6 +109,22 @@ class StorageBackend:
         self._closed = False
 
     # -- public -----------------------------------------------------------------------------------------------------
+    @property
+    def namespace(self) -> Namespace:
+        if self._namespace is None:
+            raise StorageError(f"{self!r} was opened without a namespace (for operators: entries, namespaces, clear)")
+        return self._namespace
+
+    @property
+    def format(self) -> PageFormat:
+        if self._format is None:
+            raise StorageError(f"{self!r} was opened without a namespace (for operators: entries, namespaces, clear)")
+        return self._format
+
+    @format.setter
+    def format(self, value: PageFormat) -> None:
+        self._format = value
+
     @property
     def page_bytes(self) -> int:
         return self.format.payload_bytes
@@ -202,11 +219,18 @@ class StorageBackend:
         self._check_open()
         return self._namespaces()
 
-    def clear(self, *, every_namespace: bool = False) -> int:
-        """Remove this namespace's pages (every namespace's with ``every_namespace``); returns how many. Raises
-        on error (an operator's call)."""
+    def clear(self, namespace_id: str | None = None, *, every_namespace: bool = False) -> int:
+        """Remove the pages of this store's namespace, of ``namespace_id`` (16 hex digits, as ``entries`` lists
+        them), or of every namespace; returns how many. Raises on error (an operator's call)."""
         self._check_open()
-        return self._remove(None if every_namespace else self.namespace_id)
+        if every_namespace:
+            return self._remove(None)
+        target = namespace_id or self.namespace_id
+        if not target:
+            raise InvalidArgument("clear: name a namespace id or pass every_namespace=True")
+        if len(target) != 16 or any(c not in "0123456789abcdef" for c in target):
+            raise InvalidArgument(f"clear: namespace id {target!r} is not 16 lowercase hex digits")
+        return self._remove(target)
 
     def stats(self) -> dict[str, Any]:
         counts: dict[str, Any] = dict(self.counters.snapshot())

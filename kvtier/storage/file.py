@@ -59,23 +59,29 @@ def _transfer(call: Any, fd: int, buffers: list[memoryview], offset: int) -> int
 class FileStore(StorageBackend):
     kind = "file"
 
-    def __init__(self, root: str | os.PathLike[str], namespace: Namespace, *, max_bytes: int | None = None,
+    def __init__(self, root: str | os.PathLike[str], namespace: Namespace | None, *, max_bytes: int | None = None,
                  fsync: str = "none", **options: Any) -> None:
         super().__init__(namespace, **options)
         if fsync not in FSYNC_POLICIES:
             raise InvalidArgument(f"fsync={fsync!r}: choose one of {', '.join(FSYNC_POLICIES)}")
-        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < self.format.stored_bytes):
+        smallest = self.format.stored_bytes if namespace is not None else 1
+        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < smallest):
             raise InvalidArgument(f"max_bytes={max_bytes!r} must be an int of at least one stored page "
-                                  f"({self.format.stored_bytes} bytes)")
+                                  f"({smallest} bytes)")
         self.root = Path(root)
         self.fsync, self.max_bytes = fsync, max_bytes
-        self.directory = self.root / self.namespace_id
-        self.directory.mkdir(parents=True, exist_ok=True)
         self._made: set[str] = set()
         self._lru: OrderedDict[str, int] = OrderedDict()
         self._lru_lock = threading.Lock()
         self._used = 0
         self._scanned = 0.0
+        if namespace is None:
+            if not self.root.is_dir():
+                raise InvalidArgument(f"{self.root} is not a directory")
+            self.directory = self.root
+            return
+        self.directory = self.root / self.namespace_id
+        self.directory.mkdir(parents=True, exist_ok=True)
         self._record_namespace()
         self._sweep_temporaries()
         if max_bytes is not None:

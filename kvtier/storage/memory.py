@@ -31,13 +31,14 @@ class SharedPages:
 class MemoryStore(StorageBackend):
     kind = "memory"
 
-    def __init__(self, namespace: Namespace, *, shared: SharedPages | None = None, max_bytes: int | None = None,
+    def __init__(self, namespace: Namespace | None, *, shared: SharedPages | None = None, max_bytes: int | None = None,
                  **options: Any) -> None:
         super().__init__(namespace, **options)
         self.shared = shared or SharedPages()
         self.max_bytes = max_bytes
-        with self.shared.lock:
-            self.shared.namespaces.setdefault(self.namespace_id, self.describe())
+        if namespace is not None:
+            with self.shared.lock:
+                self.shared.namespaces.setdefault(self.namespace_id, self.describe())
 
     def __repr__(self) -> str:
         return f"MemoryStore(namespace {self.namespace_id}, {len(self.shared.pages)} pages)"

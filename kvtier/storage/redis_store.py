@@ -33,7 +33,7 @@ SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 class RedisStore(StorageBackend):
     kind = "redis"
 
-    def __init__(self, url: str, namespace: Namespace, *, cluster: bool | None = None, prefix: str = "kvtier",
+    def __init__(self, url: str, namespace: Namespace | None, *, cluster: bool | None = None, prefix: str = "kvtier",
                  ttl: int | None = None, timeout: float = 5.0, connect_timeout: float = 2.0,
                  **options: Any) -> None:
         super().__init__(namespace, **options)

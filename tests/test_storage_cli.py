@@ -1,0 +1,65 @@
+"""``kvtier demo --storage`` (a second run is served from storage) and ``kvtier storage ls/stats/clear``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvtier.cache import page_keys
+from kvtier.cli import main
+from kvtier.storage import open_store
+from storage_helpers import GEOMETRY, namespace
+
+DEMO = ["--runtime", "emulated:split", "demo", "--users", "3", "--turns", "2", "--system-tokens", "256",
+        "--user-tokens", "64", "--reply-tokens", "32", "--json"]
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+def test_a_second_demo_run_is_served_from_storage(kind, tmp_path, capsys, request):
+    spec = f"file:{tmp_path / 'store'}" if kind == "file" else request.getfixturevalue("redis_url")
+    seed = str(np.random.default_rng().integers(1 << 30))     # fresh tokens: nothing of an earlier test hits
+    first_code = main([*DEMO, "--seed", seed, "--storage", spec])
+    first = json.loads(capsys.readouterr().out)
+    second_code = main([*DEMO, "--seed", seed, "--storage", spec])
+    second = json.loads(capsys.readouterr().out)
+    assert first_code == second_code == 0
+    assert first["storage_pages_written"] > 0 and first["mismatched_pages"] == second["mismatched_pages"] == 0
+    assert second["storage_pages_read"] > 0 and second["storage_hit_rate"] > 0.2
+    assert second["prefill_tokens"] < first["prefill_tokens"] / 2, (first, second)
+    assert second["pages_checked"] == second["pages_loaded"] > 0          # what came from storage was checked
+    if kind == "redis":
+        assert main(["storage", "clear", spec, "--all"]) == 0
+
+
+def test_demo_with_a_store_that_is_down_still_serves(capsys):
+    code = main([*DEMO, "--storage", "redis://127.0.0.1:1/0"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["mismatched_pages"] == 0 and report["storage_errors"] >= 1
+    assert report["storage_pages_read"] == 0 and report["prefill_saved_tokens"] > 0
+
+
+@pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster"])
+def test_operators_list_total_and_clear(kind, tmp_path, capsys, request):
+    spec = {"file": f"file:{tmp_path}", "redis": None, "redis-cluster": None}[kind] or \
+        request.getfixturevalue("redis_url" if kind == "redis" else "redis_cluster_url")
+    ns = namespace(model="operators/test")
+    with open_store(spec, ns) as store:
+        keys = page_keys(ns, np.arange(7 * GEOMETRY.page_size))
+        store.set(keys, [[np.random.default_rng().integers(1, 256, GEOMETRY.bytes_per_page, dtype=np.uint8)]
+                         for _ in keys])
+    assert main(["storage", "ls", spec, "--json"]) == 0
+    rows = {r["namespace"]: r for r in json.loads(capsys.readouterr().out)}
+    mine = rows[store.namespace_id]
+    assert mine["model"] == "operators/test" and mine["pages"] == 7 and mine["tenant"] == ns.tenant
+    assert main(["storage", "ls", spec]) == 0
+    assert store.namespace_id in capsys.readouterr().out
+    assert main(["storage", "ls", spec, "--namespace", store.namespace_id]) == 0
+    assert sorted(line.split()[0] for line in capsys.readouterr().out.splitlines()) == sorted(k.hex() for k in keys)
+    assert main(["storage", "stats", spec, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pages"] >= 7
+    assert main(["storage", "clear", spec, "--namespace", store.namespace_id]) == 0
+    assert "removed 7 pages" in capsys.readouterr().out
+    assert main(["storage", "clear", spec, "--namespace", "nothex"]) == 2
+    assert "16 lowercase hex digits" in capsys.readouterr().err
