@@ -3,10 +3,11 @@
 # over the kernel tests, the copy-across-registrations probe, kvtier doctor, the benchmarks, and the batched-memcpy
 # probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py,
-# TESTS narrows the AOT suite (default: tests), ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane).
+# TESTS narrows the AOT suite (default: tests), ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane),
+# STORAGE_ARGS to bench/storage.py. The storage phase needs redis-server on PATH and redis-py importable.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
-PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench enqueue demo cache limits"}
+PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench enqueue demo cache limits storage"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
@@ -59,6 +60,17 @@ fi
 if want cache; then
     python3 bench/cache.py --runtime cuda --no-control --data ${CACHE_ARGS:-} --json "$OUT/cache.json" 2>&1 \
         | tee "$OUT/cache.txt" || status=1
+fi
+if want storage; then
+    store=$(mktemp -d)
+    {
+        python3 -m kvtier --runtime cuda demo --storage "file:$store" ${DEMO_ARGS:-} --save "$OUT/demo-storage-1.json" &&
+        python3 -m kvtier --runtime cuda demo --storage "file:$store" ${DEMO_ARGS:-} --save "$OUT/demo-storage-2.json" &&
+        python3 -m kvtier storage ls "file:$store"
+    } 2>&1 | tee "$OUT/demo-storage.txt" || status=1
+    rm -rf "$store"
+    python3 bench/storage.py --runtime cuda ${STORAGE_ARGS:-} --json "$OUT/storage.json" 2>&1 | tee "$OUT/storage.txt" \
+        || status=1
 fi
 if want limits; then
     python3 bench/batch_limits.py 2>&1 | tee "$OUT/batch_limits.txt" || status=1

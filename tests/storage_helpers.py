@@ -117,12 +117,15 @@ class RedisClusterServers:
         assert CLI is not None
         subprocess.run([CLI, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            info = subprocess.run([CLI, "-p", str(ports[0]), "cluster", "info"], capture_output=True, text=True)
-            if "cluster_state:ok" in info.stdout:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:                 # every node must agree before tests use it
+            states = [subprocess.run([CLI, "-p", str(p), "cluster", "info"], capture_output=True, text=True).stdout
+                      for p in ports]
+            if all("cluster_state:ok" in state for state in states):
                 break
             time.sleep(0.1)
+        else:
+            raise RuntimeError("the test cluster did not reach cluster_state:ok")
         self.url = f"redis+cluster://127.0.0.1:{ports[0]}"
 
     def close(self) -> None:

@@ -36,7 +36,7 @@ CHILD = textwrap.dedent("""
     from kvtier.cache import Namespace, page_keys
     from kvtier.storage import FileStore
     ns = Namespace("test-model", GEOMETRY, "bfloat16", tenant={tenant!r})
-    store = FileStore({root!r}, ns)
+    store = FileStore({root!r}, ns, overwrite=True)
     keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
     page = np.frombuffer(bytes.fromhex({payload!r}), np.uint8)
     if {kill!r} == "before_rename":
@@ -133,3 +133,22 @@ def test_an_unwritable_directory_degrades_to_counted_failures(tmp_path):
     assert store.set(keys, [[p] for p in data(2)]) == 0
     assert store.stats()["errors.set"] >= 1
     assert store.exists(keys) == 0
+
+
+def test_a_stored_page_is_written_once_and_a_damaged_one_is_replaced(tmp_path):
+    ns = namespace()
+    store = FileStore(tmp_path, ns)
+    keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
+    first, second = data(2), data(2)
+    store.set(keys, [[p] for p in first])
+    inode = store.path(keys[0]).stat().st_ino
+    assert store.set(keys, [[p] for p in second]) == 2              # stored already: a key names its content
+    assert store.path(keys[0]).stat().st_ino == inode and store.stats()["set.already_stored"] == 2
+    assert np.array_equal(read(store, keys)[1][0], first[0])
+    blob = bytearray(store.path(keys[0]).read_bytes())
+    blob[-1] ^= 0xFF
+    store.path(keys[0]).write_bytes(bytes(blob))
+    assert read(store, keys)[0] == 0 and store.stats()["removed_bad_pages"] == 1
+    store.set(keys[:1], [[second[0]]])                            # the next write replaces the damaged page
+    count, out = read(store, keys)
+    assert count == 2 and np.array_equal(out[0], second[0])

@@ -16,6 +16,7 @@ tries again; the first success after that counts a reconnect.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -261,10 +262,12 @@ class StorageBackend:
     # -- rules shared by every backend ------------------------------------------------------------------------------
     def _read_batch(self, keys: list[bytes], views: list[list[memoryview]]) -> int:
         done = 0
-        for key, pieces, outcome in zip(keys, views, self._get(keys, views), strict=False):
-            del key, pieces
+        for key, outcome in zip(keys, self._get(keys, views), strict=False):
             if outcome is not None:
                 self.counters.add(f"miss.{outcome.reason}")
+                if outcome.reason != "absent":       # remove it, so that the next write of this page replaces it
+                    with contextlib.suppress(Exception):
+                        self.counters.add("removed_bad_pages", self._delete([key]))
                 return done
             done += 1
         return done

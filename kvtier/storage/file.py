@@ -9,6 +9,9 @@ what one writes is a hit for the others.
   directory too), then renamed over the final name. A writer killed at any point leaves the old page or no page,
   never a torn one; its temporary file is swept by the next store that opens the directory (the owner pid is in
   its name). Without fsync a power loss may leave a torn page: the checksum makes that a miss.
+- **One write per page.** A key names its content (the KV of a prefix in one namespace), so a page already stored
+  is not written again (``overwrite=True`` rewrites it); a page found damaged on read is removed, so the next write
+  of it replaces it.
 - **Reads** go straight into host memory (``preadv`` into the page's pieces) and are verified before the page counts.
 - **Size bound.** ``max_bytes`` bounds the directory: past it, the least recently used pages (by modification time,
   which a hit refreshes) are removed down to 90% of the bound. Each process tracks what it writes and rescans the
@@ -60,7 +63,7 @@ class FileStore(StorageBackend):
     kind = "file"
 
     def __init__(self, root: str | os.PathLike[str], namespace: Namespace | None, *, max_bytes: int | None = None,
-                 fsync: str = "none", **options: Any) -> None:
+                 fsync: str = "none", overwrite: bool = False, **options: Any) -> None:
         super().__init__(namespace, **options)
         if fsync not in FSYNC_POLICIES:
             raise InvalidArgument(f"fsync={fsync!r}: choose one of {', '.join(FSYNC_POLICIES)}")
@@ -69,14 +72,14 @@ class FileStore(StorageBackend):
             raise InvalidArgument(f"max_bytes={max_bytes!r} must be an int of at least one stored page "
                                   f"({smallest} bytes)")
         self.root = Path(root)
-        self.fsync, self.max_bytes = fsync, max_bytes
+        self.fsync, self.max_bytes, self.overwrite = fsync, max_bytes, overwrite
         self._made: set[str] = set()
         self._lru: OrderedDict[str, int] = OrderedDict()
         self._lru_lock = threading.Lock()
         self._used = 0
         self._scanned = 0.0
-        if namespace is None:
-            if not self.root.is_dir():
+        if namespace is None:                    # an operator's view: a missing directory holds no pages
+            if self.root.exists() and not self.root.is_dir():
                 raise InvalidArgument(f"{self.root} is not a directory")
             self.directory = self.root
             return
@@ -148,6 +151,9 @@ class FileStore(StorageBackend):
     def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> None:
         for key, header, pieces in zip(keys, headers, pages, strict=False):
             path = self.path(key)
+            if not self.overwrite and path.is_file():
+                self.counters.add("set.already_stored")
+                continue
             parent = path.parent
             if parent.name not in self._made:
                 parent.mkdir(parents=True, exist_ok=True)
@@ -188,8 +194,11 @@ class FileStore(StorageBackend):
                 self._used -= self._lru.pop(str(path), 0)
         return removed
 
+    def _namespace_dirs(self) -> list[Path]:
+        return sorted(p for p in self.root.iterdir() if p.is_dir()) if self.root.is_dir() else []
+
     def _entries(self) -> Iterator[Entry]:
-        for namespace in sorted(p for p in self.root.iterdir() if p.is_dir()):
+        for namespace in self._namespace_dirs():
             for path in namespace.glob(f"*/*{SUFFIX}"):
                 try:
                     size = path.stat().st_size
@@ -199,7 +208,7 @@ class FileStore(StorageBackend):
 
     def _namespaces(self) -> dict[str, dict[str, Any] | None]:
         found: dict[str, dict[str, Any] | None] = {}
-        for namespace in sorted(p for p in self.root.iterdir() if p.is_dir()):
+        for namespace in self._namespace_dirs():
             try:
                 found[namespace.name] = json.loads((namespace / "namespace.json").read_text())
             except (OSError, ValueError):

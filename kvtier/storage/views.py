@@ -3,9 +3,8 @@
 Storage is a CPU-side consumer: it gets each page as the list of its contiguous pieces in host memory, built from
 ``HostPool.page_metadata`` (CPU addresses, never a device alias). A page of a ``page_first``, ``page_first_direct``
 or ``page_head`` pool is one piece per tensor (K and V for MHA, one for MLA); a ``layer_first`` page is one piece per
-tensor and layer. Backends move the pieces with vectored I/O where they can (``preadv``/``pwritev``), so no layout
-needs a copy on the file path; ``PageIO.contiguous`` gathers a page through one bounce buffer where a backend needs
-the page as one value.
+tensor and layer. Backends take the pieces as they are: the file store with vectored I/O (``preadv``/``pwritev``),
+the Redis store by writing them to the socket one after the other, so no layout needs a bounce buffer.
 """
 
 from __future__ import annotations
@@ -34,36 +33,12 @@ class PageIO:
     def __init__(self, pool: HostPool, pages: Sequence[int] | np.ndarray) -> None:
         self.pool = pool
         self.pages = [[_view(address.value, size) for address, size in page] for page in pool.page_metadata(pages)]
-        self.page_bytes = pool.geometry.bytes_per_page
-        self._bounce: bytearray | None = None
 
     def __len__(self) -> int:
         return len(self.pages)
 
     def pieces(self, index: int) -> Pieces:
         return self.pages[index]
-
-    def contiguous(self, index: int) -> memoryview:
-        """Page ``index`` as one buffer: its own memory when it is one piece, else gathered into the batch's bounce
-        buffer (valid until the next call)."""
-        pieces = self.pages[index]
-        if len(pieces) == 1:
-            return pieces[0]
-        if self._bounce is None:
-            self._bounce = bytearray(self.page_bytes)
-        bounce = memoryview(self._bounce)
-        at = 0
-        for piece in pieces:
-            bounce[at:at + piece.nbytes] = piece
-            at += piece.nbytes
-        return bounce
-
-    def scatter(self, index: int, data: memoryview) -> None:
-        """Copy a verified page's bytes (one buffer) into its pieces."""
-        at = 0
-        for piece in self.pages[index]:
-            piece[:] = data[at:at + piece.nbytes]
-            at += piece.nbytes
 
 
 class HostPages:

@@ -1,0 +1,312 @@
+"""Storage benchmark: ``set`` / ``get`` of whole pages through kvtier's backends, beside the same bytes through the
+plain tool in the same run, and the latency of a prefetch of a long chain through the cache.
+
+Pages (bf16): Llama-3-8B with 16 and 64 tokens (32 layers, K and V: 2 MiB and 8 MiB) and DeepSeek-V3 MLA with 64
+tokens (61 layers of 1152-byte latents: 4.3 MiB), read from and written to a ``page_first`` host pool (two pieces
+per MHA page, one per MLA page). About ``--mib`` MiB of pages per row.
+
+Ceilings, same bytes, same run:
+- file: one plain file per page, written with ``write`` per piece and read with ``readinto`` (no header, checksum,
+  temporary file or rename); warm rows read from the page cache, cold rows after ``fsync`` + ``POSIX_FADV_DONTNEED``
+  on every file (the kernel drops the cached pages) for both kvtier and the ceiling.
+- redis: redis-py's own pipelined ``SET`` of a prepared ``bytes`` value and ``GET`` (batches of 32, like kvtier).
+
+Prefetch rows: a cache whose storage holds a ``--prefetch-tokens`` chain (Llama-3-8B, 16-token pages) in a fresh
+process-like state (empty host tier): ``prefetch(tokens)`` until the whole chain is in the host tier.
+
+Usage: python bench/storage.py [--stores file,redis] [--redis URL] [--dir PATH] [--json PATH]
+Without ``--redis`` a private redis-server is started when one is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvtier.cache import CacheSettings, KVCache, Namespace, page_keys  # noqa: E402
+from kvtier.pools import DevicePool, HostPool, KVGeometry  # noqa: E402
+from kvtier.runtime import get as get_runtime  # noqa: E402
+from kvtier.storage import HostPages, open_store  # noqa: E402
+
+SIZES = {
+    "llama3-8b p16": KVGeometry.mha(layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=16),
+    "llama3-8b p64": KVGeometry.mha(layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=64),
+    "deepseek-v3 p64": KVGeometry.mla(layers=61, latent_bytes=1152, page_size=64),
+}
+BATCH = 32
+
+
+def median(fn, repeats: int, before=None) -> float:
+    times = []
+    for _ in range(repeats):
+        if before:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def drop_cache(paths: list[Path]) -> None:
+    """Write back and drop the page cache of these files (clean pages go at POSIX_FADV_DONTNEED)."""
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def start_redis() -> tuple[str, subprocess.Popen[bytes], str] | None:
+    server = shutil.which("redis-server") or shutil.which("valkey-server")
+    if server is None:
+        return None
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="kvtier-bench-redis-")
+    process = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                "no", "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return f"redis://127.0.0.1:{port}/0", process, workdir
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    return None
+
+
+def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runtime, mib: int, repeats: int,
+              directory: Path | None) -> list[dict]:
+    count = max(BATCH, (mib << 20) // geometry.bytes_per_page)
+    namespace = Namespace(f"bench/{name}", geometry, "bfloat16", tenant=f"{os.getpid()}-{time.time_ns()}")
+    keys = page_keys(namespace, np.arange(count * geometry.page_size))
+    pool = HostPool.allocate(geometry, "page_first", pages=count * 2, kind="pinned", runtime=runtime)
+    view = pool.buffer.as_tensor().numpy()
+    view[:] = np.random.default_rng().integers(0, 256, view.size, dtype=np.uint8)
+    del view
+    pages = HostPages(pool)
+    nbytes = count * geometry.bytes_per_page
+    store = open_store(spec, namespace)
+    rows: list[dict] = []
+    try:
+        with pages.batch(np.arange(count)) as source, pages.batch(np.arange(count, 2 * count)) as target:
+            pieces = [source.pieces(i) for i in range(count)]
+            into = [target.pieces(i) for i in range(count)]
+
+            def kv_set() -> None:
+                assert store.set(keys, pieces) == count
+
+            def kv_get() -> None:
+                assert store.get(keys, into) == count
+
+            kv_set()
+            set_s = median(kv_set, repeats, lambda: store.delete(keys))      # new pages every time
+            if store_kind == "file":
+                assert directory is not None
+                plain_dir = directory / f"plain-{time.time_ns()}"
+                plain_dir.mkdir(parents=True)
+                plain = [plain_dir / f"{i}.bin" for i in range(count)]
+
+                def plain_set() -> None:
+                    for path, page in zip(plain, pieces):
+                        with open(path, "wb") as file:
+                            for piece in page:
+                                file.write(piece)
+
+                def plain_get() -> None:
+                    for path, page in zip(plain, into):
+                        with open(path, "rb", buffering=0) as file:
+                            for piece in page:
+                                file.readinto(piece)
+
+                ceiling_set = median(plain_set, repeats, lambda: [p.unlink(missing_ok=True) for p in plain])
+                rows.append(row(store_kind, name, "set", "", nbytes, set_s, ceiling_set))
+                mine = [store.path(k) for k in keys]  # type: ignore[attr-defined]
+                for state, before_kv, before_plain in (("warm", None, None),
+                                                       ("cold", lambda: drop_cache(mine), lambda: drop_cache(plain))):
+                    get_s = median(kv_get, repeats, before_kv)
+                    ceiling_get = median(plain_get, repeats, before_plain)
+                    rows.append(row(store_kind, name, "get", state, nbytes, get_s, ceiling_get))
+                shutil.rmtree(plain_dir, ignore_errors=True)
+            else:
+                import redis
+
+                client = redis.Redis.from_url(spec)
+                values = [b"".join(bytes(p) for p in page) for page in pieces]
+                raw_keys = [f"bench-raw:{namespace.digest.hex()[:16]}:{k.hex()}" for k in keys]
+
+                def raw_set() -> None:
+                    for start in range(0, count, BATCH):
+                        pipe = client.pipeline(transaction=False)
+                        for key, value in zip(raw_keys[start:start + BATCH], values[start:start + BATCH]):
+                            pipe.set(key, value)
+                        pipe.execute()
+
+                def raw_get() -> None:
+                    for start in range(0, count, BATCH):
+                        pipe = client.pipeline(transaction=False)
+                        for key in raw_keys[start:start + BATCH]:
+                            pipe.get(key)
+                        pipe.execute()
+
+                rows.append(row(store_kind, name, "set", "", nbytes, set_s,
+                                median(raw_set, repeats, lambda: client.delete(*raw_keys))))
+                rows.append(row(store_kind, name, "get", "", nbytes, median(kv_get, repeats),
+                                median(raw_get, repeats)))
+                client.delete(*raw_keys)
+                client.close()
+            assert store.stats().get("errors.get", 0) == 0 and store.stats().get("errors.set", 0) == 0
+            assert all(np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8))
+                       for x, y in zip(pieces, into) for a, b in zip(x, y)), "pages read back differ"
+            del pieces, into
+        store.clear()
+    finally:
+        store.close()
+        pages.close()
+        pool.close()
+    return rows
+
+
+def row(store: str, size: str, op: str, state: str, nbytes: int, seconds: float, ceiling: float) -> dict:
+    gbps, ceiling_gbps = nbytes / seconds / 1e9, nbytes / ceiling / 1e9
+    return {"store": store, "page": size, "op": op, "cache": state, "bytes": nbytes, "gbps": gbps,
+            "ceiling_gbps": ceiling_gbps, "pct": 100 * gbps / ceiling_gbps}
+
+
+def prefetch_rows(store_kind: str, spec: str, runtime, tokens: int, directory: Path | None) -> list[dict]:
+    """Write a chain through one cache, then time a fresh cache's prefetch of it (warm and, for files, cold)."""
+    geometry = SIZES["llama3-8b p16"]
+    pages = tokens // geometry.page_size
+    namespace = Namespace("bench/prefetch", geometry, "bfloat16", tenant=f"{os.getpid()}-{time.time_ns()}")
+    prompt = np.random.default_rng().integers(0, 128256, tokens)
+    store = open_store(spec, namespace)
+    rows = []
+    try:
+        writer = HostPool.allocate(geometry, "page_first", pages=pages, kind="pinned", runtime=runtime)
+        view = writer.buffer.as_tensor().numpy()
+        view[:] = np.random.default_rng().integers(0, 256, view.size, dtype=np.uint8)
+        del view
+        source = HostPages(writer)
+        with source.batch(np.arange(pages)) as io:
+            store.set(page_keys(namespace, prompt), [io.pieces(i) for i in range(pages)])
+        source.close()
+        writer.close()
+        os.sync()                                          # no writeback of the chain under the timed read
+        states = [("warm", None)]
+        if store_kind == "file":
+            states.append(("cold", lambda: drop_cache([store.path(k) for k in page_keys(namespace, prompt)])))  # type: ignore[attr-defined]
+        for state, before in states:
+            if before:
+                before()
+            device = DevicePool.allocate(geometry, 64, 0, runtime=runtime)
+            host = HostPool.allocate(geometry, "page_first", pages=pages + 64, kind="pinned", runtime=runtime)
+            cache = KVCache(device, host, namespace, CacheSettings(calibrate=False, io_backend="direct"),
+                            storage=store)
+            try:
+                start = time.perf_counter()
+                fetch = cache.prefetch(prompt)
+                fetch.wait()
+                seconds = time.perf_counter() - start
+                assert fetch.outcome == "complete", fetch
+                assert cache.match_prefix(prompt).host_tokens == tokens
+                nbytes = pages * geometry.bytes_per_page
+                rows.append({"store": store_kind, "tokens": tokens, "cache": state, "seconds": seconds,
+                             "gbps": nbytes / seconds / 1e9, "bytes": nbytes})
+            finally:
+                cache.close()
+                host.close()
+                device.close()
+        store.clear()
+    finally:
+        store.close()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stores", default="file,redis")
+    parser.add_argument("--sizes", default=",".join(SIZES))
+    parser.add_argument("--redis", help="a Redis URL (default: start a private redis-server)")
+    parser.add_argument("--dir", help="directory for the file store (default: a temporary one)")
+    parser.add_argument("--mib", type=int, default=512, help="MiB of pages per row (default 512)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefetch-tokens", type=int, default=32768, help="0 skips the prefetch rows")
+    parser.add_argument("--runtime", default=None)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    runtime = get_runtime(args.runtime)
+    console = Console()
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-bench-store-"))
+    started = None
+    specs = {}
+    for kind in args.stores.split(","):
+        if kind == "file":
+            specs[kind] = f"file:{directory / 'store'}"
+        elif kind == "redis":
+            if args.redis:
+                specs[kind] = args.redis
+            else:
+                started = start_redis()
+                if started is None:
+                    console.print("[yellow]no redis-server installed: skipping the redis rows")
+                    continue
+                specs[kind] = started[0]
+        else:
+            raise SystemExit(f"unknown store {kind!r}: file or redis")
+    rows, prefetches = [], []
+    try:
+        for kind, spec in specs.items():
+            for name in args.sizes.split(","):
+                rows += page_rows(kind, spec, name, SIZES[name], runtime, args.mib, args.repeats, directory)
+                console.print(f"{kind} {name}: done")
+            if args.prefetch_tokens:
+                prefetches += prefetch_rows(kind, spec, runtime, args.prefetch_tokens, directory)
+    finally:
+        if started is not None:
+            started[1].kill()
+            shutil.rmtree(started[2], ignore_errors=True)
+        if not args.dir:
+            shutil.rmtree(directory, ignore_errors=True)
+    table = Table(title=f"kvtier storage — pages through kvtier vs the plain tool, same bytes, same run "
+                        f"({os.cpu_count()} CPUs, runtime {runtime.name})")
+    for column in ("store", "page", "op", "page cache", "kvtier GB/s", "plain GB/s", "% of plain"):
+        table.add_column(column, justify="right" if "GB/s" in column or "%" in column else "left")
+    for r in rows:
+        table.add_row(r["store"], r["page"], r["op"], r["cache"], f"{r['gbps']:.2f}", f"{r['ceiling_gbps']:.2f}",
+                      f"{r['pct']:.0f}%")
+    console.print(table)
+    if prefetches:
+        table = Table(title="prefetch of a chain into an empty host tier (Llama-3-8B, 16-token pages)")
+        for column in ("store", "tokens", "page cache", "seconds", "GB/s"):
+            table.add_column(column)
+        for r in prefetches:
+            table.add_row(r["store"], f"{r['tokens']:,}", r["cache"], f"{r['seconds']:.3f}", f"{r['gbps']:.2f}")
+        console.print(table)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"cpus": os.cpu_count(), "runtime": runtime.name, "rows": rows, "prefetch": prefetches}, file,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
