@@ -127,13 +127,13 @@ def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runti
                 plain = [plain_dir / f"{i}.bin" for i in range(count)]
 
                 def plain_set() -> None:
-                    for path, page in zip(plain, pieces):
+                    for path, page in zip(plain, pieces, strict=False):
                         with open(path, "wb") as file:
                             for piece in page:
                                 file.write(piece)
 
                 def plain_get() -> None:
-                    for path, page in zip(plain, into):
+                    for path, page in zip(plain, into, strict=False):
                         with open(path, "rb", buffering=0) as file:
                             for piece in page:
                                 file.readinto(piece)
@@ -157,7 +157,7 @@ def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runti
                 def raw_set() -> None:
                     for start in range(0, count, BATCH):
                         pipe = client.pipeline(transaction=False)
-                        for key, value in zip(raw_keys[start:start + BATCH], values[start:start + BATCH]):
+                        for key, value in zip(raw_keys[start:start + BATCH], values[start:start + BATCH], strict=False):
                             pipe.set(key, value)
                         pipe.execute()
 
@@ -176,8 +176,8 @@ def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runti
                 client.close()
             assert store.stats().get("errors.get", 0) == 0 and store.stats().get("errors.set", 0) == 0
             assert all(np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8))
-                       for x, y in zip(pieces, into) for a, b in zip(x, y)), "pages read back differ"
-            del pieces, into
+                       for x, y in zip(pieces, into, strict=True) for a, b in zip(x, y, strict=True)), \
+                "pages read back differ"
         store.clear()
     finally:
         store.close()

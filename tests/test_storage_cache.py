@@ -49,7 +49,7 @@ class Hooked(MemoryStore):
         time.sleep(self.delay)
         if self.fail == "set":
             raise ConnectionError("server went away")
-        super()._set(keys, headers, pages)
+        return super()._set(keys, headers, pages)
 
 
 def prompt(pages: int, page_size: int = 4, seed: int | None = None) -> np.ndarray:

@@ -327,13 +327,11 @@ class StorageTier:
 
     def _finish_job(self, job: StoreJob, stored: int, reason: str | None = "store_failed") -> None:
         with self.lock:
-            covered = 0
+            written = set(job.keys[:stored])
             for node in job.nodes:
                 if node.storing is job:
                     node.storing = None
-            for node in sorted(job.nodes, key=lambda n: _depth(n)):
-                covered += len(node.tokens) // self.page_size
-                if node.alive and covered <= stored:
+                if node.alive and written.issuperset(self.tiers.index.keys(node)):
                     node.stored = True
             if job.orphans:
                 orphans = np.concatenate(job.orphans)
@@ -381,6 +379,3 @@ class StorageTier:
         self.host.close()
         return sum(len(job.keys) for job in dropped)
 
-
-def _depth(node: Node) -> int:
-    return sum(1 for _ in node.path())

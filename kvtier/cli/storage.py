@@ -8,13 +8,14 @@ bytes, or one namespace's pages; ``stats`` totals the store; ``clear`` removes o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
-from kvtier.errors import InvalidArgument
+from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.runtime import Runtime
-from kvtier.storage import SPEC_HELP, RedisStore, StorageBackend, open_store
+from kvtier.storage import SPEC_HELP, RedisStore, StorageBackend, StorageError, open_store
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -38,9 +39,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _open(spec: str) -> StorageBackend:
-    if spec == "memory:":
+    if spec.startswith("memory:"):
         raise InvalidArgument("memory: lives inside one process; there is nothing to inspect from the command line")
     return open_store(spec, None)
+
+
+def _operator(command: Callable[[Runtime | None, argparse.Namespace], int]) -> Callable[..., int]:
+    """An operator's call that cannot reach its store says so in one line (exit 2), not with a traceback."""
+
+    @functools.wraps(command)
+    def run(runtime: Runtime | None, args: argparse.Namespace) -> int:
+        try:
+            return command(runtime, args)
+        except KvtierError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - redis / OS errors of the operator's store, reported plainly
+            raise StorageError(f"{args.spec}: {type(exc).__name__}: {exc}") from exc
+
+    return run
 
 
 def summary(store: StorageBackend) -> list[dict[str, Any]]:
@@ -63,6 +79,7 @@ def summary(store: StorageBackend) -> list[dict[str, Any]]:
     return rows
 
 
+@_operator
 def ls_command(runtime: Runtime | None, args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -105,6 +122,7 @@ def _size(nbytes: int) -> str:
     return f"{value:.1f} GiB"
 
 
+@_operator
 def stats_command(runtime: Runtime | None, args: argparse.Namespace) -> int:
     with _open(args.spec) as store:
         rows = summary(store)
@@ -123,6 +141,7 @@ def stats_command(runtime: Runtime | None, args: argparse.Namespace) -> int:
     return 0
 
 
+@_operator
 def clear_command(runtime: Runtime | None, args: argparse.Namespace) -> int:
     with _open(args.spec) as store:
         removed = store.clear(args.namespace, every_namespace=args.all)

@@ -35,7 +35,9 @@ def open_store(spec: str, namespace: Namespace | None, **options: Any) -> Storag
         return RedisStore(spec, namespace, **options)
     if scheme:
         raise InvalidArgument(f"storage spec {spec!r}: unknown scheme {scheme!r}; expected {SPEC_HELP}")
-    if spec == "memory:":
+    if spec.startswith("memory:"):
+        if spec != "memory:":
+            raise InvalidArgument(f"storage spec {spec!r}: memory: takes nothing after the colon")
         return MemoryStore(namespace, **options)
     path = spec[len("file:"):] if spec.startswith("file:") else spec
     if not path:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -38,6 +39,17 @@ class StorageError(KvtierError):
     """A storage backend was misconfigured or used wrongly (bad URL, closed store, malformed keys)."""
 
 
+class PartialWrite(Exception):
+    """A backend's ``_set`` stored the first ``stored`` pages, then failed."""
+
+    def __init__(self, stored: int, cause: BaseException) -> None:
+        super().__init__(f"{stored} pages stored, then {type(cause).__name__}: {cause}")
+        self.stored = stored
+
+
+READ, WRITE = "read", "write"
+
+
 @dataclass(frozen=True)
 class Entry:
     """A stored page as an operator sees it: namespace (16 hex digits), key (hex) and stored size in bytes."""
@@ -47,7 +59,7 @@ class Entry:
     nbytes: int
 
 
-def writable(piece: Any, what: str = "page buffer") -> memoryview:
+def byte_view(piece: Any, what: str = "page buffer") -> memoryview:
     """A flat byte view of a CPU buffer; refuses GPU tensors (storage never sees a device address) and
     non-contiguous views with an error that says so."""
     if hasattr(piece, "untyped_storage"):           # a torch tensor
@@ -59,7 +71,11 @@ def writable(piece: Any, what: str = "page buffer") -> memoryview:
         import torch
 
         piece = piece.reshape(-1).view(torch.uint8).numpy()
-    view = memoryview(piece)
+    try:
+        view = memoryview(piece)
+    except TypeError:
+        raise InvalidArgument(f"{what} is a {type(piece).__name__}, not a buffer (a host page view, numpy array or "
+                              f"CPU tensor)") from None
     if not view.c_contiguous:
         raise InvalidArgument(f"{what} is not contiguous; storage moves whole contiguous pieces")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
@@ -97,16 +113,20 @@ class StorageBackend:
 
     def __init__(self, namespace: Namespace | None, *, retry_interval: float = 1.0, batch_pages: int = 32) -> None:
         """``namespace=None`` opens the store for operators (list, describe, clear): page calls are refused."""
-        if not retry_interval >= 0 or batch_pages < 1:
-            raise InvalidArgument("retry_interval must be >= 0 seconds and batch_pages >= 1")
+        if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)) or \
+                not math.isfinite(retry_interval) or retry_interval < 0:
+            raise InvalidArgument(f"retry_interval={retry_interval!r}: a finite number of seconds >= 0")
+        if type(batch_pages) is not int or batch_pages < 1:
+            raise InvalidArgument(f"batch_pages={batch_pages!r}: an int >= 1")
         self._namespace = namespace
         self._format = PageFormat.of(namespace) if namespace is not None else None
         self.namespace_id = namespace.digest.hex()[:16] if namespace is not None else ""
         self.retry_interval, self.batch_pages = float(retry_interval), int(batch_pages)
         self.counters = StorageStats()
         self._state_lock = threading.Lock()
-        self._down_until = 0.0
-        self._down = False
+        self._down_until = {READ: 0.0, WRITE: 0.0}
+        self._down = {READ: False, WRITE: False}
+        self.last_error = ""
         self._closed = False
 
     # -- public -----------------------------------------------------------------------------------------------------
@@ -132,7 +152,8 @@ class StorageBackend:
 
     @property
     def up(self) -> bool:
-        return not self._down
+        """Neither reads nor writes are failing (each goes down on its own: a full disk still serves reads)."""
+        return not any(self._down.values())
 
     @property
     def closed(self) -> bool:
@@ -144,7 +165,8 @@ class StorageBackend:
         total = 0
         for start in range(0, len(keys), self.batch_pages):
             batch = keys[start:start + self.batch_pages]
-            found = self._guarded("exists", lambda b=batch: self._exists(b), None)
+            found = self._guarded("exists", READ, lambda b=batch: self._exists(b), None,
+                                  skipped="exists.skipped_down")
             if found is None:
                 return total
             run = next((i for i, hit in enumerate(found) if not hit), len(batch))
@@ -160,12 +182,12 @@ class StorageBackend:
         keys = self._keys(keys)
         if len(pages) != len(keys):
             raise InvalidArgument(f"get: {len(keys)} keys but {len(pages)} pages")
-        views = [self._pieces(p, i) for i, p in enumerate(pages)]
+        views = [self._pieces(p, i, into=True) for i, p in enumerate(pages)]
         start_time = time.perf_counter()
         done = 0
         for start in range(0, len(keys), self.batch_pages):
             batch_keys, batch_views = keys[start:start + self.batch_pages], views[start:start + self.batch_pages]
-            ok = self._guarded("get", lambda k=batch_keys, v=batch_views: self._read_batch(k, v), 0,
+            ok = self._guarded("get", READ, lambda k=batch_keys, v=batch_views: self._read_batch(k, v), 0,
                                skipped="miss.down")
             done += ok
             if ok < len(batch_keys):
@@ -190,12 +212,12 @@ class StorageBackend:
         for start in range(0, len(keys), self.batch_pages):
             batch_keys, batch_views = keys[start:start + self.batch_pages], views[start:start + self.batch_pages]
             headers = [self.format.header(k, v) for k, v in zip(batch_keys, batch_views, strict=False)]
-            ok = self._guarded("set", lambda k=batch_keys, h=headers, v=batch_views: self._store(k, h, v), False,
-                               skipped="set.skipped_down")
-            if not ok:
+            written = self._guarded("set", WRITE, lambda k=batch_keys, h=headers, v=batch_views: self._set(k, h, v),
+                                    None, skipped="set.skipped_down")
+            stored += written or 0
+            if written != len(batch_keys):
                 self.counters.add("set.failed_pages", len(keys) - stored)
                 break
-            stored += len(batch_keys)
         if stored:
             self.counters.add("set.pages", stored)
             self.counters.add("set.bytes", stored * self.page_bytes)
@@ -205,7 +227,7 @@ class StorageBackend:
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove these pages; returns how many were there."""
         keys = self._keys(keys)
-        removed = self._guarded("delete", lambda: self._delete(keys), 0) if keys else 0
+        removed = self._guarded("delete", WRITE, lambda: self._delete(keys), 0) if keys else 0
         self.counters.add("deleted_pages", removed)
         return removed
 
@@ -272,16 +294,13 @@ class StorageBackend:
             done += 1
         return done
 
-    def _store(self, keys: list[bytes], headers: list[bytes], views: list[list[memoryview]]) -> bool:
-        self._set(keys, headers, views)
-        return True
-
-    def _guarded(self, op: str, call: Any, failed: Any, skipped: str | None = None) -> Any:
-        """Run ``call`` unless the store is down; an exception marks it down and returns ``failed``."""
+    def _guarded(self, op: str, direction: str, call: Any, failed: Any, skipped: str | None = None) -> Any:
+        """Run ``call`` unless ``direction`` (reads or writes) is down; an exception marks it down and returns
+        ``failed`` (a ``PartialWrite`` returns how many pages it did store)."""
         self._check_open()
         now = time.monotonic()
         with self._state_lock:
-            if self._down and now < self._down_until:
+            if self._down[direction] and now < self._down_until[direction]:
                 if skipped:
                     self.counters.add(skipped)
                 return failed
@@ -293,13 +312,13 @@ class StorageBackend:
             self.counters.add(f"errors.{op}")
             self._reset()
             with self._state_lock:
-                self._down = True
-                self._down_until = time.monotonic() + self.retry_interval
+                self._down[direction] = True
+                self._down_until[direction] = time.monotonic() + self.retry_interval
                 self.last_error = f"{type(exc).__name__}: {exc}"
-            return failed
+            return exc.stored if isinstance(exc, PartialWrite) else failed
         with self._state_lock:
-            if self._down:
-                self._down = False
+            if self._down[direction]:
+                self._down[direction] = False
                 self.counters.add("reconnects")
         return result
 
@@ -310,8 +329,10 @@ class StorageBackend:
                 raise InvalidArgument(f"a page key is {KEY_BYTES} bytes (kvtier.cache.page_keys), got {key!r:.40}")
         return [bytes(k) for k in keys]
 
-    def _pieces(self, page: Pieces, index: int) -> list[memoryview]:
-        pieces = [writable(p, f"page {index}") for p in (page if isinstance(page, (list, tuple)) else [page])]
+    def _pieces(self, page: Pieces, index: int, *, into: bool = False) -> list[memoryview]:
+        pieces = [byte_view(p, f"page {index}") for p in (page if isinstance(page, (list, tuple)) else [page])]
+        if into and any(p.readonly for p in pieces):
+            raise InvalidArgument(f"page {index}: a buffer to read into is read-only")
         total = sum(p.nbytes for p in pieces)
         if total != self.page_bytes:
             raise InvalidArgument(f"page {index} has {total} bytes in its buffers; a page of this namespace is "
@@ -331,7 +352,9 @@ class StorageBackend:
         at the first failure."""
         raise NotImplementedError
 
-    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> None:
+    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> int:
+        """Store the pages; returns how many (all of them). A failure after some were stored raises
+        ``PartialWrite(stored, cause)``."""
         raise NotImplementedError
 
     def _delete(self, keys: list[bytes]) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -31,13 +32,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import InvalidArgument
-from kvtier.storage.backend import Entry, StorageBackend
+from kvtier.storage.backend import Entry, PartialWrite, StorageBackend
 from kvtier.storage.format import HEADER_BYTES, PageRejected
 
 if TYPE_CHECKING:
     from kvtier.cache.keys import Namespace
 
 SUFFIX = ".kvp"
+RESCAN_SECONDS = 2.0
+"""How often a bounded store rescans the directory while writing (it sees other processes' pages that way)."""
 FSYNC_POLICIES = ("none", "data", "full")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -84,7 +87,10 @@ class FileStore(StorageBackend):
             self.directory = self.root
             return
         self.directory = self.root / self.namespace_id
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise InvalidArgument(f"file store {self.root}: {exc.strerror} ({exc.filename})") from None
         self._record_namespace()
         self._sweep_temporaries()
         if max_bytes is not None:
@@ -123,13 +129,17 @@ class FileStore(StorageBackend):
     def _get(self, keys: list[bytes], pages: list[list[memoryview]]) -> Iterator[PageRejected | None]:
         for key, pieces in zip(keys, pages, strict=False):
             path = self.path(key)
-            try:
-                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+            try:                                 # non-blocking: a FIFO planted at a page's path must not hang us
+                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | os.O_NONBLOCK)
             except FileNotFoundError:
                 yield PageRejected("absent", str(path))
                 continue
             try:
-                size = os.fstat(fd).st_size
+                status = os.fstat(fd)
+                if not stat.S_ISREG(status.st_mode):
+                    yield PageRejected("corrupt", f"{path} is not a regular file")
+                    continue
+                size = status.st_size
                 header = os.pread(fd, HEADER_BYTES, 0)
                 try:
                     checksum = self.format.check_header(header, key)
@@ -148,38 +158,55 @@ class FileStore(StorageBackend):
             self._touch(path, size)
             yield None
 
-    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> None:
-        for key, header, pieces in zip(keys, headers, pages, strict=False):
-            path = self.path(key)
-            if not self.overwrite and path.is_file():
-                self.counters.add("set.already_stored")
-                continue
-            parent = path.parent
-            if parent.name not in self._made:
-                parent.mkdir(parents=True, exist_ok=True)
-                self._made.add(parent.name)
-            temporary = parent / f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp"
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o600)
+    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> int:
+        for done, (key, header, pieces) in enumerate(zip(keys, headers, pages, strict=False)):
             try:
-                try:
-                    buffers = [memoryview(header), *pieces]
-                    if _transfer(os.pwritev, fd, buffers, 0) != len(header) + self.format.payload_bytes:
-                        raise OSError(f"short write to {temporary}")
-                    if self.fsync != "none":
-                        os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(temporary, path)
-            except BaseException:
-                temporary.unlink(missing_ok=True)
-                raise
-            if self.fsync == "full":
-                directory = os.open(parent, os.O_RDONLY | _O_CLOEXEC)
-                try:
-                    os.fsync(directory)
-                finally:
-                    os.close(directory)
-            self._added(path, len(header) + self.format.payload_bytes)
+                self._write_page(key, header, pieces)
+            except Exception as exc:
+                raise PartialWrite(done, exc) from exc
+        return len(keys)
+
+    def _write_page(self, key: bytes, header: bytes, pieces: list[memoryview]) -> None:
+        path = self.path(key)
+        if not self.overwrite and path.is_file():
+            self.counters.add("set.already_stored")
+            return
+        parent = path.parent
+        if parent.name not in self._made:
+            if not self.directory.is_dir():
+                self._reset()
+            parent.mkdir(parents=True, exist_ok=True)
+            self._made.add(parent.name)
+        temporary = parent / f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o600)
+        try:
+            try:
+                buffers = [memoryview(header), *pieces]
+                if _transfer(os.pwritev, fd, buffers, 0) != len(header) + self.format.payload_bytes:
+                    raise OSError(f"short write to {temporary}")
+                if self.fsync != "none":
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        if self.fsync == "full":
+            directory = os.open(parent, os.O_RDONLY | _O_CLOEXEC)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        self._added(path, len(header) + self.format.payload_bytes)
+
+    def _reset(self) -> None:
+        """After an error: forget which directories exist and make the namespace's again (an operator may have
+        removed it), so the next try starts afresh."""
+        self._made.clear()
+        with contextlib.suppress(OSError):
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._record_namespace()
 
     def _delete(self, keys: list[bytes]) -> int:
         removed = 0
@@ -188,7 +215,7 @@ class FileStore(StorageBackend):
             try:
                 path.unlink()
                 removed += 1
-            except FileNotFoundError:
+            except (FileNotFoundError, IsADirectoryError, PermissionError):
                 pass
             with self._lru_lock:
                 self._used -= self._lru.pop(str(path), 0)
@@ -252,14 +279,15 @@ class FileStore(StorageBackend):
             self._used += size - self._lru.pop(name, 0)
             self._lru[name] = size
             over = self._used > self.max_bytes
-        if over:
+            stale = time.monotonic() - self._scanned > RESCAN_SECONDS
+        if over or stale:                        # other processes write here too: look again now and then
             self._shrink()
 
     def _shrink(self) -> None:
         assert self.max_bytes is not None
         target = int(self.max_bytes * 0.9)
         with self._lru_lock:
-            if time.monotonic() - self._scanned > 1.0:
+            if time.monotonic() - self._scanned > min(1.0, RESCAN_SECONDS):
                 self._rescan_locked()
             victims = []
             while self._used > target and self._lru:

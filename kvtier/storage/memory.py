@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvtier.errors import InvalidArgument
 from kvtier.storage.backend import Entry, StorageBackend
 from kvtier.storage.format import PageRejected
 
@@ -34,6 +35,8 @@ class MemoryStore(StorageBackend):
     def __init__(self, namespace: Namespace | None, *, shared: SharedPages | None = None, max_bytes: int | None = None,
                  **options: Any) -> None:
         super().__init__(namespace, **options)
+        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):
+            raise InvalidArgument(f"max_bytes={max_bytes!r}: an int >= 1, or None")
         self.shared = shared or SharedPages()
         self.max_bytes = max_bytes
         if namespace is not None:
@@ -67,7 +70,7 @@ class MemoryStore(StorageBackend):
                 at += piece.nbytes
             yield None
 
-    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> None:
+    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> int:
         blobs = [b"".join([header, *pieces]) for header, pieces in zip(headers, pages, strict=False)]
         with self.shared.lock:
             for key, blob in zip(keys, blobs, strict=False):
@@ -78,6 +81,7 @@ class MemoryStore(StorageBackend):
                 while used > self.max_bytes and self.shared.pages:
                     used -= len(self.shared.pages.popitem(last=False)[1])
                     self.counters.add("evicted_pages")
+        return len(keys)
 
     def _delete(self, keys: list[bytes]) -> int:
         with self.shared.lock:
@@ -105,6 +109,7 @@ class MemoryStore(StorageBackend):
             blob = bytearray(self.shared.pages[(self.namespace_id, key)])
             if truncate is not None:
                 del blob[truncate:]
-            else:
+            elif blob:
+                offset %= len(blob)
                 blob[offset] = (blob[offset] ^ 0xFF) if value is None else value
             self.shared.pages[(self.namespace_id, key)] = bytes(blob)

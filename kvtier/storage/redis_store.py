@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from redis.exceptions import ResponseError
 
 from kvtier.errors import InvalidArgument
 from kvtier.storage.backend import Entry, StorageBackend, scatter
@@ -44,8 +48,19 @@ class RedisStore(StorageBackend):
             raise InvalidArgument(f"ttl={ttl!r}: whole seconds >= 1, or None")
         if not prefix or ":" in prefix:
             raise InvalidArgument(f"prefix={prefix!r}: a non-empty name without ':'")
+        for name, value in (("timeout", timeout), ("connect_timeout", connect_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                    value <= 0:
+                raise InvalidArgument(f"{name}={value!r}: a finite number of seconds > 0")
         self.cluster = scheme.endswith("+cluster") if cluster is None else bool(cluster)
         self.url = url.replace("+cluster", "", 1)
+        parsed = urlparse(self.url)
+        try:
+            port = parsed.port
+        except ValueError as exc:
+            raise InvalidArgument(f"Redis URL {url!r}: {exc}") from None
+        if scheme != "unix" and (not parsed.hostname or port == 0):
+            raise InvalidArgument(f"Redis URL {url!r} names no host (or port 0)")
         self.prefix, self.ttl = prefix, ttl
         self._options = {"socket_timeout": timeout, "socket_connect_timeout": connect_timeout}
         self._client_lock = threading.Lock()
@@ -68,7 +83,7 @@ class RedisStore(StorageBackend):
                 from redis.retry import Retry
 
                 if self.cluster:
-                    self._client = RedisCluster.from_url(self.url, retry=Retry(NoBackoff(), 1), **self._options)
+                    self._client = RedisCluster.from_url(self.url, retry=Retry(NoBackoff(), 0), **self._options)
                 else:
                     self._client = Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), **self._options)
             return self._client
@@ -76,26 +91,43 @@ class RedisStore(StorageBackend):
     def key(self, key: bytes) -> str:
         return f"{self.prefix}:{self.namespace_id}:p:{key.hex()}"
 
+    def _each(self, keys: list[bytes], command: str) -> list[Any]:
+        """``command`` (a pipeline method taking one key name) for every key, one pipelined round trip per node (a
+        cluster is asked node by node, each with the store's timeout: no cluster-wide retry loop); results in key
+        order, error replies in place."""
+        results: list[Any] = [None] * len(keys)
+        for client, members in self._by_node(keys):
+            pipe = client.pipeline(transaction=False)
+            for i in members:
+                getattr(pipe, command)(self.key(keys[i]))
+            for i, result in zip(members, pipe.execute(raise_on_error=False), strict=True):
+                results[i] = result
+        return results
+
     def _pipeline(self) -> Any:
         client = self.client()
         return client.pipeline() if self.cluster else client.pipeline(transaction=False)
 
     # -- the backend ---------------------------------------------------------------------------------------------------
     def _exists(self, keys: list[bytes]) -> list[bool]:
-        pipe = self._pipeline()
-        for key in keys:
-            pipe.exists(self.key(key))
-        return [bool(n) for n in pipe.execute()]
+        found = self._each(keys, "exists")
+        for result in found:
+            if isinstance(result, Exception):
+                raise result
+        return [bool(n) for n in found]
 
     def _get(self, keys: list[bytes], pages: list[list[memoryview]]) -> Iterator[PageRejected | None]:
-        pipe = self._pipeline()
-        for key in keys:
-            pipe.get(self.key(key))
-        blobs = pipe.execute()
+        blobs = self._each(keys, "get")
         for key, pieces, blob in zip(keys, pages, blobs, strict=False):
             if blob is None:
                 yield PageRejected("absent", self.key(key))
                 continue
+            if isinstance(blob, ResponseError) and not str(blob).startswith(("MOVED", "ASK", "CLUSTERDOWN")):
+                # e.g. WRONGTYPE: something else lives at the page's key
+                yield PageRejected("corrupt", f"{self.key(key)}: {blob}")
+                continue
+            if isinstance(blob, Exception):
+                raise blob
             try:
                 payload = self.verify_blob(key, blob)
             except PageRejected as rejected:
@@ -104,7 +136,7 @@ class RedisStore(StorageBackend):
             scatter(payload, pieces)
             yield None
 
-    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> None:
+    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> int:
         """SETs written straight to the connection: header and host pieces go to the socket as they are, with no
         copy into one value (redis-py's pipeline needs each value as one buffer)."""
         if not self._recorded:
@@ -122,6 +154,7 @@ class RedisStore(StorageBackend):
                 chunks.extend(pages[i])
                 chunks.append(b"\r\n" + expiry)
             _send(client, chunks, len(members))
+        return len(keys)
 
     def _by_node(self, keys: list[bytes]) -> list[tuple[Any, list[int]]]:
         """(client of the node holding them, indices) per node: one for a standalone server."""
@@ -135,10 +168,11 @@ class RedisStore(StorageBackend):
         return list(groups.values())
 
     def _delete(self, keys: list[bytes]) -> int:
-        pipe = self._pipeline()
-        for key in keys:
-            pipe.delete(self.key(key))
-        return sum(pipe.execute())
+        removed = self._each(keys, "delete")
+        for result in removed:
+            if isinstance(result, Exception):
+                raise result
+        return sum(removed)
 
     def _scan(self, pattern: str) -> Iterator[str]:
         for name in self.client().scan_iter(match=pattern, count=1000):
