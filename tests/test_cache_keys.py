@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import subprocess
 import sys
 
@@ -43,7 +44,8 @@ def test_keys_are_the_same_in_another_process():
     import json
 
     out = subprocess.run([sys.executable, "-c", code, json.dumps(tokens)], capture_output=True, text=True,
-                         check=True, env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"})
+                         check=True, env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin",
+                              **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}})
     assert json.loads(out.stdout) == [k.hex() for k in page_keys(NS, tokens)]
 
 

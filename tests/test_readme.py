@@ -21,9 +21,10 @@ INSTALLS = [line for line in SHELL if "pip install" in line]
 
 
 def _installed(line: str) -> str:
-    """Where the package is on PYTHONPATH but not installed (the GPU machine), ``kvtier`` is ``python -m kvtier``."""
-    if line.startswith("kvtier ") and shutil.which("kvtier") is None:
-        return f"{sys.executable} -m {line}"
+    """Where the package is on PYTHONPATH but not installed (the GPU machine), ``kvtier`` is ``python -m kvtier``
+    (at the start of each command of the line)."""
+    if shutil.which("kvtier") is None:
+        return re.sub(r"(^|&& |; )kvtier ", lambda m: f"{m.group(1)}{sys.executable} -m kvtier ", line)
     return line
 
 
