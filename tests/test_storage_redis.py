@@ -138,3 +138,49 @@ def test_tls_with_a_rediss_url():
             assert read(store, keys)[0] == 0               # plain text to a TLS port: an error, counted
     finally:
         server.close()
+
+
+def test_the_cache_keeps_serving_right_kv_while_its_redis_is_down(own_server, runtime):
+    from cache_helpers import build, close_all, serve
+
+    stores = []
+
+    def storage(ns):
+        stores.append(RedisStore(own_server.url, ns, retry_interval=0.2, timeout=0.5, connect_timeout=0.3))
+        return stores[-1]
+
+    prompts = [np.random.default_rng().integers(0, 50000, 4 * n) for n in (6, 9, 5)]
+    cache, model, dev, host = build(runtime, device_pages=64, host_pages=128, storage=storage)
+    salt = model.salt
+    try:
+        for p in prompts:
+            serve(cache, model, p)
+        cache.drain()
+        own_server.stop()
+        for p in prompts + [np.random.default_rng().integers(0, 50000, 24)]:
+            cache.prefetch(p).settle("wait_complete")        # misses, counted; no exception
+            serve(cache, model, p)                          # device and host tiers serve, bytes checked
+        cache.drain()
+        stats = cache.stats()
+        assert sum(v for k, v in stats.items() if k.startswith("storage.errors.")) >= 1
+    finally:
+        close_all(cache, dev, host)
+    own_server.start()                                      # back, empty: the next cache writes and hits again
+    time.sleep(0.25)
+    cache, model, dev, host = build(runtime, device_pages=64, host_pages=128, storage=storage)
+    model.salt = salt
+    try:
+        serve(cache, model, prompts[0])
+        cache.drain()
+    finally:
+        close_all(cache, dev, host)
+    cache, model, dev, host = build(runtime, device_pages=64, host_pages=128, storage=storage)
+    model.salt = salt
+    try:
+        fetch = cache.prefetch(prompts[0])
+        assert fetch.settle("wait_complete") == len(prompts[0]) and fetch.outcome == "complete"
+        serve(cache, model, prompts[0])
+    finally:
+        close_all(cache, dev, host)
+        for store in stores:
+            store.close()
