@@ -50,15 +50,20 @@ SIZES = {
 BATCH = 32
 
 
-def median(fn, repeats: int, before=None) -> float:
-    times = []
+def paired(mine, plain, repeats: int, before_mine=None, before_plain=None, settle=False) -> tuple[float, float]:
+    """Median seconds of ``mine`` and of ``plain``, run in turns (so drift in the machine — writeback, another
+    tenant — hits both alike). ``settle``: ``os.sync()`` before each timed call (no writeback under a read)."""
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        if before:
-            before()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, before, out in ((mine, before_mine, times[0]), (plain, before_plain, times[1])):
+            if before:
+                before()
+            if settle:
+                os.sync()
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def drop_cache(paths: list[Path]) -> None:
@@ -119,7 +124,6 @@ def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runti
                 assert store.get(keys, into) == count
 
             kv_set()
-            set_s = median(kv_set, repeats, lambda: store.delete(keys))      # new pages every time
             if store_kind == "file":
                 assert directory is not None
                 plain_dir = directory / f"plain-{time.time_ns()}"
@@ -138,13 +142,13 @@ def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runti
                             for piece in page:
                                 file.readinto(piece)
 
-                ceiling_set = median(plain_set, repeats, lambda: [p.unlink(missing_ok=True) for p in plain])
+                set_s, ceiling_set = paired(kv_set, plain_set, repeats, lambda: store.delete(keys),  # new pages
+                                            lambda: [p.unlink(missing_ok=True) for p in plain], settle=True)
                 rows.append(row(store_kind, name, "set", "", nbytes, set_s, ceiling_set))
                 mine = [store.path(k) for k in keys]  # type: ignore[attr-defined]
                 for state, before_kv, before_plain in (("warm", None, None),
                                                        ("cold", lambda: drop_cache(mine), lambda: drop_cache(plain))):
-                    get_s = median(kv_get, repeats, before_kv)
-                    ceiling_get = median(plain_get, repeats, before_plain)
+                    get_s, ceiling_get = paired(kv_get, plain_get, repeats, before_kv, before_plain, settle=True)
                     rows.append(row(store_kind, name, "get", state, nbytes, get_s, ceiling_get))
                 shutil.rmtree(plain_dir, ignore_errors=True)
             else:
@@ -168,10 +172,11 @@ def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runti
                             pipe.get(key)
                         pipe.execute()
 
-                rows.append(row(store_kind, name, "set", "", nbytes, set_s,
-                                median(raw_set, repeats, lambda: client.delete(*raw_keys))))
-                rows.append(row(store_kind, name, "get", "", nbytes, median(kv_get, repeats),
-                                median(raw_get, repeats)))
+                raw_set()
+                rows.append(row(store_kind, name, "set", "", nbytes,
+                                *paired(kv_set, raw_set, repeats, lambda: store.delete(keys),
+                                        lambda: client.delete(*raw_keys))))
+                rows.append(row(store_kind, name, "get", "", nbytes, *paired(kv_get, raw_get, repeats)))
                 client.delete(*raw_keys)
                 client.close()
             assert store.stats().get("errors.get", 0) == 0 and store.stats().get("errors.set", 0) == 0

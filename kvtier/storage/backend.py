@@ -211,9 +211,8 @@ class StorageBackend:
         stored = 0
         for start in range(0, len(keys), self.batch_pages):
             batch_keys, batch_views = keys[start:start + self.batch_pages], views[start:start + self.batch_pages]
-            headers = [self.format.header(k, v) for k, v in zip(batch_keys, batch_views, strict=False)]
-            written = self._guarded("set", WRITE, lambda k=batch_keys, h=headers, v=batch_views: self._set(k, h, v),
-                                    None, skipped="set.skipped_down")
+            written = self._guarded("set", WRITE, lambda k=batch_keys, v=batch_views: self._set(k, v), None,
+                                    skipped="set.skipped_down")
             stored += written or 0
             if written != len(batch_keys):
                 self.counters.add("set.failed_pages", len(keys) - stored)
@@ -352,9 +351,9 @@ class StorageBackend:
         at the first failure."""
         raise NotImplementedError
 
-    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> int:
-        """Store the pages; returns how many (all of them). A failure after some were stored raises
-        ``PartialWrite(stored, cause)``."""
+    def _set(self, keys: list[bytes], pages: list[list[memoryview]]) -> int:
+        """Store the pages, each behind its header (``self.format.header`` or, streaming, ``digest``/``sealed``);
+        returns how many (all of them). A failure after some were stored raises ``PartialWrite(stored, cause)``."""
         raise NotImplementedError
 
     def _delete(self, keys: list[bytes]) -> int:

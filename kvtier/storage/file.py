@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from kvtier.cache.keys import Namespace
 
 SUFFIX = ".kvp"
+CHUNK_BYTES = 256 << 10
+"""Reads and writes move a page in chunks this big, each checksummed while it is in the CPU's caches."""
 RESCAN_SECONDS = 2.0
 """How often a bounded store rescans the directory while writing (it sees other processes' pages that way)."""
 FSYNC_POLICIES = ("none", "data", "full")
@@ -60,6 +62,12 @@ def _transfer(call: Any, fd: int, buffers: list[memoryview], offset: int) -> int
         if buffers and n:
             buffers = [buffers[0][n:], *buffers[1:]]
     return moved if moved < total else total
+
+
+def _chunks(pieces: list[memoryview]) -> Iterator[memoryview]:
+    for piece in pieces:
+        for start in range(0, piece.nbytes, CHUNK_BYTES):
+            yield piece[start:start + CHUNK_BYTES]
 
 
 class FileStore(StorageBackend):
@@ -146,10 +154,14 @@ class FileStore(StorageBackend):
                     if size != self.format.stored_bytes:
                         raise PageRejected("short", f"{path} holds {size} bytes, a page is "
                                                     f"{self.format.stored_bytes}")
-                    moved = _transfer(os.preadv, fd, list(pieces), HEADER_BYTES)
-                    if moved != self.format.payload_bytes:
-                        raise PageRejected("short", f"read {moved} of {self.format.payload_bytes} payload bytes")
-                    self.format.check_payload(header, checksum, pieces)
+                    digest = self.format.verifier(header)
+                    offset = HEADER_BYTES
+                    for chunk in _chunks(pieces):     # checksummed while the chunk is still in the CPU's caches
+                        if _transfer(os.preadv, fd, [chunk], offset) != chunk.nbytes:
+                            raise PageRejected("short", f"{path} ends inside its payload")
+                        digest.update(chunk)
+                        offset += chunk.nbytes
+                    self.format.check_digest(digest, checksum)
                 except PageRejected as rejected:
                     yield rejected
                     continue
@@ -158,15 +170,17 @@ class FileStore(StorageBackend):
             self._touch(path, size)
             yield None
 
-    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> int:
-        for done, (key, header, pieces) in enumerate(zip(keys, headers, pages, strict=False)):
+    def _set(self, keys: list[bytes], pages: list[list[memoryview]]) -> int:
+        for done, (key, pieces) in enumerate(zip(keys, pages, strict=True)):
             try:
-                self._write_page(key, header, pieces)
+                self._write_page(key, pieces)
             except Exception as exc:
                 raise PartialWrite(done, exc) from exc
         return len(keys)
 
-    def _write_page(self, key: bytes, header: bytes, pieces: list[memoryview]) -> None:
+    def _write_page(self, key: bytes, pieces: list[memoryview]) -> None:
+        """Payload first, chunk by chunk, each checksummed just before it is written (one pass over host memory),
+        then the header at the front, then the rename."""
         path = self.path(key)
         if not self.overwrite and path.is_file():
             self.counters.add("set.already_stored")
@@ -181,8 +195,15 @@ class FileStore(StorageBackend):
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o600)
         try:
             try:
-                buffers = [memoryview(header), *pieces]
-                if _transfer(os.pwritev, fd, buffers, 0) != len(header) + self.format.payload_bytes:
+                digest = self.format.digest(key)
+                offset = HEADER_BYTES
+                for chunk in _chunks(pieces):
+                    digest.update(chunk)
+                    if _transfer(os.pwritev, fd, [chunk], offset) != chunk.nbytes:
+                        raise OSError(f"short write to {temporary}")
+                    offset += chunk.nbytes
+                header = self.format.sealed(key, digest)
+                if os.pwrite(fd, header, 0) != len(header):
                     raise OSError(f"short write to {temporary}")
                 if self.fsync != "none":
                     os.fdatasync(fd)
@@ -198,7 +219,7 @@ class FileStore(StorageBackend):
                 os.fsync(directory)
             finally:
                 os.close(directory)
-        self._added(path, len(header) + self.format.payload_bytes)
+        self._added(path, self.format.stored_bytes)
 
     def _reset(self) -> None:
         """After an error: forget which directories exist and make the namespace's again (an operator may have

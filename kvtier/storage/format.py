@@ -74,11 +74,18 @@ class PageFormat:
 
     def header(self, key: bytes, payload: Sequence[Any]) -> bytes:
         """The header of a page whose bytes are the buffers ``payload`` (in order)."""
-        fields = self._fields(key)
-        digest = xxhash.xxh3_128(fields)
+        digest = self.digest(key)
         for piece in payload:
             digest.update(piece)
-        return fields + digest.digest()
+        return self.sealed(key, digest)
+
+    def digest(self, key: bytes) -> Any:
+        """A running checksum of a page being written under ``key``: feed it the payload in order (while it is in
+        the CPU's caches, for writers that stream), then ``sealed(key, digest)`` is the header."""
+        return xxhash.xxh3_128(self._fields(key))
+
+    def sealed(self, key: bytes, digest: Any) -> bytes:
+        return self._fields(key) + digest.digest()
 
     def check_header(self, header: Any, key: bytes) -> bytes:
         """Raise PageRejected unless ``header`` is this namespace's header for ``key``; returns its checksum."""
@@ -108,9 +115,18 @@ class PageFormat:
         length = sum(memoryview(p).nbytes for p in payload)
         if length != self.payload_bytes:
             raise PageRejected("short", f"{length} payload bytes of {self.payload_bytes}")
-        digest = xxhash.xxh3_128(bytes(header[:_FIELDS.size]))
+        digest = self.verifier(header)
         for piece in payload:
             digest.update(piece)
+        self.check_digest(digest, checksum)
+
+    @staticmethod
+    def verifier(header: Any) -> Any:
+        """A running checksum for reading the page of a checked ``header``: feed it the payload in order."""
+        return xxhash.xxh3_128(bytes(header[:_FIELDS.size]))
+
+    @staticmethod
+    def check_digest(digest: Any, checksum: bytes) -> None:
         if digest.digest() != checksum:
             raise PageRejected("corrupt", "checksum mismatch")
 

@@ -70,8 +70,8 @@ class MemoryStore(StorageBackend):
                 at += piece.nbytes
             yield None
 
-    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> int:
-        blobs = [b"".join([header, *pieces]) for header, pieces in zip(headers, pages, strict=False)]
+    def _set(self, keys: list[bytes], pages: list[list[memoryview]]) -> int:
+        blobs = [b"".join([self.format.header(key, pieces), *pieces]) for key, pieces in zip(keys, pages, strict=True)]
         with self.shared.lock:
             for key, blob in zip(keys, blobs, strict=False):
                 self.shared.pages[(self.namespace_id, key)] = blob

@@ -136,7 +136,7 @@ class RedisStore(StorageBackend):
             scatter(payload, pieces)
             yield None
 
-    def _set(self, keys: list[bytes], headers: list[bytes], pages: list[list[memoryview]]) -> int:
+    def _set(self, keys: list[bytes], pages: list[list[memoryview]]) -> int:
         """SETs written straight to the connection: header and host pieces go to the socket as they are, with no
         copy into one value (redis-py's pipeline needs each value as one buffer)."""
         if not self._recorded:
@@ -144,6 +144,7 @@ class RedisStore(StorageBackend):
             self._recorded = True
         expiry = b"" if self.ttl is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl)), self.ttl)
         words = b"*3\r\n" if self.ttl is None else b"*5\r\n"
+        headers = [self.format.header(key, pieces) for key, pieces in zip(keys, pages, strict=True)]
         for client, members in self._by_node(keys):
             chunks: list[Any] = []
             for i in members:
