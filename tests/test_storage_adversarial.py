@@ -175,11 +175,11 @@ def test_only_nodes_whose_pages_reached_storage_are_marked_stored():
     class FailSecondBatch(MemoryStore):
         calls = 0
 
-        def _set(self, keys, headers, pages):
+        def _set(self, keys, pages):
             FailSecondBatch.calls += 1
             if FailSecondBatch.calls == 2:
                 raise ConnectionError("store went away after the first batch")
-            return super()._set(keys, headers, pages)
+            return super()._set(keys, pages)
 
     shared = SharedPages()
     cache, model, dev, host = build(create("emulated:split"), device_pages=4, host_pages=32,

@@ -45,11 +45,11 @@ class Hooked(MemoryStore):
             raise TimeoutError("read timed out")
         yield from super()._get(keys, pages)
 
-    def _set(self, keys, headers, pages):
+    def _set(self, keys, pages):
         time.sleep(self.delay)
         if self.fail == "set":
             raise ConnectionError("server went away")
-        return super()._set(keys, headers, pages)
+        return super()._set(keys, pages)
 
 
 def prompt(pages: int, page_size: int = 4, seed: int | None = None) -> np.ndarray:
