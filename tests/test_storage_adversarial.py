@@ -35,7 +35,7 @@ def read(store, keys) -> tuple[int, list[np.ndarray]]:
 def test_processes_sharing_a_bounded_directory_converge_on_the_bound(tmp_path, monkeypatch):
     monkeypatch.setattr(file_module, "RESCAN_SECONDS", 0.0)
     ns = namespace()
-    stored = FileStore(tmp_path, ns).format.stored_bytes
+    stored = FileStore(tmp_path, ns).stored_bytes
     bound = 20 * stored
     one, two = FileStore(tmp_path, ns, max_bytes=bound), FileStore(tmp_path, ns, max_bytes=bound)
     keys = page_keys(ns, np.arange(60 * GEOMETRY.page_size))

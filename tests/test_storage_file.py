@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvtier.cache import page_keys
-from kvtier.storage import HEADER_BYTES, FileStore
+from kvtier.storage import FileStore
 from storage_helpers import GEOMETRY, namespace
 
 PAGE = GEOMETRY.bytes_per_page
@@ -81,7 +81,7 @@ def test_a_writer_killed_mid_page_leaves_the_old_page_or_a_miss(tmp_path, kill, 
 
 def test_size_bound_evicts_least_recently_used_pages(tmp_path):
     ns = namespace()
-    stored = HEADER_BYTES + PAGE
+    stored = FileStore(tmp_path, namespace()).stored_bytes
     store = FileStore(tmp_path, ns, max_bytes=10 * stored)
     keys = page_keys(ns, np.arange(30 * GEOMETRY.page_size))
     pages = data(30)

@@ -151,6 +151,11 @@ class StorageBackend:
         return self.format.payload_bytes
 
     @property
+    def stored_bytes(self) -> int:
+        """What one stored page takes in the store (header and payload)."""
+        return self.format.stored_bytes
+
+    @property
     def up(self) -> bool:
         """Neither reads nor writes are failing (each goes down on its own: a full disk still serves reads)."""
         return not any(self._down.values())
@@ -282,8 +287,17 @@ class StorageBackend:
 
     # -- rules shared by every backend ------------------------------------------------------------------------------
     def _read_batch(self, keys: list[bytes], views: list[list[memoryview]]) -> int:
+        outcomes = self._get(keys, views)
+        try:
+            return self._count(keys, outcomes)
+        finally:                                       # a backend with work in flight finishes it before we return
+            close = getattr(outcomes, "close", None)
+            if close is not None:
+                close()
+
+    def _count(self, keys: list[bytes], outcomes: Iterator[PageRejected | None]) -> int:
         done = 0
-        for key, outcome in zip(keys, self._get(keys, views), strict=False):
+        for key, outcome in zip(keys, outcomes, strict=False):
             if outcome is not None:
                 self.counters.add(f"miss.{outcome.reason}")
                 if outcome.reason != "absent":       # remove it, so that the next write of this page replaces it

@@ -77,15 +77,16 @@ class PageFormat:
         digest = self.digest(key)
         for piece in payload:
             digest.update(piece)
-        return self.sealed(key, digest)
+        return self.sealed(key, digest.digest())
 
     def digest(self, key: bytes) -> Any:
         """A running checksum of a page being written under ``key``: feed it the payload in order (while it is in
-        the CPU's caches, for writers that stream), then ``sealed(key, digest)`` is the header."""
+        the CPU's caches, for writers that stream), then ``sealed(key, digest.digest())`` is the header."""
         return xxhash.xxh3_128(self._fields(key))
 
-    def sealed(self, key: bytes, digest: Any) -> bytes:
-        return self._fields(key) + digest.digest()
+    def sealed(self, key: bytes, checksum: bytes) -> bytes:
+        """The header of ``key``'s page whose running checksum (``digest(key)`` fed the payload) is ``checksum``."""
+        return self._fields(key) + checksum
 
     def check_header(self, header: Any, key: bytes) -> bytes:
         """Raise PageRejected unless ``header`` is this namespace's header for ``key``; returns its checksum."""
