@@ -19,11 +19,15 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.storage.format import HEADER_BYTES, PageFormat, PageRejected
@@ -48,6 +52,14 @@ class PartialWrite(Exception):
 
 
 READ, WRITE = "read", "write"
+
+
+def _attempt(work: Callable[..., Any], row: tuple[Any, ...]) -> BaseException | None:
+    try:
+        work(*row)
+    except Exception as exc:  # noqa: BLE001 - handed to the caller, in order
+        return exc
+    return None
 
 
 @dataclass(frozen=True)
@@ -82,10 +94,11 @@ def byte_view(piece: Any, what: str = "page buffer") -> memoryview:
 
 
 def scatter(data: memoryview, pieces: Sequence[memoryview]) -> None:
-    """Copy one verified buffer into a page's pieces, in order."""
+    """Copy one verified buffer into a page's pieces, in order (numpy's copy releases the GIL)."""
+    source = np.frombuffer(data, np.uint8)
     at = 0
     for piece in pieces:
-        piece[:] = data[at:at + piece.nbytes]
+        np.copyto(np.asarray(piece), source[at:at + piece.nbytes])
         at += piece.nbytes
 
 
@@ -111,8 +124,10 @@ class StorageBackend:
 
     kind = "abstract"
 
-    def __init__(self, namespace: Namespace | None, *, retry_interval: float = 1.0, batch_pages: int = 32) -> None:
-        """``namespace=None`` opens the store for operators (list, describe, clear): page calls are refused."""
+    def __init__(self, namespace: Namespace | None, *, retry_interval: float = 1.0, batch_pages: int = 32,
+                 io_threads: int | None = None) -> None:
+        """``namespace=None`` opens the store for operators (list, describe, clear): page calls are refused.
+        ``io_threads``: threads that read, write and verify the pages of a batch side by side (default: up to 4)."""
         if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)) or \
                 not math.isfinite(retry_interval) or retry_interval < 0:
             raise InvalidArgument(f"retry_interval={retry_interval!r}: a finite number of seconds >= 0")
@@ -121,7 +136,11 @@ class StorageBackend:
         self._namespace = namespace
         self._format = PageFormat.of(namespace) if namespace is not None else None
         self.namespace_id = namespace.digest.hex()[:16] if namespace is not None else ""
+        if io_threads is not None and (type(io_threads) is not int or io_threads < 1):
+            raise InvalidArgument(f"io_threads={io_threads!r}: an int >= 1, or None")
         self.retry_interval, self.batch_pages = float(retry_interval), int(batch_pages)
+        self.io_threads = io_threads or max(1, min(4, os.cpu_count() or 1))
+        self._pool: ThreadPoolExecutor | None = None
         self.counters = StorageStats()
         self._state_lock = threading.Lock()
         self._down_until = {READ: 0.0, WRITE: 0.0}
@@ -273,7 +292,11 @@ class StorageBackend:
             if self._closed:
                 return
             self._closed = True
-        self._close()
+        try:
+            self._close()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
 
     def __enter__(self) -> StorageBackend:
         return self
@@ -381,6 +404,28 @@ class StorageBackend:
 
     def _remove(self, namespace_id: str | None) -> int:
         raise NotImplementedError
+
+    def _ordered(self, work: Callable[..., Any], *columns: Sequence[Any], catch: bool = False) -> Iterator[Any]:
+        """``work(*row)`` for every row of ``columns`` on the store's I/O threads, results in row order (with
+        ``catch``, each row's exception or None). Stopped early, it waits for the rows in flight, so no thread
+        still touches a caller's buffers when the call returns."""
+        rows = list(zip(*columns, strict=True))
+        if self.io_threads == 1 or len(rows) < 2:
+            for row in rows:
+                yield _attempt(work, row) if catch else work(*row)
+            return
+        with self._state_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-{self.kind}-io")
+            pool = self._pool
+        futures = [pool.submit(_attempt, work, row) if catch else pool.submit(work, *row) for row in rows]
+        try:
+            for future in futures:
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+            wait(futures)
 
     def _reset(self) -> None:
         """After an error: drop connections so the next call starts afresh."""

@@ -28,7 +28,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,25 +65,6 @@ def _transfer(call: Any, fd: int, buffers: list[memoryview], offset: int) -> int
     return moved if moved < total else total
 
 
-def _digest(digest: Any, pieces: list[memoryview]) -> bytes:
-    for piece in pieces:
-        digest.update(piece)
-    return digest.digest()
-
-
-class _Pending:
-    """A page read into its buffers whose checksum is being computed."""
-
-    def __init__(self, digest: Future[bytes], checksum: bytes, path: Path, size: int) -> None:
-        self.digest, self.checksum, self.path, self.size = digest, checksum, path, size
-
-    def outcome(self, store: FileStore) -> PageRejected | None:
-        if self.digest.result() != self.checksum:
-            return PageRejected("corrupt", f"{self.path}: checksum mismatch")
-        store._touch(self.path, self.size)
-        return None
-
-
 class FileStore(StorageBackend):
     kind = "file"
 
@@ -104,7 +84,6 @@ class FileStore(StorageBackend):
         self._lru_lock = threading.Lock()
         self._used = 0
         self._scanned = 0.0
-        self._hasher: ThreadPoolExecutor | None = None
         if namespace is None:                    # an operator's view: a missing directory holds no pages
             if self.root.exists() and not self.root.is_dir():
                 raise InvalidArgument(f"{self.root} is not a directory")
@@ -155,27 +134,11 @@ class FileStore(StorageBackend):
         return [self.path(k).is_file() for k in keys]
 
     def _get(self, keys: list[bytes], pages: list[list[memoryview]]) -> Iterator[PageRejected | None]:
-        """Page i's checksum is computed on a helper thread while page i+1 is read (xxhash releases the GIL), so
-        verifying costs little more than reading; the outcome of page i is still given before page i+1's."""
-        pending: _Pending | None = None
-        try:
-            for key, pieces in zip(keys, pages, strict=True):
-                read = self._read_page(key, pieces)
-                if pending is not None:
-                    outcome, pending = pending.outcome(self), None
-                    yield outcome
-                if isinstance(read, PageRejected):
-                    yield read
-                    continue
-                pending = read
-            if pending is not None:
-                outcome, pending = pending.outcome(self), None
-                yield outcome
-        finally:
-            if pending is not None:                # stopped early: the helper must be done with the buffers
-                pending.digest.result()
+        """Pages are read and verified on the store's I/O threads (``preadv`` and xxhash release the GIL), each
+        checksummed by the thread that read it while it is in that core's caches; outcomes come in page order."""
+        return self._ordered(self._read_page, keys, pages)
 
-    def _read_page(self, key: bytes, pieces: list[memoryview]) -> _Pending | PageRejected:
+    def _read_page(self, key: bytes, pieces: list[memoryview]) -> PageRejected | None:
         path = self.path(key)
         try:                                       # non-blocking: a FIFO planted at a page's path must not hang us
             fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | os.O_NONBLOCK)
@@ -200,26 +163,22 @@ class FileStore(StorageBackend):
                 return PageRejected("short", f"{path} ends inside its payload")
         finally:
             os.close(fd)
-        return _Pending(self._checksums().submit(_digest, self.format.verifier(header), pieces), checksum, path,
-                        status.st_size)
-
-    def _checksums(self) -> ThreadPoolExecutor:
-        with self._lru_lock:
-            if self._hasher is None:
-                self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-file-checksums")
-            return self._hasher
+        try:
+            self.format.check_payload(header, checksum, pieces)
+        except PageRejected as rejected:
+            return rejected
+        self._touch(path, status.st_size)
+        return None
 
     def _set(self, keys: list[bytes], pages: list[list[memoryview]]) -> int:
-        for done, (key, pieces) in enumerate(zip(keys, pages, strict=True)):
-            try:
-                self._write_page(key, pieces)
-            except Exception as exc:
-                raise PartialWrite(done, exc) from exc
+        """Pages are written on the store's I/O threads; a failure reports the pages before the first failed one."""
+        for done, failure in enumerate(self._ordered(self._write_page, keys, pages, catch=True)):
+            if failure is not None:
+                raise PartialWrite(done, failure) from failure
         return len(keys)
 
     def _write_page(self, key: bytes, pieces: list[memoryview]) -> None:
-        """The payload is written while a helper thread checksums it; then the header goes in front and the
-        temporary file is renamed over the page's name."""
+        """Checksum, payload, then the header in front, then the rename over the page's name."""
         path = self.path(key)
         if not self.overwrite and path.is_file():
             self.counters.add("set.already_stored")
@@ -231,12 +190,11 @@ class FileStore(StorageBackend):
             parent.mkdir(parents=True, exist_ok=True)
             self._made.add(parent.name)
         temporary = parent / f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp"
-        digest = self._checksums().submit(_digest, self.format.digest(key), pieces)   # beside the write
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o600)
         try:
             try:
+                header = self.format.header(key, pieces).ljust(PAYLOAD_OFFSET, b"\0")
                 written = _transfer(os.pwritev, fd, list(pieces), PAYLOAD_OFFSET)
-                header = self.format.sealed(key, digest.result()).ljust(PAYLOAD_OFFSET, b"\0")
                 if written != self.format.payload_bytes:
                     raise OSError(f"short write to {temporary}")
                 if os.pwrite(fd, header, 0) != len(header):
@@ -256,10 +214,6 @@ class FileStore(StorageBackend):
             finally:
                 os.close(directory)
         self._added(path, PAYLOAD_OFFSET + self.format.payload_bytes)
-
-    def _close(self) -> None:
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=True)
 
     def _reset(self) -> None:
         """After an error: forget which directories exist and make the namespace's again (an operator may have

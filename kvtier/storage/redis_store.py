@@ -118,23 +118,22 @@ class RedisStore(StorageBackend):
 
     def _get(self, keys: list[bytes], pages: list[list[memoryview]]) -> Iterator[PageRejected | None]:
         blobs = self._each(keys, "get")
-        for key, pieces, blob in zip(keys, pages, blobs, strict=False):
-            if blob is None:
-                yield PageRejected("absent", self.key(key))
-                continue
-            if isinstance(blob, ResponseError) and not str(blob).startswith(("MOVED", "ASK", "CLUSTERDOWN")):
-                # e.g. WRONGTYPE: something else lives at the page's key
-                yield PageRejected("corrupt", f"{self.key(key)}: {blob}")
-                continue
-            if isinstance(blob, Exception):
+        for blob in blobs:
+            if isinstance(blob, Exception) and not _wrong_value(blob):
                 raise blob
-            try:
-                payload = self.verify_blob(key, blob)
-            except PageRejected as rejected:
-                yield rejected
-                continue
-            scatter(payload, pieces)
-            yield None
+        return self._ordered(self._verify_into, keys, pages, blobs)   # side by side: xxhash and numpy drop the GIL
+
+    def _verify_into(self, key: bytes, pieces: list[memoryview], blob: Any) -> PageRejected | None:
+        if blob is None:
+            return PageRejected("absent", self.key(key))
+        if isinstance(blob, Exception):                # e.g. WRONGTYPE: something else lives at the page's key
+            return PageRejected("corrupt", f"{self.key(key)}: {blob}")
+        try:
+            payload = self.verify_blob(key, blob)
+        except PageRejected as rejected:
+            return rejected
+        scatter(payload, pieces)
+        return None
 
     def _set(self, keys: list[bytes], pages: list[list[memoryview]]) -> int:
         """SETs written straight to the connection: header and host pieces go to the socket as they are, with no
@@ -224,6 +223,12 @@ class RedisStore(StorageBackend):
 
     def _close(self) -> None:
         self._reset()
+
+
+def _wrong_value(error: Exception) -> bool:
+    """An error reply about the value at a key (a miss), not about the cluster or the connection (a failure)."""
+    return isinstance(error, ResponseError) and not str(error).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN",
+                                                                          "LOADING"))
 
 
 def _send(client: Any, chunks: list[Any], replies: int) -> None:
