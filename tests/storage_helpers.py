@@ -17,6 +17,7 @@ import tempfile
 import time
 import uuid
 
+import numpy as np
 import pytest
 
 from kvtier.cache import Namespace
@@ -31,6 +32,18 @@ def namespace(geometry: KVGeometry = GEOMETRY, **fields) -> Namespace:
     """A namespace no other test uses (a fresh tenant), so tests sharing a server never see each other's pages."""
     fields.setdefault("tenant", uuid.uuid4().hex)
     return Namespace(fields.pop("model", "test-model"), geometry, fields.pop("dtype", "bfloat16"), **fields)
+
+
+def random_pages(count: int, geometry: KVGeometry = GEOMETRY) -> list[np.ndarray]:
+    """Fresh random pages (never zeros)."""
+    rng = np.random.default_rng()
+    return [rng.integers(1, 256, geometry.bytes_per_page, dtype=np.uint8) for _ in range(count)]
+
+
+def read_pages(store, keys, geometry: KVGeometry = GEOMETRY) -> tuple[int, list[np.ndarray]]:
+    """``store.get`` into poisoned buffers: (pages read, the buffers)."""
+    out = [np.full(geometry.bytes_per_page, 0x5A, np.uint8) for _ in keys]
+    return store.get(keys, [[o] for o in out]), out
 
 
 def need_server() -> None:

@@ -22,14 +22,11 @@ from kvtier.storage import (
     describe_header,
     open_store,
 )
-from storage_helpers import GEOMETRY, namespace
+from storage_helpers import GEOMETRY, namespace, random_pages
 
 PAGE = GEOMETRY.bytes_per_page
 
 
-def pages(count: int) -> list[np.ndarray]:
-    rng = np.random.default_rng()
-    return [rng.integers(1, 256, PAGE, dtype=np.uint8) for _ in range(count)]
 
 
 def poisoned(count: int) -> list[np.ndarray]:
@@ -67,7 +64,7 @@ def store(store_spec):
 
 def test_round_trip_into_poisoned_buffers(store):
     keys = page_keys(store.namespace, np.arange(40 * GEOMETRY.page_size))
-    data = pages(len(keys))
+    data = random_pages(len(keys))
     assert store.exists(keys) == 0
     assert store.set(keys, [halves(p) for p in data]) == len(keys)
     assert store.exists(keys) == len(keys)
@@ -84,7 +81,7 @@ def test_round_trip_into_poisoned_buffers(store):
 
 def test_the_chain_stops_at_the_first_missing_page(store):
     keys = page_keys(store.namespace, np.arange(10 * GEOMETRY.page_size))
-    data = pages(10)
+    data = random_pages(10)
     store.set(keys[:5] + keys[6:], [[p] for p in data[:5] + data[6:]])
     assert store.exists(keys) == 5
     out = poisoned(10)
@@ -98,7 +95,7 @@ def test_the_chain_stops_at_the_first_missing_page(store):
                                     "other_namespace", "other_geometry", "empty"])
 def test_every_damaged_or_foreign_page_is_a_counted_miss(store, damage):
     keys = page_keys(store.namespace, np.arange(3 * GEOMETRY.page_size))
-    data = pages(3)
+    data = random_pages(3)
     store.set(keys, [[p] for p in data])
     blob = bytearray(raw_get(store, keys[1]))
     reason = {"payload": "corrupt", "header_field": "geometry", "truncate": "short", "version": "format",
@@ -134,7 +131,7 @@ def test_namespaces_never_see_each_others_pages(store_spec):
         shared = getattr(first, "shared", None)
         with (MemoryStore(b, shared=shared) if shared else open_store(store_spec, b)) as second:
             tokens = np.arange(4 * GEOMETRY.page_size)
-            first.set(page_keys(a, tokens), [[p] for p in pages(4)])
+            first.set(page_keys(a, tokens), [[p] for p in random_pages(4)])
             assert second.exists(page_keys(b, tokens)) == 0
             assert second.exists(page_keys(a, tokens)) == 0, "another namespace's keys are not even addressable"
             assert first.exists(page_keys(a, tokens)) == 4
@@ -177,7 +174,7 @@ def test_two_threads_share_one_store(store):
             for round_ in range(5):
                 tokens = np.arange(8 * GEOMETRY.page_size) + offset * 100000 + round_ * 1000
                 keys = page_keys(store.namespace, tokens)
-                data = pages(8)
+                data = random_pages(8)
                 assert store.set(keys, [[p] for p in data]) == 8
                 out = poisoned(8)
                 assert store.get(keys, [[o] for o in out]) == 8
@@ -195,7 +192,7 @@ def test_two_threads_share_one_store(store):
 
 def test_operators_list_describe_and_clear(store):
     keys = page_keys(store.namespace, np.arange(5 * GEOMETRY.page_size))
-    store.set(keys, [[p] for p in pages(5)])
+    store.set(keys, [[p] for p in random_pages(5)])
     mine = [e for e in store.entries() if e.namespace == store.namespace_id]
     assert sorted(e.key for e in mine) == sorted(k.hex() for k in keys)
     assert all(e.nbytes == store.stored_bytes >= HEADER_BYTES + PAGE for e in mine)

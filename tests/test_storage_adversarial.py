@@ -17,19 +17,11 @@ from kvtier.errors import InvalidArgument
 from kvtier.runtime import create
 from kvtier.storage import FileStore, MemoryStore, SharedPages, open_store
 from kvtier.storage import file as file_module
-from storage_helpers import GEOMETRY, RedisClusterServers, namespace
+from storage_helpers import GEOMETRY, RedisClusterServers, namespace, random_pages, read_pages
 
 PAGE = GEOMETRY.bytes_per_page
 
 
-def data(count: int) -> list[np.ndarray]:
-    rng = np.random.default_rng()
-    return [rng.integers(1, 256, PAGE, dtype=np.uint8) for _ in range(count)]
-
-
-def read(store, keys) -> tuple[int, list[np.ndarray]]:
-    out = [np.full(PAGE, 0x5A, np.uint8) for _ in keys]
-    return store.get(keys, [[o] for o in out]), out
 
 
 def test_processes_sharing_a_bounded_directory_converge_on_the_bound(tmp_path, monkeypatch):
@@ -39,7 +31,7 @@ def test_processes_sharing_a_bounded_directory_converge_on_the_bound(tmp_path, m
     bound = 20 * stored
     one, two = FileStore(tmp_path, ns, max_bytes=bound), FileStore(tmp_path, ns, max_bytes=bound)
     keys = page_keys(ns, np.arange(60 * GEOMETRY.page_size))
-    pages = data(60)
+    pages = random_pages(60)
     for i in range(0, 60, 2):                      # the two "processes" take turns
         one.set(keys[i:i + 1], [[pages[i]]])
         two.set(keys[i + 1:i + 2], [[pages[i + 1]]])
@@ -51,27 +43,27 @@ def test_a_removed_namespace_directory_is_made_again(tmp_path):
     ns = namespace()
     store = FileStore(tmp_path, ns, retry_interval=0)
     keys = page_keys(ns, np.arange(4 * GEOMETRY.page_size))
-    pages = data(4)
+    pages = random_pages(4)
     assert store.set(keys[:2], [[p] for p in pages[:2]]) == 2
     shutil.rmtree(store.directory)                  # an operator's rm -rf, a tmp cleaner
     first = store.set(keys[2:], [[p] for p in pages[2:]])       # may fail part-way: counted, directory re-made
     assert store.set(keys[2:], [[p] for p in pages[2:]]) == 2
     assert first == 2 or store.stats()["errors.set"] == 1
-    assert read(store, keys[2:])[0] == 2 and (store.directory / "namespace.json").exists()
+    assert read_pages(store, keys[2:])[0] == 2 and (store.directory / "namespace.json").exists()
 
 
 def test_a_redis_key_of_the_wrong_type_is_one_miss_and_the_store_stays_up(redis_url):
     ns = namespace()
     with open_store(redis_url, ns) as store:
         keys = page_keys(ns, np.arange(4 * GEOMETRY.page_size))
-        store.set(keys, [[p] for p in data(4)])
+        store.set(keys, [[p] for p in random_pages(4)])
         store.client().delete(store.key(keys[2]))
         store.client().rpush(store.key(keys[2]), b"not a page")
-        assert read(store, keys)[0] == 2
+        assert read_pages(store, keys)[0] == 2
         stats = store.stats()
         assert stats["miss.corrupt"] == 1 and stats.get("errors.get", 0) == 0 and stats["up"]
-        assert read(store, keys[:2])[0] == 2 and store.set(keys[2:3], [[data(1)[0]]]) == 1
-        assert read(store, keys)[0] == 4, "the bad key was removed and rewritten"
+        assert read_pages(store, keys[:2])[0] == 2 and store.set(keys[2:3], [[random_pages(1)[0]]]) == 1
+        assert read_pages(store, keys)[0] == 4, "the bad key was removed and rewritten"
 
 
 @pytest.mark.parametrize("kind", ["memory", "file"])
@@ -79,14 +71,14 @@ def test_a_read_only_buffer_to_read_into_is_refused_and_changes_nothing(kind, tm
     ns = namespace()
     store = MemoryStore(ns) if kind == "memory" else FileStore(tmp_path, ns)
     keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
-    store.set(keys, [[p] for p in data(2)])
+    store.set(keys, [[p] for p in random_pages(2)])
     frozen = np.zeros(PAGE, np.uint8)
     frozen.flags.writeable = False
     with pytest.raises(InvalidArgument, match="read-only"):
         store.get(keys[:1], [[frozen]])
     with pytest.raises(InvalidArgument, match="read-only"):
         store.get(keys[:1], [[bytes(PAGE)]])
-    assert store.up and "errors.get" not in store.stats() and read(store, keys)[0] == 2
+    assert store.up and "errors.get" not in store.stats() and read_pages(store, keys)[0] == 2
     with pytest.raises(InvalidArgument, match="not a buffer"):
         store.set(keys[:1], [[object()]])
 
@@ -95,15 +87,15 @@ def test_a_directory_or_fifo_at_a_page_path_is_a_miss_not_an_error_or_a_hang(tmp
     ns = namespace()
     store = FileStore(tmp_path, ns)
     keys = page_keys(ns, np.arange(3 * GEOMETRY.page_size))
-    store.set(keys, [[p] for p in data(3)])
+    store.set(keys, [[p] for p in random_pages(3)])
     store.path(keys[1]).unlink()
     store.path(keys[1]).mkdir()
-    assert read(store, keys)[0] == 1
+    assert read_pages(store, keys)[0] == 1
     assert store.stats()["miss.corrupt"] == 1 and store.up
     shutil.rmtree(store.path(keys[1]))
     os.mkfifo(store.path(keys[1]))
     done = []
-    reader = threading.Thread(target=lambda: done.append(read(store, keys)[0]), daemon=True)
+    reader = threading.Thread(target=lambda: done.append(read_pages(store, keys)[0]), daemon=True)
     reader.start()
     reader.join(5)
     assert done == [1], "a FIFO at a page path hung the read"
@@ -140,9 +132,9 @@ def test_a_frozen_cluster_node_costs_one_timeout_not_a_retry_loop():
         ns = namespace()
         store = open_store(cluster.url, ns, retry_interval=0, timeout=0.5, connect_timeout=0.5)
         keys = page_keys(ns, np.arange(30 * GEOMETRY.page_size))
-        assert store.set(keys, [[p] for p in data(30)]) == 30
+        assert store.set(keys, [[p] for p in random_pages(30)]) == 30
         frozen.send_signal(19)                      # SIGSTOP
-        for call in (lambda: store.exists(keys), lambda: read(store, keys), lambda: store.exists(keys)):
+        for call in (lambda: store.exists(keys), lambda: read_pages(store, keys), lambda: store.exists(keys)):
             start = time.monotonic()
             call()
             assert time.monotonic() - start < 2.0
@@ -167,7 +159,7 @@ def test_a_write_that_fails_part_way_counts_what_it_stored(tmp_path):
         pytest.skip("this draw put an earlier page in the blocked directory")
     blocked.parent.mkdir(parents=True, exist_ok=True)
     blocked.write_text("not a directory")
-    assert store.set(keys, [[p] for p in data(6)]) == 3
+    assert store.set(keys, [[p] for p in random_pages(6)]) == 3
     assert store.exists(keys) == 3
 
 
@@ -212,12 +204,12 @@ def test_reads_stay_up_while_writes_fail(tmp_path):
     ns = namespace()
     store = FileStore(tmp_path, ns, retry_interval=60)
     keys = page_keys(ns, np.arange(4 * GEOMETRY.page_size))
-    store.set(keys[:2], [[p] for p in data(2)])
+    store.set(keys[:2], [[p] for p in random_pages(2)])
     blocked = store.path(keys[2]).parent
     if blocked.exists():
         pytest.skip("this draw shares a directory with the stored pages")
     blocked.write_text("full disk, say")
-    assert store.set(keys[2:3], [[data(1)[0]]]) == 0
-    assert read(store, keys[:2])[0] == 2, "a failing write path does not take reads down"
+    assert store.set(keys[2:3], [[random_pages(1)[0]]]) == 0
+    assert read_pages(store, keys[:2])[0] == 2, "a failing write path does not take reads down"
     assert not store.up
 

@@ -52,6 +52,27 @@ class Hooked(MemoryStore):
         return super()._set(keys, pages)
 
 
+def hooked_stores(**options):
+    """A factory of Hooked stores sharing one dict (a restart, a second cache), and the list of stores it made."""
+    shared, stores = SharedPages(), []
+
+    def storage(ns):
+        stores.append(Hooked(ns, shared=shared, **options))
+        return stores[-1]
+
+    return storage, stores
+
+
+def memory_stores():
+    shared, stores = SharedPages(), []
+
+    def storage(ns):
+        stores.append(MemoryStore(ns, shared=shared))
+        return stores[-1]
+
+    return storage, stores
+
+
 def prompt(pages: int, page_size: int = 4, seed: int | None = None) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50000, pages * page_size)
 
@@ -122,12 +143,7 @@ def test_prefetch_extends_a_host_prefix_and_keeps_the_trees_own_pages(runtime):
 
 @pytest.mark.parametrize("bad_page", [0, 3, 7])
 def test_a_corrupt_page_cuts_the_chain_and_nothing_after_it_is_committed(runtime, bad_page):
-    shared = SharedPages()
-    stores = []
-
-    def storage(ns):
-        stores.append(MemoryStore(ns, shared=shared))
-        return stores[-1]
+    storage, stores = memory_stores()
 
     p = prompt(10)
     salt = warm(runtime, storage, [p])
@@ -147,12 +163,7 @@ def test_a_corrupt_page_cuts_the_chain_and_nothing_after_it_is_committed(runtime
 
 
 def test_a_page_evicted_between_exists_and_get_is_a_gap_not_garbage(runtime):
-    shared = SharedPages()
-    stores = []
-
-    def storage(ns):
-        stores.append(Hooked(ns, shared=shared))
-        return stores[-1]
+    storage, stores = hooked_stores()
 
     p = prompt(10)
     salt = warm(runtime, storage, [p])
@@ -169,12 +180,7 @@ def test_a_page_evicted_between_exists_and_get_is_a_gap_not_garbage(runtime):
 
 
 def test_policies_best_effort_wait_complete_and_timeout(runtime):
-    shared = SharedPages()
-    stores = []
-
-    def storage(ns):
-        stores.append(Hooked(ns, shared=shared))
-        return stores[-1]
+    storage, stores = hooked_stores()
 
     prompts = [prompt(12) for _ in range(3)]
     salt = warm(runtime, storage, prompts)
@@ -237,12 +243,7 @@ def test_storage_slower_than_recompute_is_declined(runtime):
 
 @pytest.mark.parametrize("fail", ["exists", "get", "set"])
 def test_a_failing_store_degrades_to_misses_and_the_cache_keeps_serving(runtime, fail):
-    shared = SharedPages()
-    stores = []
-
-    def storage(ns):
-        stores.append(Hooked(ns, shared=shared))
-        return stores[-1]
+    storage, stores = hooked_stores()
 
     p, q = prompt(8), prompt(6)
     salt = warm(runtime, storage, [p])
@@ -295,12 +296,7 @@ def test_a_full_write_queue_skips_and_counts_instead_of_blocking(runtime):
 
 
 def test_close_during_a_prefetch_and_a_write_returns_every_page(runtime):
-    shared = SharedPages()
-    stores = []
-
-    def storage(ns):
-        stores.append(Hooked(ns, shared=shared))
-        return stores[-1]
+    storage, stores = hooked_stores()
 
     p = prompt(20)
     salt = warm(runtime, storage, [p])

@@ -13,19 +13,11 @@ import pytest
 
 from kvtier.cache import page_keys
 from kvtier.storage import FileStore
-from storage_helpers import GEOMETRY, namespace
+from storage_helpers import GEOMETRY, namespace, random_pages, read_pages
 
 PAGE = GEOMETRY.bytes_per_page
 
 
-def data(count: int) -> list[np.ndarray]:
-    rng = np.random.default_rng()
-    return [rng.integers(1, 256, PAGE, dtype=np.uint8) for _ in range(count)]
-
-
-def read(store: FileStore, keys) -> tuple[int, list[np.ndarray]]:
-    out = [np.full(PAGE, 0x5A, np.uint8) for _ in keys]
-    return store.get(keys, [[o] for o in out]), out
 
 
 CHILD = textwrap.dedent("""
@@ -62,16 +54,16 @@ def test_a_writer_killed_mid_page_leaves_the_old_page_or_a_miss(tmp_path, kill, 
     ns = namespace()
     store = FileStore(tmp_path, ns)
     keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
-    old = data(2)
+    old = random_pages(2)
     if previous:
         store.set(keys, [[p] for p in old])
-    new = data(1)[0]
+    new = random_pages(1)[0]
     script = CHILD.format(tests=os.path.dirname(__file__), tenant=ns.tenant, root=str(tmp_path),
                           payload=new.tobytes().hex(), kill=kill)
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert child.returncode == -9, child.stderr.decode()
     assert list(tmp_path.glob("*/*/.*.tmp")), "the killed writer left its temporary file"
-    count, out = read(FileStore(tmp_path, ns), keys)    # a new store sweeps the dead writer's temporaries
+    count, out = read_pages(FileStore(tmp_path, ns), keys)    # a new store sweeps the dead writer's temporaries
     assert not list(tmp_path.glob("*/*/.*.tmp"))
     if previous:
         assert count == 2 and np.array_equal(out[1], old[1]), "the old page survives intact"
@@ -84,28 +76,28 @@ def test_size_bound_evicts_least_recently_used_pages(tmp_path):
     stored = FileStore(tmp_path, namespace()).stored_bytes
     store = FileStore(tmp_path, ns, max_bytes=10 * stored)
     keys = page_keys(ns, np.arange(30 * GEOMETRY.page_size))
-    pages = data(30)
+    pages = random_pages(30)
     store.set(keys[:8], [[p] for p in pages[:8]])
     os.utime(store.path(keys[0]), ns=(1, 1))        # make the LRU order unambiguous: page 0 is oldest by mtime ...
-    assert read(store, keys[:1])[0] == 1           # ... but a hit refreshes it
+    assert read_pages(store, keys[:1])[0] == 1           # ... but a hit refreshes it
     for i in range(8, 30):
         store.set(keys[i:i + 1], [[pages[i]]])
     files = list(tmp_path.glob("*/*/*.kvp"))
     assert len(files) * stored <= 10 * stored
     assert store.stats()["evicted_pages"] >= 20
-    assert read(store, keys[29:30])[0] == 1, "the newest page stays"
+    assert read_pages(store, keys[29:30])[0] == 1, "the newest page stays"
     assert store.used_bytes <= 10 * stored
 
 
 def test_two_processes_share_a_directory_and_namespaces_stay_apart(tmp_path):
     ns = namespace()
-    payload = data(1)[0]
+    payload = random_pages(1)[0]
     script = CHILD.format(tests=os.path.dirname(__file__), tenant=ns.tenant, root=str(tmp_path),
                           payload=payload.tobytes().hex(), kill="no")
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
     keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
     store = FileStore(tmp_path, ns)
-    count, out = read(store, keys[1:])
+    count, out = read_pages(store, keys[1:])
     assert count == 1 and np.array_equal(out[0], payload)
     other = namespace()
     assert FileStore(tmp_path, other).exists(page_keys(other, np.arange(2 * GEOMETRY.page_size))[1:]) == 0
@@ -116,9 +108,9 @@ def test_fsync_policies_store_the_same_bytes(tmp_path, fsync):
     ns = namespace()
     store = FileStore(tmp_path, ns, fsync=fsync)
     keys = page_keys(ns, np.arange(3 * GEOMETRY.page_size))
-    pages = data(3)
+    pages = random_pages(3)
     assert store.set(keys, [[p] for p in pages]) == 3
-    count, out = read(store, keys)
+    count, out = read_pages(store, keys)
     assert count == 3 and all(np.array_equal(a, b) for a, b in zip(out, pages, strict=False))
     assert oct(store.path(keys[0]).stat().st_mode & 0o777) == "0o600"
 
@@ -130,7 +122,7 @@ def test_an_unwritable_directory_degrades_to_counted_failures(tmp_path):
     for sub in {store.path(k).parent for k in keys}:
         sub.parent.mkdir(parents=True, exist_ok=True)
         sub.write_text("not a directory")            # makes every write to these pages fail
-    assert store.set(keys, [[p] for p in data(2)]) == 0
+    assert store.set(keys, [[p] for p in random_pages(2)]) == 0
     assert store.stats()["errors.set"] >= 1
     assert store.exists(keys) == 0
 
@@ -139,16 +131,16 @@ def test_a_stored_page_is_written_once_and_a_damaged_one_is_replaced(tmp_path):
     ns = namespace()
     store = FileStore(tmp_path, ns)
     keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
-    first, second = data(2), data(2)
+    first, second = random_pages(2), random_pages(2)
     store.set(keys, [[p] for p in first])
     inode = store.path(keys[0]).stat().st_ino
     assert store.set(keys, [[p] for p in second]) == 2              # stored already: a key names its content
     assert store.path(keys[0]).stat().st_ino == inode and store.stats()["set.already_stored"] == 2
-    assert np.array_equal(read(store, keys)[1][0], first[0])
+    assert np.array_equal(read_pages(store, keys)[1][0], first[0])
     blob = bytearray(store.path(keys[0]).read_bytes())
     blob[-1] ^= 0xFF
     store.path(keys[0]).write_bytes(bytes(blob))
-    assert read(store, keys)[0] == 0 and store.stats()["removed_bad_pages"] == 1
+    assert read_pages(store, keys)[0] == 0 and store.stats()["removed_bad_pages"] == 1
     store.set(keys[:1], [[second[0]]])                            # the next write replaces the damaged page
-    count, out = read(store, keys)
+    count, out = read_pages(store, keys)
     assert count == 2 and np.array_equal(out[0], second[0])

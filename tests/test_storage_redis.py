@@ -12,19 +12,11 @@ import pytest
 
 from kvtier.cache import page_keys
 from kvtier.storage import RedisStore, open_store
-from storage_helpers import CLI, GEOMETRY, RedisServer, namespace
+from storage_helpers import CLI, GEOMETRY, RedisServer, namespace, random_pages, read_pages
 
 PAGE = GEOMETRY.bytes_per_page
 
 
-def data(count: int) -> list[np.ndarray]:
-    rng = np.random.default_rng()
-    return [rng.integers(1, 256, PAGE, dtype=np.uint8) for _ in range(count)]
-
-
-def read(store, keys) -> tuple[int, list[np.ndarray]]:
-    out = [np.full(PAGE, 0x5A, np.uint8) for _ in keys]
-    return store.get(keys, [[o] for o in out]), out
 
 
 @pytest.fixture
@@ -38,10 +30,10 @@ def test_a_server_stopped_mid_run_is_misses_then_hits_again(own_server):
     ns = namespace()
     store = RedisStore(own_server.url, ns, retry_interval=0.2, timeout=1.0, connect_timeout=0.5)
     keys = page_keys(ns, np.arange(6 * GEOMETRY.page_size))
-    pages = data(6)
+    pages = random_pages(6)
     assert store.set(keys[:3], [[p] for p in pages[:3]]) == 3
     own_server.stop()
-    assert read(store, keys[:3])[0] == 0
+    assert read_pages(store, keys[:3])[0] == 0
     assert store.exists(keys) == 0
     assert store.set(keys[3:], [[p] for p in pages[3:]]) == 0
     stats = store.stats()
@@ -51,7 +43,7 @@ def test_a_server_stopped_mid_run_is_misses_then_hits_again(own_server):
     own_server.start()                                   # back, empty (nothing was saved)
     time.sleep(0.25)
     assert store.set(keys, [[p] for p in pages]) == 6
-    count, out = read(store, keys)
+    count, out = read_pages(store, keys)
     assert count == 6 and all(np.array_equal(a, b) for a, b in zip(out, pages, strict=False))
     stats = store.stats()
     assert stats["up"] and stats["reconnects"] >= 1
@@ -64,8 +56,8 @@ def test_a_server_down_at_start_is_a_miss_not_an_exception(own_server):
     ns = namespace()
     store = RedisStore(url, ns, retry_interval=0.1, connect_timeout=0.2)
     keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
-    assert store.exists(keys) == 0 and read(store, keys)[0] == 0
-    assert store.set(keys, [[p] for p in data(2)]) == 0
+    assert store.exists(keys) == 0 and read_pages(store, keys)[0] == 0
+    assert store.set(keys, [[p] for p in random_pages(2)]) == 0
     store.close()
 
 
@@ -73,11 +65,11 @@ def test_a_cluster_spreads_pages_over_its_nodes(redis_cluster_url):
     ns = namespace()
     with open_store(redis_cluster_url, ns) as store:
         keys = page_keys(ns, np.arange(60 * GEOMETRY.page_size))
-        pages = data(60)
+        pages = random_pages(60)
         assert store.set(keys, [[p] for p in pages]) == 60
         nodes = {store.client().get_node_from_key(store.key(k)).name for k in keys}
         assert len(nodes) == 3
-        count, out = read(store, keys)
+        count, out = read_pages(store, keys)
         assert count == 60 and all(np.array_equal(a, b) for a, b in zip(out, pages, strict=False))
         assert store.clear() == 60
 
@@ -88,11 +80,11 @@ def test_acl_user_and_password_in_the_url():
         ns = namespace()
         keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
         with open_store(f"redis://kv:s3cret@127.0.0.1:{server.port}/0", ns) as store:
-            pages = data(2)
+            pages = random_pages(2)
             assert store.set(keys, [[p] for p in pages]) == 2
-            assert read(store, keys)[0] == 2
+            assert read_pages(store, keys)[0] == 2
         with open_store(f"redis://kv:wrong@127.0.0.1:{server.port}/0", ns, retry_interval=0) as store:
-            assert read(store, keys)[0] == 0              # refused: a counted error, never an exception
+            assert read_pages(store, keys)[0] == 0              # refused: a counted error, never an exception
             assert store.stats()["errors.get"] == 1
     finally:
         server.close()
@@ -102,7 +94,7 @@ def test_ttl_expires_pages(redis_url):
     ns = namespace()
     with open_store(redis_url, ns, ttl=1) as store:
         keys = page_keys(ns, np.arange(GEOMETRY.page_size))
-        store.set(keys, [[data(1)[0]]])
+        store.set(keys, [[random_pages(1)[0]]])
         assert 0 < store.client().ttl(store.key(keys[0])) <= 1
 
 
@@ -110,7 +102,7 @@ def test_cluster_nodes_really_hold_the_pages(redis_cluster_url):
     ns = namespace()
     with open_store(redis_cluster_url, ns) as store:
         keys = page_keys(ns, np.arange(30 * GEOMETRY.page_size))
-        store.set(keys, [[p] for p in data(30)])
+        store.set(keys, [[p] for p in random_pages(30)])
         counts = []
         for node in store.client().get_primaries():
             out = subprocess.run([CLI, "-p", str(node.port), "--scan", "--pattern", f"kvtier:{store.namespace_id}:p:*"],
@@ -127,15 +119,15 @@ def test_tls_with_a_rediss_url():
     try:
         ns = namespace()
         keys = page_keys(ns, np.arange(3 * GEOMETRY.page_size))
-        pages = data(3)
+        pages = random_pages(3)
         with open_store(server.url, ns) as store:
             assert store.set(keys, [[p] for p in pages]) == 3
-            count, out = read(store, keys)
+            count, out = read_pages(store, keys)
             assert count == 3 and all(np.array_equal(a, b) for a, b in zip(out, pages, strict=False))
             assert store.stats().get("errors.set", 0) == 0
         plain = server.url.replace("rediss://", "redis://").split("?")[0]
         with open_store(plain, ns, retry_interval=0, timeout=0.5) as store:
-            assert read(store, keys)[0] == 0               # plain text to a TLS port: an error, counted
+            assert read_pages(store, keys)[0] == 0               # plain text to a TLS port: an error, counted
     finally:
         server.close()
 
