@@ -161,10 +161,6 @@ class StorageBackend:
             raise StorageError(f"{self!r} was opened without a namespace (for operators: entries, namespaces, clear)")
         return self._format
 
-    @format.setter
-    def format(self, value: PageFormat) -> None:
-        self._format = value
-
     @property
     def page_bytes(self) -> int:
         return self.format.payload_bytes
