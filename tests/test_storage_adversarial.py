@@ -213,3 +213,138 @@ def test_reads_stay_up_while_writes_fail(tmp_path):
     assert read_pages(store, keys[:2])[0] == 2, "a failing write path does not take reads down"
     assert not store.up
 
+
+
+# -- second review ---------------------------------------------------------------------------------------------------
+
+def test_a_full_redis_refusing_writes_still_serves_reads():
+    from storage_helpers import RedisServer
+
+    server = RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    try:
+        ns = namespace()
+        store = open_store(server.url, ns, retry_interval=0)
+        keys = page_keys(ns, np.arange(4000 * GEOMETRY.page_size))
+        assert store.set(keys[:4], [[p] for p in random_pages(4)]) == 4
+        for start in range(4, 4000, 200):          # fill it until SET is refused (OOM)
+            if store.set(keys[start:start + 200], [[p] for p in random_pages(200)]) < 200:
+                break
+        short: list[int] = []
+
+        def reader():
+            for _ in range(100):
+                count = read_pages(store, keys[:4])[0]
+                if count != 4:
+                    short.append(count)
+
+        readers = [threading.Thread(target=reader) for _ in range(3)]
+        for thread in readers:
+            thread.start()
+        while any(thread.is_alive() for thread in readers):   # writes keep failing meanwhile
+            store.set(keys[3990:3992], [[p] for p in random_pages(2)])
+        for thread in readers:
+            thread.join()
+        assert store.stats()["errors.set"] >= 1
+        assert not short, f"{len(short)} reads cut short while writes failed"
+        store.close()
+    finally:
+        server.close()
+
+
+def test_cluster_redirections_are_failures_and_wrongtype_is_a_miss():
+    from redis.exceptions import AskError, ClusterDownError, MovedError, NoPermissionError, ResponseError, TryAgainError
+
+    from kvtier.storage.redis_store import _wrong_value
+
+    assert _wrong_value(ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"))
+    for error in (MovedError("3999 127.0.0.1:6381"), AskError("3999 127.0.0.1:6381"), ClusterDownError("down"),
+                  TryAgainError("again"), NoPermissionError("no"), ResponseError("ERR something")):
+        assert not _wrong_value(error), error
+
+
+def test_a_store_works_in_a_fork_child_after_its_threads_ran(tmp_path):
+    ns = namespace()
+    store = FileStore(tmp_path, ns, io_threads=4)
+    keys = page_keys(ns, np.arange(8 * GEOMETRY.page_size))
+    pages = random_pages(8)
+    store.set(keys, [[p] for p in pages])
+    assert read_pages(store, keys)[0] == 8             # the pool exists now
+    pid = os.fork()
+    if pid == 0:                                       # the child: its pool's threads do not exist
+        import signal
+
+        signal.alarm(20)
+        count, out = read_pages(store, keys)
+        os._exit(0 if count == 8 and all(np.array_equal(a, b) for a, b in zip(out, pages, strict=True)) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_close_during_a_get_never_leaves_a_thread_writing_into_the_callers_buffers(tmp_path):
+    class Slow(FileStore):
+        def _read_page(self, key, pieces):
+            time.sleep(0.2)
+            return super()._read_page(key, pieces)
+
+    class ClosingPool:
+        """Submits two pages, then the store is closed (another thread) before the third is submitted."""
+
+        def __init__(self, pool):
+            self.pool, self.calls = pool, 0
+
+        def submit(self, *args):
+            self.calls += 1
+            if self.calls == 3:
+                store._closed = True
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            return self.pool.submit(*args)
+
+        def shutdown(self, wait=True):
+            self.pool.shutdown(wait=wait)
+
+    ns = namespace()
+    store = Slow(tmp_path, ns, io_threads=2)
+    keys = page_keys(ns, np.arange(8 * GEOMETRY.page_size))
+    store.set(keys, [[p] for p in random_pages(8)])
+    store._pool = ClosingPool(store._pool)
+    out = [np.zeros(PAGE, np.uint8) for _ in keys]
+    try:
+        store.get(keys, [[o] for o in out])
+    except Exception as exc:  # noqa: BLE001 - a StorageError naming the close is fine
+        assert "closed" in str(exc)
+    left = [o.copy() for o in out]
+    time.sleep(0.5)
+    assert all(np.array_equal(a, b) for a, b in zip(left, out, strict=True)), "written after get returned"
+    assert "errors.get" not in store.stats(), "a close is not a store failure"
+    store._pool.shutdown()
+
+
+def test_an_older_success_does_not_undo_a_newer_failure():
+    class Flaky(MemoryStore):
+        def _get(self, keys, pages):
+            if threading.current_thread().name == "slow":
+                time.sleep(0.3)
+                yield from super()._get(keys, pages)
+            else:
+                raise ConnectionError("down")
+
+    ns = namespace()
+    store = Flaky(ns, retry_interval=30)
+    keys = page_keys(ns, np.arange(GEOMETRY.page_size))
+    store.set(keys, [[random_pages(1)[0]]])
+    slow = threading.Thread(target=lambda: read_pages(store, keys), name="slow")
+    slow.start()
+    time.sleep(0.1)
+    assert read_pages(store, keys)[0] == 0             # fails while the slow call is in flight
+    slow.join()
+    assert not store.up and "reconnects" not in store.stats()
+    assert read_pages(store, keys)[0] == 0 and store.stats()["miss.down"] == 1   # still backing off
+
+
+def test_a_page_file_cut_inside_its_header_block_is_short(tmp_path):
+    ns = namespace()
+    store = FileStore(tmp_path, ns)
+    keys = page_keys(ns, np.arange(GEOMETRY.page_size))
+    store.set(keys, [[random_pages(1)[0]]])
+    os.truncate(store.path(keys[0]), 1000)
+    assert read_pages(store, keys)[0] == 0 and store.stats()["miss.short"] == 1

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -141,10 +141,12 @@ class StorageBackend:
         self.retry_interval, self.batch_pages = float(retry_interval), int(batch_pages)
         self.io_threads = io_threads or max(1, min(4, os.cpu_count() or 1))
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
         self.counters = StorageStats()
         self._state_lock = threading.Lock()
         self._down_until = {READ: 0.0, WRITE: 0.0}
         self._down = {READ: False, WRITE: False}
+        self._failed_at = {READ: 0.0, WRITE: 0.0}
         self.last_error = ""
         self._closed = False
 
@@ -319,7 +321,8 @@ class StorageBackend:
         for key, outcome in zip(keys, outcomes, strict=False):
             if outcome is not None:
                 self.counters.add(f"miss.{outcome.reason}")
-                if outcome.reason != "absent":       # remove it, so that the next write of this page replaces it
+                if outcome.reason not in ("absent", "format"):   # the next write of it replaces it (another
+                    # format version's page is left to that version)
                     with contextlib.suppress(Exception):
                         self.counters.add("removed_bad_pages", self._delete([key]))
                 return done
@@ -330,9 +333,9 @@ class StorageBackend:
         """Run ``call`` unless ``direction`` (reads or writes) is down; an exception marks it down and returns
         ``failed`` (a ``PartialWrite`` returns how many pages it did store)."""
         self._check_open()
-        now = time.monotonic()
+        started = time.monotonic()
         with self._state_lock:
-            if self._down[direction] and now < self._down_until[direction]:
+            if self._down[direction] and started < self._down_until[direction]:
                 if skipped:
                     self.counters.add(skipped)
                 return failed
@@ -341,15 +344,18 @@ class StorageBackend:
         except (InvalidArgument, StorageError):
             raise
         except Exception as exc:  # noqa: BLE001 - degrade, never fail: counted, the caller sees a miss
+            if self._closed:
+                raise StorageError(f"{self!r} was closed during the call") from exc
             self.counters.add(f"errors.{op}")
-            self._reset()
+            self._reset(exc)
             with self._state_lock:
                 self._down[direction] = True
-                self._down_until[direction] = time.monotonic() + self.retry_interval
+                self._failed_at[direction] = time.monotonic()
+                self._down_until[direction] = self._failed_at[direction] + self.retry_interval
                 self.last_error = f"{type(exc).__name__}: {exc}"
             return exc.stored if isinstance(exc, PartialWrite) else failed
-        with self._state_lock:
-            if self._down[direction]:
+        with self._state_lock:                  # only a call begun after the last failure shows the store is back
+            if self._down[direction] and started > self._failed_at[direction]:
                 self._down[direction] = False
                 self.counters.add("reconnects")
         return result
@@ -411,20 +417,28 @@ class StorageBackend:
                 yield _attempt(work, row) if catch else work(*row)
             return
         with self._state_lock:
-            if self._pool is None:
+            self._check_open()
+            if self._pool is None or self._pool_pid != os.getpid():   # a fork child has none of the threads
                 self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-{self.kind}-io")
+                self._pool_pid = os.getpid()
             pool = self._pool
-        futures = [pool.submit(_attempt, work, row) if catch else pool.submit(work, *row) for row in rows]
+        futures: list[Future[Any]] = []
         try:
+            for row in rows:
+                try:
+                    futures.append(pool.submit(_attempt, work, row) if catch else pool.submit(work, *row))
+                except RuntimeError:             # the store was closed meanwhile
+                    raise StorageError(f"{self!r} was closed during the call") from None
             for future in futures:
                 yield future.result()
-        finally:
+        finally:                                 # nothing may still touch the caller's buffers when we return
             for future in futures:
                 future.cancel()
             wait(futures)
 
-    def _reset(self) -> None:
-        """After an error: drop connections so the next call starts afresh."""
+    def _reset(self, error: BaseException) -> None:
+        """After ``error``: drop what a fresh start needs dropped (connections), without breaking calls of other
+        threads still in flight."""
 
     def _close(self) -> None:
         pass

@@ -154,11 +154,11 @@ class FileStore(StorageBackend):
                 checksum = self.format.check_header(header, key)
             except PageRejected as rejected:
                 return rejected
-            if block.count(0, HEADER_BYTES) != PAYLOAD_OFFSET - HEADER_BYTES:
-                return PageRejected("corrupt", f"{path}: the padding after the header is not zeros")
             if status.st_size != PAYLOAD_OFFSET + self.format.payload_bytes:
                 return PageRejected("short", f"{path} holds {status.st_size} bytes, a page is "
                                              f"{PAYLOAD_OFFSET + self.format.payload_bytes}")
+            if block.count(0, HEADER_BYTES) != PAYLOAD_OFFSET - HEADER_BYTES:
+                return PageRejected("corrupt", f"{path}: the padding after the header is not zeros")
             if _transfer(os.preadv, fd, list(pieces), PAYLOAD_OFFSET) != self.format.payload_bytes:
                 return PageRejected("short", f"{path} ends inside its payload")
         finally:
@@ -215,9 +215,11 @@ class FileStore(StorageBackend):
                 os.close(directory)
         self._added(path, PAYLOAD_OFFSET + self.format.payload_bytes)
 
-    def _reset(self) -> None:
+    def _reset(self, error: BaseException | None = None) -> None:
         """After an error: forget which directories exist and make the namespace's again (an operator may have
         removed it), so the next try starts afresh."""
+        if self.closed:
+            return
         self._made.clear()
         with contextlib.suppress(OSError):
             self.directory.mkdir(parents=True, exist_ok=True)

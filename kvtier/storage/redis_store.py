@@ -22,10 +22,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from redis.exceptions import ResponseError
+from redis.exceptions import AskError, ResponseError, TryAgainError
 
 from kvtier.errors import InvalidArgument
-from kvtier.storage.backend import Entry, StorageBackend, scatter
+from kvtier.storage.backend import Entry, StorageBackend, StorageError, scatter
 from kvtier.storage.format import PageRejected
 
 if TYPE_CHECKING:
@@ -76,6 +76,8 @@ class RedisStore(StorageBackend):
         """The redis-py client, made on first use (a cluster client connects when made: a server down at start-up
         is then an error of the first call, counted, not of the constructor)."""
         with self._client_lock:
+            if self.closed:
+                raise StorageError(f"{self!r} is closed")
             if self._client is None:
                 from redis import Redis
                 from redis.backoff import NoBackoff
@@ -96,12 +98,14 @@ class RedisStore(StorageBackend):
         cluster is asked node by node, each with the store's timeout: no cluster-wide retry loop); results in key
         order, error replies in place."""
         results: list[Any] = [None] * len(keys)
-        for client, members in self._by_node(keys):
+        owner, groups = self._by_node(keys)         # held: a reset elsewhere must not close it under us
+        for client, members in groups:
             pipe = client.pipeline(transaction=False)
             for i in members:
                 getattr(pipe, command)(self.key(keys[i]))
             for i, result in zip(members, pipe.execute(raise_on_error=False), strict=True):
                 results[i] = result
+        del owner
         return results
 
     def _pipeline(self) -> Any:
@@ -144,7 +148,8 @@ class RedisStore(StorageBackend):
         expiry = b"" if self.ttl is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl)), self.ttl)
         words = b"*3\r\n" if self.ttl is None else b"*5\r\n"
         headers = [self.format.header(key, pieces) for key, pieces in zip(keys, pages, strict=True)]
-        for client, members in self._by_node(keys):
+        owner, groups = self._by_node(keys)
+        for client, members in groups:
             chunks: list[Any] = []
             for i in members:
                 name = self.key(keys[i]).encode()
@@ -154,18 +159,19 @@ class RedisStore(StorageBackend):
                 chunks.extend(pages[i])
                 chunks.append(b"\r\n" + expiry)
             _send(client, chunks, len(members))
+        del owner
         return len(keys)
 
-    def _by_node(self, keys: list[bytes]) -> list[tuple[Any, list[int]]]:
-        """(client of the node holding them, indices) per node: one for a standalone server."""
+    def _by_node(self, keys: list[bytes]) -> tuple[Any, list[tuple[Any, list[int]]]]:
+        """The client, and (client of the node holding them, indices) per node: one for a standalone server."""
         client = self.client()
         if not self.cluster:
-            return [(client, list(range(len(keys))))]
+            return client, [(client, list(range(len(keys))))]
         groups: dict[str, tuple[Any, list[int]]] = {}
         for i, key in enumerate(keys):
             node = client.get_node_from_key(self.key(key))
             groups.setdefault(node.name, (node.redis_connection, []))[1].append(i)
-        return list(groups.values())
+        return client, list(groups.values())
 
     def _delete(self, keys: list[bytes]) -> int:
         removed = self._each(keys, "delete")
@@ -213,22 +219,31 @@ class RedisStore(StorageBackend):
             removed += sum(pipe.execute())
         return removed
 
-    def _reset(self) -> None:
-        """After an error: drop the client, so the next call connects afresh (and a cluster re-learns its slots)."""
+    def _reset(self, error: BaseException) -> None:
+        """After a connection or cluster error, the next call gets a new client (a restarted server, a resharded
+        cluster found afresh). The old one is not closed here: calls of other threads may still be using it; it
+        closes when the last of them lets go. An error reply about one command (out of memory, say) changes
+        nothing."""
+        from redis.exceptions import ClusterError, ResponseError
+
+        if isinstance(error, ResponseError) and not isinstance(error, (ClusterError, AskError, TryAgainError)):
+            return
+        with self._client_lock:
+            self._client = None
+
+    def _close(self) -> None:
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(Exception):     # the connection is already broken; nothing else to release
+            with contextlib.suppress(Exception):     # nothing else to release
                 client.close()
-
-    def _close(self) -> None:
-        self._reset()
 
 
 def _wrong_value(error: Exception) -> bool:
-    """An error reply about the value at a key (a miss), not about the cluster or the connection (a failure)."""
-    return isinstance(error, ResponseError) and not str(error).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN",
-                                                                          "LOADING"))
+    """An error reply about the value at a key (a miss: WRONGTYPE), not about the cluster, the server or the
+    connection (a failure). redis-py turns MOVED, ASK, CLUSTERDOWN, TRYAGAIN, NOPERM, READONLY into subclasses of
+    ResponseError whose text drops the prefix, so the exact class is what tells."""
+    return type(error) is ResponseError and str(error).startswith("WRONGTYPE")
 
 
 def _send(client: Any, chunks: list[Any], replies: int) -> None:
