@@ -56,32 +56,29 @@ def is_split(runtime: Runtime) -> bool:
     return not runtime.device_attributes(0).can_use_host_pointer_for_registered_mem
 
 
+def _redis(variable: str, start: str) -> Iterator[str]:
+    """CI's server (``variable`` names its URL) or one started from ``storage_helpers.<start>`` for the session."""
+    import storage_helpers
+
+    storage_helpers.need_server()
+    if os.environ.get(variable):
+        yield os.environ[variable]
+        return
+    servers = getattr(storage_helpers, start)()
+    yield servers.url
+    servers.close()
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    """A standalone Redis: CI's (KVTIER_TEST_REDIS_URL) or one started for this session."""
-    from storage_helpers import RedisServer, need_server
-
-    need_server()
-    if os.environ.get("KVTIER_TEST_REDIS_URL"):
-        yield os.environ["KVTIER_TEST_REDIS_URL"]
-        return
-    server = RedisServer()
-    yield server.url
-    server.close()
+    """A standalone Redis."""
+    yield from _redis("KVTIER_TEST_REDIS_URL", "RedisServer")
 
 
 @pytest.fixture(scope="session")
 def redis_cluster_url() -> Iterator[str]:
-    """A 3-node Redis Cluster: CI's (KVTIER_TEST_REDIS_CLUSTER_URL) or one started for this session."""
-    from storage_helpers import RedisClusterServers, need_server
-
-    need_server()
-    if os.environ.get("KVTIER_TEST_REDIS_CLUSTER_URL"):
-        yield os.environ["KVTIER_TEST_REDIS_CLUSTER_URL"]
-        return
-    cluster = RedisClusterServers()
-    yield cluster.url
-    cluster.close()
+    """A 3-node Redis Cluster."""
+    yield from _redis("KVTIER_TEST_REDIS_CLUSTER_URL", "RedisClusterServers")
 
 
 STORE_KINDS = ["memory", "file", "redis", "redis-cluster"]

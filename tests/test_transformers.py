@@ -51,3 +51,18 @@ def test_one_sequence_at_a_time():
             generation.generate(torch.zeros((2, 8), dtype=torch.long))
     finally:
         generation.close()
+
+
+def test_a_sequence_longer_than_the_device_pool_still_returns_its_output():
+    """Regression: the new pages did not fit and generate raised OutOfPages after generating."""
+    model = tiny_llama("cpu")
+    generation = KVTierGeneration.build(model, device_tokens=64, host_tokens=256, runtime="emulated:split")
+    try:
+        for length in (1, 15, 16, 33, 200, 200):
+            ids = torch.randint(0, 1000, (1, length))
+            with torch.no_grad():
+                expected = model.generate(ids, max_new_tokens=5, do_sample=False)
+            assert torch.equal(generation.generate(ids, max_new_tokens=5, do_sample=False), expected)
+        generation.cache.check()
+    finally:
+        generation.close()

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.cache import CacheSettings, KVCache, Namespace
+from kvtier.cache import CacheSettings, KVCache, Namespace, OutOfPages
 from kvtier.errors import InvalidArgument
 from kvtier.memory import CpuAddress
 from kvtier.pools import DevicePool, HostPool, KVGeometry
@@ -112,6 +112,8 @@ class KVTierGeneration:
         """``owned``: pools this object made (``build``) and closes after the cache."""
         self.model, self.cache, self.paged = model, cache, paged
         self.turns: list[Turn] = []
+        self.skipped_inserts = 0
+        """Turns whose new pages could not be had (locked or in flight): their output stands, uncached."""
         self._owned = owned
 
     @classmethod
@@ -182,9 +184,14 @@ class KVTierGeneration:
         page = self.cache.page_size
         stored = past.get_seq_length()
         whole = min(stored, len(sequence)) // page
+        whole = min(whole, self.cache.device.pages)        # a sequence longer than the pool keeps what fits
         if whole <= len(prefix):
             return
-        new = self.cache.allocate(whole - len(prefix))
+        try:
+            new = self.cache.allocate(whole - len(prefix))
+        except OutOfPages:                                  # the output stands; this turn is just not cached
+            self.skipped_inserts += 1
+            return
         start, end = len(prefix) * page, whole * page
         for layer, states in enumerate(past.layers):
             self.paged.write(layer, new, states.keys[:, :, start:end], states.values[:, :, start:end])
