@@ -4,10 +4,11 @@
 # probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py,
 # TESTS narrows the AOT suite (default: tests), ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane),
-# STORAGE_ARGS to bench/storage.py. The storage phase needs redis-server on PATH and redis-py importable.
+# STORAGE_ARGS to bench/storage.py, E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark). The storage phase
+# needs redis-server on PATH and redis-py importable.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
-PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench enqueue demo cache limits storage"}
+PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench enqueue demo cache limits storage e2e"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
@@ -71,6 +72,9 @@ if want storage; then
     rm -rf "$store"
     python3 bench/storage.py --runtime cuda ${STORAGE_ARGS:-} --json "$OUT/storage.json" 2>&1 | tee "$OUT/storage.txt" \
         || status=1
+fi
+if want e2e; then
+    python3 bench/e2e.py ${E2E_ARGS:-} --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" || status=1
 fi
 if want limits; then
     python3 bench/batch_limits.py 2>&1 | tee "$OUT/batch_limits.txt" || status=1

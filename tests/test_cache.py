@@ -473,3 +473,28 @@ def test_a_torch_stream_waiting_on_one_layer_reads_that_layer_loaded(cuda):
     cache.close()
     host.close()
     dev.close()
+
+
+@pytest.mark.parametrize("made", [{"io_backend": "direct", "layout": "page_first_direct", "device_pages": 40,
+                                   "host_pages": 64}], indirect=True)
+def test_copy_engine_loads_take_runs_of_device_pages_and_serve_right_bytes(made):
+    """With ``direct`` loads the device pages of a load-back are consecutive where free runs allow (one strided copy
+    per layer and tensor), even after churn scattered the free pages; every loaded byte is checked."""
+    cache, model = made
+    assert cache.tiers.device.contiguous
+    rng = np.random.default_rng()
+    prompts = [prompt(int(rng.integers(2, 7)) * P, rng) for _ in range(12)]
+    for tokens in prompts:                                 # churn: inserts, evictions, frees in between
+        serve(cache, model, tokens)
+    cache.drain()
+    cache.evict(device_pages=40)
+    tokens = prompts[-1]
+    match = cache.match_prefix(tokens, lock=True)
+    load = cache.load_back(match, force=True)
+    assert load is not None
+    assert (np.diff(load.device_pages) == 1).all(), load.device_pages
+    cache.unlock(match)
+    for tokens in prompts[-3:]:
+        match, served = serve(cache, model, tokens)        # checks the loaded bytes
+        assert served == len(tokens) // P
+    cache.check()

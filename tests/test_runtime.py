@@ -6,6 +6,8 @@ import contextlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from device_kernels import random_bytes
 from kvtier.errors import RegistrationError, RuntimeCallError
@@ -138,6 +140,68 @@ def test_cuda_shares_current_device_and_streams_with_torch(cuda):
     assert torch.equal(target.cpu(), data)
     stream.close()
     torch_stream.synchronize()
+
+
+@pytest.mark.parametrize("direction", ["load", "backup"])
+def test_evenly_spaced_runs_go_as_strided_copies_and_land_exactly(runtime, direction):
+    """One layer of a run of pages in a page-major host layout (32 KiB pieces 1 MiB apart), then a mixed list whose
+    spacing changes midway, in both directions: every byte lands where the runs say, nothing else is touched."""
+    layers, width, pages = 8, 4096, 24
+    with HostBuffer.allocate(pages * layers * width, HostKind.PINNED, runtime=runtime) as host, \
+            DeviceBuffer(pages * layers * width, 0, runtime=runtime) as dev:
+        view = host.as_tensor().numpy()
+        layer = 5
+        host_offsets = np.arange(pages) * layers * width + layer * width
+        dev_offsets = np.arange(pages) * width
+        host_offsets[16:] += width // 2                 # the spacing changes after 16 pages: two groups and a lone one
+        dev_offsets[16:] += 3 * width
+        sizes = np.full(pages, width)
+        sizes[-1] = width // 4
+        source = random_bytes(pages * layers * width)
+        stream = runtime.create_stream(0)
+        if direction == "load":
+            view[:] = source
+            dev.upload(np.full(pages * layers * width, 0xEE, np.uint8))
+            runtime.memcpy_runs_async(dev.address, dev_offsets, host.cpu_address, host_offsets, sizes, stream=stream)
+            stream.synchronize()
+            got, want = np.frombuffer(dev.download(), np.uint8), np.full(pages * layers * width, 0xEE, np.uint8)
+        else:
+            dev.upload(source)
+            view[:] = 0xEE
+            runtime.memcpy_runs_async(host.cpu_address, host_offsets, dev.address, dev_offsets, sizes, stream=stream)
+            stream.synchronize()
+            got, want = view.copy(), np.full(pages * layers * width, 0xEE, np.uint8)
+        for d, h, n in zip(dev_offsets, host_offsets, sizes, strict=True):
+            if direction == "load":
+                want[d:d + n] = source[h:h + n]
+            else:
+                want[h:h + n] = source[d:d + n]
+        np.testing.assert_array_equal(got, want)
+        del view
+        stream.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.sampled_from([0, 1, 2, 4])), max_size=16))
+def test_strided_groups_cover_every_copy_once_with_exact_spacing(steps):
+    from kvtier.runtime.base import strided_groups
+
+    dst = np.cumsum([2 * a for a, _, _ in steps], dtype=np.int64)
+    src = np.cumsum([2 * b for _, b, _ in steps], dtype=np.int64)
+    sizes = np.array([n for _, _, n in steps], dtype=np.int64)
+    covered: list[int] = []
+    for first, count, dst_pitch, src_pitch in strided_groups(dst, src, sizes).tolist():
+        members = range(first, first + count)
+        covered += members
+        if count > 1:
+            assert sizes[first] > 0 and dst_pitch >= sizes[first] and src_pitch >= sizes[first]
+            for i in members:
+                assert sizes[i] == sizes[first]
+                assert dst[i] == dst[first] + (i - first) * dst_pitch
+                assert src[i] == src[first] + (i - first) * src_pitch
+    assert covered == list(range(len(steps)))
+    layer = strided_groups(np.arange(64) * 32768, np.arange(64) * 1 << 20, np.full(64, 32768))
+    assert layer.tolist() == [[0, 64, 32768, 1 << 20]]
 
 
 @pytest.mark.parametrize("batched", [False, True])

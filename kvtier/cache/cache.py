@@ -33,7 +33,7 @@ from kvtier.cache.keys import Namespace, token_array
 from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.operation import BACKUP, LOAD, LoadBack, Operation
 from kvtier.cache.rates import H200_TABLE, RateTable
-from kvtier.cache.settings import AUTO, CacheSettings, WritePolicy
+from kvtier.cache.settings import AUTO, COPY_ENGINE_BACKENDS, CacheSettings, WritePolicy
 from kvtier.cache.storage_tier import Prefetch, StorageTier
 from kvtier.cache.tiers import CALLER, FREE, TREE, Tiers
 from kvtier.checks import index_array, integer
@@ -96,7 +96,8 @@ class KVCache:
         self._engines: dict[str, TransferEngine] = {}
         self.tiers = Tiers(RadixIndex(self.page_size, namespace.digest), self.geometry, device_pool.pages,
                            host_pool.pages, settings, self.metrics, self._engines, self._markers,
-                           lambda: self._controller.inflight(BACKUP))
+                           lambda: self._controller.inflight(BACKUP),
+                           contiguous_device=self.load_backend in COPY_ENGINE_BACKENDS)
         self._prefill_rate: float | None = None
         try:
             self._engines[LOAD] = TransferEngine(device_pool, host_pool, backend=self.load_backend,

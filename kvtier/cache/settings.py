@@ -28,6 +28,8 @@ class PrefetchPolicy(Choice):
 
 
 IO_BACKENDS = ("kernel", "staged", "direct", "batch")
+COPY_ENGINE_BACKENDS = ("direct", "batch")
+"""Backends that copy device pages in place with the copy engines: a run of consecutive pages is one strided copy."""
 AUTO = "auto"
 
 

@@ -29,13 +29,16 @@ FREE, CALLER, TREE = 0, 1, 2
 class Tiers:
     def __init__(self, index: RadixIndex, geometry: KVGeometry, device_pages: int, host_pages: int,
                  settings: CacheSettings, metrics: CacheMetrics, engines: dict[str, Any],
-                 markers: Callable[[Any], list[Any] | None], inflight: Callable[[], list[Operation]]) -> None:
+                 markers: Callable[[Any], list[Any] | None], inflight: Callable[[], list[Operation]],
+                 contiguous_device: bool = False) -> None:
         """``markers(after)`` turns an ordering request into events recorded now; ``inflight()`` lists the backups
-        the controller has in flight (an allocation that finds nothing to evict waits for them)."""
+        the controller has in flight (an allocation that finds nothing to evict waits for them).
+        ``contiguous_device``: hand out runs of consecutive device pages (copy-engine loads move a layer of a run of
+        pages with one strided copy)."""
         self.index, self.geometry, self.page_size = index, geometry, geometry.page_size
         self.settings, self.metrics, self.engines = settings, metrics, engines
         self.markers, self.inflight = markers, inflight
-        self.device = PageAllocator(device_pages, name="device")
+        self.device = PageAllocator(device_pages, name="device", contiguous=contiguous_device)
         self.host = PageAllocator(host_pages, name="host", contiguous=True)
         self.state = np.zeros(device_pages, dtype=np.uint8)
         self.fences: list[Any] = []

@@ -26,6 +26,7 @@ from kvtier.runtime.base import (
     PointerAttributes,
     Runtime,
     Stream,
+    strided_groups,
 )
 from kvtier.runtime.program import KernelArg, Program, ProgramSpec, pack_parameters
 
@@ -259,12 +260,13 @@ class CudaRuntime(Runtime):
     def _memcpy_runs(self, dst: Address, dst_offsets: np.ndarray, src: Address, src_offsets: np.ndarray,
                      sizes: np.ndarray, stream: Stream, batched: bool) -> None:
         """Plain integers from here on (one array add per side, no object per copy): cudaMemcpyBatchAsync in calls
-        of BATCH_LIMIT copies, or one cudaMemcpyAsync each. The batched API refuses the legacy default stream and
-        stream capture, and older drivers lack it: those fall back to one copy per call."""
+        of BATCH_LIMIT copies, or one cudaMemcpy2DAsync per strided group and one cudaMemcpyAsync per other copy. The
+        batched API refuses the legacy default stream and stream capture, and older drivers lack it: those fall back
+        to the unbatched path."""
         stream = self.as_stream(stream)
-        dsts, srcs, counts = (dst.value + dst_offsets).tolist(), (src.value + src_offsets).tolist(), sizes.tolist()
         cudart = self._cudart
         if batched and self._batch_supported and stream.handle != 0 and not stream.capturing:
+            dsts, srcs, counts = (dst.value + dst_offsets).tolist(), (src.value + src_offsets).tolist(), sizes.tolist()
             attrs = cudart.cudaMemcpyAttributes()
             attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
             for start in range(0, len(counts), BATCH_LIMIT):
@@ -278,10 +280,23 @@ class CudaRuntime(Runtime):
                 check((status,), "cudaMemcpyBatchAsync")
             else:
                 return
+        groups = strided_groups(dst_offsets, src_offsets, sizes)
+        first = groups[:, 0]
         kind, native = self._memcpy_default, stream.native
-        for d, s, n in zip(dsts, srcs, counts, strict=True):
-            if n:
+        for d, s, n, count, dst_pitch, src_pitch in zip((dst.value + dst_offsets[first]).tolist(),
+                                                        (src.value + src_offsets[first]).tolist(),
+                                                        sizes[first].tolist(), *groups[:, 1:].T.tolist(), strict=True):
+            if count > 1:
+                check(cudart.cudaMemcpy2DAsync(d, dst_pitch, s, src_pitch, n, count, kind, native),
+                      "cudaMemcpy2DAsync")
+            elif n:
                 check(cudart.cudaMemcpyAsync(d, s, n, kind, native), "cudaMemcpyAsync")
+
+    def _memcpy_2d_async(self, dst: Address, dst_pitch: int, src: Address, src_pitch: int, width: int, height: int,
+                         stream: Stream) -> None:
+        check(self._cudart.cudaMemcpy2DAsync(dst.value, dst_pitch, src.value, src_pitch, width, height,
+                                             self._memcpy_default, self.as_stream(stream).native),
+              "cudaMemcpy2DAsync")
 
     def create_stream(self, device: int | None = None) -> CudaStream:
         device = self.current_device() if device is None else device
