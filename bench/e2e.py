@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--load-backend", default="direct", help="kvtier's load backend (direct, kernel, staged)")
+    parser.add_argument("--host-layout", default="layer_first", help="kvtier's host pool layout")
     parser.add_argument("--load-blocks", type=int, default=None, help="SMs for kvtier's kernel loads (default 2)")
     parser.add_argument("--no-storage", action="store_true", help="skip the file store row")
     parser.add_argument("--logits", default="4k", help="prefix length of the logits check ('' to skip)")
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
                              **({"max_blocks": args.load_blocks} if args.load_blocks else {}))
     with tempfile.TemporaryDirectory() as root, contextlib.ExitStack() as stack:
         generation = KVTierGeneration.build(model, device_tokens=biggest, host_tokens=biggest, runtime=runtime,
-                                            page_size=args.page_size, settings=settings,
+                                            page_size=args.page_size, settings=settings, host_layout=args.host_layout,
                                             storage=None if args.no_storage else f"file:{root}")
         stack.callback(generation.close)
         rows: list[dict] = []
@@ -395,9 +396,11 @@ def main(argv: list[str] | None = None) -> None:
             rows += measure_length(model, generation, clock, length, suffixes, args.repeats, ceiling,
                                    not args.no_storage)
         results["rows"] = rows
+        save(args.json, results)
         show(rows, ceiling)
         if device == "cuda":
             results["traces"] = [trace(model, generation, clock, length, suffix) for length, suffix in traces]
+        save(args.json, results)
         if args.logits:
             check = logits_check(model, generation, tokens(args.logits), device)
             results["logits"] = check
@@ -408,13 +411,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.turns:
         users, turns = (int(x) for x in args.turns.lower().split("x"))
         results["multi_turn"] = run_turns(model, clock, runtime, users, turns, tokens(args.turn_tokens), args.decode,
-                                          tokens(args.turn_device_tokens), args.page_size, settings)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+                                          tokens(args.turn_device_tokens), args.page_size, settings,
+                                          args.host_layout)
+    save(args.json, results)
+
+
+def save(path: str | None, results: dict) -> None:
+    """Write what has been measured so far (a run cut short keeps its finished phases)."""
+    if path:
+        Path(path).write_text(json.dumps(results, indent=1))
 
 
 def run_turns(model: Any, clock: Clock, runtime: str, users: int, turns: int, turn_tokens: int, decode: int,
-              device_tokens: int, page_size: int, settings: CacheSettings) -> list[dict]:
+              device_tokens: int, page_size: int, settings: CacheSettings, host_layout: str) -> list[dict]:
     """The multi-turn run with the host tier (large enough for every conversation) and without (one page of it,
     loads declined): the same device pool, the same conversations."""
     total = users * turns * (turn_tokens + decode) + page_size
@@ -424,7 +433,8 @@ def run_turns(model: Any, clock: Clock, runtime: str, users: int, turns: int, tu
                                           calibrate=False, load_back_min_tokens=1 << 40,
                                           load_backend=settings.load_backend))):
         generation = KVTierGeneration.build(model, device_tokens=device_tokens, host_tokens=host_tokens,
-                                            runtime=runtime, page_size=page_size, settings=loads)
+                                            runtime=runtime, page_size=page_size, settings=loads,
+                                            host_layout=host_layout)
         try:
             runs.append(multi_turn(model, generation, clock, users, turns, turn_tokens, decode, label))
         finally:

@@ -197,3 +197,201 @@ def test_a_larger_bf16_model_on_the_gpu(cuda, capsys):
         generation.cache.check()
     finally:
         generation.close()
+
+
+# Regressions from an adversarial review: each failed before its fix.
+GREEDY = dict(max_new_tokens=8, do_sample=False)
+
+
+def reference(model, ids, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, **kwargs)
+
+
+def emulated(model, **kwargs):
+    kwargs.setdefault("device_tokens", 512)
+    kwargs.setdefault("host_tokens", 2048)
+    return KVTierGeneration.build(model, runtime="emulated:split", **kwargs)
+
+
+@pytest.mark.parametrize("seed", [15, 37])
+def test_beam_search_caches_only_the_prompt_so_the_next_turn_is_right(seed):
+    """Beam 0 of the final cache is not the returned hypothesis when a finished beam wins: its KV was inserted under
+    the returned tokens, and the next turn was served another beam's KV."""
+    model = tiny_llama("cpu")
+    torch.manual_seed(seed)
+    prompt = torch.randint(0, 1000, (1, 16))
+    beams = reference(model, prompt, max_new_tokens=40, num_beams=4, num_return_sequences=4, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    beam = dict(max_new_tokens=40, num_beams=4, do_sample=False, eos_token_id=int(beams[1, 36]), pad_token_id=0)
+    generation = emulated(model)
+    try:
+        output = generation.generate(prompt, **beam)
+        assert torch.equal(output, reference(model, prompt, **beam))
+        follow_up = torch.cat([output, torch.randint(0, 1000, (1, 1))], dim=1)
+        assert torch.equal(generation.generate(follow_up, **GREEDY), reference(model, follow_up, **GREEDY))
+        generation.cache.check()
+    finally:
+        generation.close()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"attention_mask": "padded"}, "attention mask with padding"),
+    ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens"),
+    ({"use_cache": False}, "use_cache=False"),
+])
+def test_generate_arguments_a_prefilled_cache_cannot_serve_are_refused_before_any_work(kwargs, message):
+    """KV computed under a padding mask was served to the same ids without one; prompt-lookup decoding and
+    use_cache=False gave other tokens than the model's own."""
+    from kvtier.errors import InvalidArgument
+
+    model = tiny_llama("cpu")
+    ids = torch.randint(3, 1000, (1, 48))
+    if kwargs.get("attention_mask") == "padded":
+        kwargs = {"attention_mask": torch.cat([torch.zeros((1, 8), dtype=torch.long),
+                                               torch.ones((1, 40), dtype=torch.long)], dim=1), "pad_token_id": 0}
+    generation = emulated(model)
+    calls, forward = [], model.forward
+    model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    try:
+        with pytest.raises(InvalidArgument, match=message):
+            generation.generate(ids, **kwargs, **GREEDY)
+        assert not calls and not generation.turns
+        generation.cache.evict(device_pages=8)                   # nothing left locked
+    finally:
+        model.forward = forward
+        generation.close()
+
+
+def test_generate_returns_dicts_and_several_sequences_and_caches_the_prompt():
+    """return_dict_in_generate=True and num_return_sequences=2 generated, then raised from finish (output lost)."""
+    model = tiny_llama("cpu")
+    ids = torch.randint(0, 1000, (1, 40))
+    generation = emulated(model)
+    try:
+        output = generation.generate(ids, return_dict_in_generate=True, output_scores=True, **GREEDY)
+        assert torch.equal(output.sequences, reference(model, ids, **GREEDY))
+        torch.manual_seed(5)
+        several = generation.generate(ids, max_new_tokens=4, do_sample=True, num_return_sequences=2)
+        torch.manual_seed(5)
+        assert torch.equal(several, reference(model, ids, max_new_tokens=4, do_sample=True, num_return_sequences=2))
+        longer = torch.cat([ids, torch.randint(0, 1000, (1, 30))], dim=1)
+        assert torch.equal(generation.generate(longer, **GREEDY), reference(model, longer, **GREEDY))
+        generation.cache.check()
+    finally:
+        generation.close()
+
+
+def test_two_models_of_one_name_with_other_weights_never_share_stored_pages(tmp_path):
+    """The namespace was the config's name or model type only: a second Llama with other weights was served the
+    first one's stored KV."""
+    first, second = tiny_llama("cpu"), tiny_llama("cpu")
+    torch.manual_seed(999)
+    for parameter in second.parameters():
+        parameter.data.normal_(0, 0.02)
+    ids = torch.randint(0, 1000, (1, 70))
+    generation = emulated(first, storage=f"file:{tmp_path}")
+    generation.generate(ids, **GREEDY)
+    generation.cache.drain()
+    generation.close()
+    for model, hits in ((second, 0), (first, 64)):
+        generation = emulated(model, storage=f"file:{tmp_path}")
+        try:
+            assert torch.equal(generation.generate(ids, **GREEDY), reference(model, ids, **GREEDY))
+            assert generation.turns[-1].host_tokens == hits
+        finally:
+            generation.close()
+
+
+def test_finish_refuses_what_the_cache_does_not_hold_and_inserts_nothing():
+    """finish(other tokens) and a forward of the whole prompt on a hit inserted KV under the wrong tokens."""
+    from kvtier.errors import InvalidArgument
+
+    model = tiny_llama("cpu")
+    a, b = torch.randint(0, 1000, (1, 40)), torch.randint(0, 1000, (1, 40))
+    generation = emulated(model)
+    try:
+        with generation.request(a) as request:
+            with torch.no_grad():
+                model(a, past_key_values=request.cache)
+            with pytest.raises(InvalidArgument, match="does not extend"):
+                request.finish(b)
+        longer = torch.cat([a, b], dim=1)
+        with generation.request(longer) as request:
+            assert request.cached_tokens == 0
+        run_prefill(generation, a)
+        with generation.request(longer) as request:
+            with torch.no_grad():
+                model(longer, past_key_values=request.cache)     # forgot [:, request.cached_tokens:]
+            with pytest.raises(InvalidArgument, match="holds 112 tokens"):
+                request.finish()
+        for ids in (b, longer):
+            assert torch.equal(generation.generate(ids, **GREEDY), reference(model, ids, **GREEDY))
+        generation.cache.check()
+    finally:
+        generation.close()
+
+
+def test_a_batch_on_an_unread_cache_is_refused_and_an_expanded_one_is_right():
+    """A batch-2 forward on a request's cache copied only row 0's new K/V (silently wrong logits)."""
+    from kvtier.errors import InvalidArgument
+
+    model = tiny_llama("cpu")
+    prompt, suffix = torch.randint(0, 1000, (1, 40)), torch.randint(0, 1000, (2, 5))
+    generation = emulated(model)
+    try:
+        run_prefill(generation, prompt)
+        ids = torch.cat([prompt[:, 32:].repeat(2, 1), suffix], dim=1)
+        with generation.request(torch.cat([prompt, suffix[:1]], dim=1)) as request, torch.no_grad():
+            with pytest.raises(InvalidArgument, match="one sequence"):
+                model(ids, past_key_values=request.cache)
+        with generation.request(torch.cat([prompt, suffix[:1]], dim=1)) as request, torch.no_grad():
+            request.cache.batch_repeat_interleave(2)
+            logits = model(ids, past_key_values=request.cache).logits[:, -1]
+            expected = model(torch.cat([prompt.repeat(2, 1), suffix], dim=1)).logits[:, -1]
+        assert (logits - expected).abs().max() < 1e-4
+    finally:
+        generation.close()
+
+
+def test_models_whose_kv_cannot_be_paged_are_refused_at_build():
+    """Falcon multi-query (1 KV head under another name) was read as 4 heads and DeepSeek-V3 MLA as 16-wide heads:
+    build accepted them and generate failed after the work."""
+    from kvtier.errors import InvalidArgument
+
+    torch.manual_seed(1)
+    falcon = transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, multi_query=True)).eval()
+    generation = emulated(falcon)                               # MQA: one KV head, paged
+    try:
+        ids = torch.randint(0, 1000, (1, 45))
+        for _ in range(2):
+            assert torch.equal(generation.generate(ids, max_new_tokens=4, do_sample=False),
+                               reference(falcon, ids, max_new_tokens=4, do_sample=False))
+        assert generation.turns[-1].device_tokens == 32
+    finally:
+        generation.close()
+    mla = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=24, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64)).eval()
+    with pytest.raises(InvalidArgument, match="latent attention"):
+        emulated(mla)
+
+
+def test_a_failed_insert_gives_its_pages_back():
+    """A write that raised (a CUDA out-of-memory in index_copy_) left the pages held by the caller for good."""
+    model = tiny_llama("cpu")
+    generation = emulated(model, device_tokens=128)
+    try:
+        free = generation.cache.stats()["device_free_pages"]
+        write = generation.paged.write
+        generation.paged.write = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory (simulated)"))
+        with pytest.raises(RuntimeError, match="simulated"):
+            generation.generate(torch.randint(0, 1000, (1, 70)), max_new_tokens=1)
+        generation.paged.write = write
+        generation.cache.check()
+        assert generation.cache.stats()["device_free_pages"] == free
+    finally:
+        generation.close()

@@ -32,15 +32,59 @@ Fill = Callable[[Any, Any], tuple[Any, Any]]
 
 
 def geometry_of(config: Any, page_size: int, dtype: Any) -> KVGeometry:
-    """The KV geometry of a transformers decoder config (MHA / GQA, every layer full attention) kept in ``dtype``."""
+    """The KV geometry of a transformers decoder config (MHA / GQA / MQA, every layer full attention) kept in
+    ``dtype``. Latent-attention (MLA) models and K and V of different head sizes are refused: a kvtier MHA page holds
+    K and V of one shape. ``KVTierGeneration.build`` takes the geometry from the model's own cache instead."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
         raise InvalidArgument(f"kvtier serves full-attention layers only; this model has layer types {sorted(kinds)}")
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "v_head_dim", head_dim) != head_dim:
+        raise InvalidArgument(f"{config.model_type}: latent attention (MLA) or K and V of different head sizes; "
+                              "kvtier's transformers integration serves MHA / GQA / MQA KV only")
+    multi_query = getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False)
+    heads = 1 if multi_query else (getattr(config, "num_key_value_heads", None)
+                                   or getattr(config, "num_kv_heads", None) or config.num_attention_heads)
     return KVGeometry.mha(layers=config.num_hidden_layers, kv_heads=heads, head_dim=head_dim,
                           itemsize=itemsize(dtype), page_size=page_size)
+
+
+def checked_geometry(model: Any, page_size: int, dtype: Any) -> KVGeometry:
+    """The geometry of the K and V the model's own cache holds after a one-token forward (configs name their KV
+    heads in several ways; the cache does not), after ``geometry_of`` has refused what kvtier cannot page."""
+    import torch
+    from transformers import DynamicCache
+
+    geometry_of(model.config, page_size, dtype)
+    probe = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.zeros((1, 1), dtype=torch.long, device=next(model.parameters()).device), past_key_values=probe)
+    shapes = [(tuple(keys.shape), tuple(values.shape)) for keys, values in
+              ((getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in probe.layers)
+              if keys is not None and values is not None]
+    kinds = set(shapes)
+    if len(kinds) != 1 or len(shapes) != len(probe.layers) or shapes[0][0] != shapes[0][1] or \
+            len(shapes[0][0]) != 4:
+        raise InvalidArgument(f"{model.config.model_type}: the model's own cache holds K/V shaped "
+                              f"{sorted(kinds)[:3]} over {len(shapes)} of {len(probe.layers)} layers; kvtier pages "
+                              "one K and V shape for every layer")
+    _, heads, _, head_dim = shapes[0][0]
+    return KVGeometry.mha(layers=len(shapes), kv_heads=heads, head_dim=head_dim, itemsize=itemsize(dtype),
+                          page_size=page_size)
+
+
+def model_fingerprint(model: Any) -> str:
+    """A short hash of a sample of the weights (the first 4,096 elements of up to 8 tensors spread over the
+    model), so two models of one name or type with other weights never share stored pages."""
+    import xxhash
+
+    parameters = list(model.parameters())
+    digest = xxhash.xxh3_64()
+    for tensor in parameters[::max(1, len(parameters) // 8)][:8]:
+        sample = tensor.detach().reshape(-1)[:4096].float().cpu().numpy()
+        digest.update(sample.tobytes())
+    return digest.hexdigest()
 
 
 class KVTierLayer(DynamicLayer):
@@ -59,6 +103,9 @@ class KVTierLayer(DynamicLayer):
     def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         if self._fill is None:
             return super().update(key_states, value_states, *args, **kwargs)
+        if key_states.shape[0] != 1:
+            raise InvalidArgument(f"this cache holds one sequence but the forward has {key_states.shape[0]} rows: "
+                                  "expand it first (cache.batch_repeat_interleave(rows))")
         fill, self._fill = self._fill, None
         self.lazy_initialization(key_states, value_states)
         self.keys, self.values = fill(key_states, value_states)
@@ -103,6 +150,11 @@ class KVTierCache(Cache):
         for layer in self.kvtier_layers:
             layer.settle()
 
+    def batch_rows(self) -> int:
+        """Rows the cache holds now (1, or more after beam search / several samples expanded it)."""
+        keys = self.kvtier_layers[0].keys if self.kvtier_layers else None
+        return 1 if keys is None or keys.dim() != 4 else int(keys.shape[0])
+
 
 @dataclass
 class Turn:
@@ -128,6 +180,7 @@ class Request:
         self.turn = Turn(len(tokens), match.device_tokens, self.cached_tokens - match.device_tokens,
                          len(tokens) - self.cached_tokens)
         self._index = paged.index(prefix)
+        self._stream: Any = None
         if not overlap:
             self._wait()
         layers = [KVTierLayer(self.cached_tokens, self._filler(layer) if self.cached_tokens else None)
@@ -148,11 +201,13 @@ class Request:
         pages are the model's tensors, else on the CPU."""
         loads = list(self.match.pending) + ([self.load] if self.load is not None else [])
         if self._owner.paged.on_device:
-            import torch
+            if self._stream is None:                    # the model's stream, wrapped once per request
+                import torch
 
-            stream = torch.cuda.current_stream(self._owner.paged.device)
+                self._stream = self._owner.cache.device_pool.runtime.as_stream(
+                    torch.cuda.current_stream(self._owner.paged.device))
             for op in loads:
-                op.stream_wait(stream, layer=layer)
+                op.stream_wait(self._stream, layer=layer)
         else:
             for op in loads:
                 op.wait() if layer is None else op.wait_layer(layer)
@@ -164,12 +219,30 @@ class Request:
         return torch.empty((1, paged.heads, 0, paged.head_dim), dtype=paged.dtype, device=paged.device)
 
     def finish(self, sequence: Any = None) -> int:
-        """Insert the new whole pages of ``sequence`` (default: the prompt), whose KV the cache now holds (at least
-        up to its last token but one), and unlock. Returns the tokens newly cached (0 when none could be had)."""
+        """Insert the new whole pages of ``sequence`` (default: the prompt; a ``generate`` output or its
+        ``.sequences`` too), whose KV the cache now holds (at least up to its last token but one), and unlock.
+        Returns the tokens newly cached (0 when none could be had). Refused (nothing inserted, still unlocked) when
+        ``sequence`` neither extends the prompt nor is its beginning, or the cache holds more tokens than it (a
+        forward that was given tokens other than ``input_ids[:, cached_tokens:]``). Several sequences (sampling,
+        beams) share only the prompt: its pages are inserted."""
         if not self._open:
             return 0
         try:
-            tokens = self.tokens if sequence is None else _tokens_of(sequence)
+            tokens = self.tokens if sequence is None else _sequences_of(sequence)
+            if tokens.ndim == 2:                        # several continuations of one prompt: only it is shared
+                if not (tokens[:, :len(self.tokens)] == self.tokens).all():
+                    raise InvalidArgument("finish: the sequences do not all extend the request's prompt")
+                tokens = self.tokens
+            common = min(len(tokens), len(self.tokens))
+            if not np.array_equal(tokens[:common], self.tokens[:common]):
+                raise InvalidArgument("finish: the sequence does not extend the request's prompt (nor is it a part of "
+                                      "it); its KV is not what this request's cache holds")
+            if self.cache.batch_rows() > 1:
+                tokens = self.tokens                    # rows (beams, samples) share the prompt's KV, not more
+            elif (held := self.cache.get_seq_length()) > len(tokens):
+                raise InvalidArgument(f"finish: the cache holds {held} tokens but the sequence has {len(tokens)}; "
+                                      f"forward input_ids[:, cached_tokens:] ({self.cached_tokens} are cached), not "
+                                      "the whole prompt")
             return self._owner._insert(tokens, self.prefix, self.cache)
         finally:
             self.release()
@@ -204,20 +277,21 @@ class KVTierGeneration:
     @classmethod
     def build(cls, model: Any, *, device_tokens: int, host_tokens: int, page_size: int = 16,
               runtime: Runtime | str | None = None, settings: CacheSettings | None = None, storage: Any = None,
-              model_id: str | None = None) -> KVTierGeneration:
+              model_id: str | None = None, host_layout: str = "layer_first") -> KVTierGeneration:
         """Pools for ``device_tokens`` on the model's device and ``host_tokens`` of pinned host memory, in the model's
-        dtype, and a cache over them. The host pool is ``page_first_direct`` (each page's layer one contiguous
-        piece) and loads use the copy engines (``direct``): one layer of a run of pages is one strided copy, at the
-        link's ceiling, with an event per layer. ``settings`` default: that, and load back whatever is cached (no
-        recompute estimate). ``storage``: a spec
+        dtype, and a cache over them. The host pool is ``layer_first`` and loads use the copy engines (``direct``):
+        a layer of a run of host pages is one contiguous piece, so a load-back is one copy per layer and tensor at the
+        link's rate, an event after each (``host_layout="page_first_direct"`` makes them strided copies instead).
+        ``settings`` default: that, and load back whatever is cached (no recompute estimate). ``storage``: a spec
         (``file:PATH``, ``redis://…``; opened for this model's namespace and closed with this object) or a backend
-        opened for that namespace."""
+        opened for that namespace. The namespace is ``model_id`` (default: the config's ``_name_or_path``, else its
+        model type) plus a hash of a sample of the weights, so other weights never read these pages."""
         import torch
 
         runtime = get_runtime(runtime) if not isinstance(runtime, Runtime) else runtime
         parameter = next(model.parameters())
         device, dtype = parameter.device, parameter.dtype
-        geometry = geometry_of(model.config, page_size, dtype)
+        geometry = checked_geometry(model, page_size, dtype)
         pages = -(-device_tokens // page_size)
         if runtime.name == "cuda":
             if device.type != "cuda":
@@ -229,13 +303,12 @@ class KVTierGeneration:
             tensors = None
             pool = DevicePool.allocate(geometry, pages, 0, runtime=runtime)
         try:
-            host = HostPool.allocate(geometry, "page_first_direct", tokens=host_tokens, kind="pinned",
-                                     runtime=runtime)
+            host = HostPool.allocate(geometry, host_layout, tokens=host_tokens, kind="pinned", runtime=runtime)
         except BaseException:
             pool.close()
             raise
-        namespace = Namespace(model_id or getattr(model.config, "_name_or_path", "") or model.config.model_type,
-                              geometry, str(dtype).replace("torch.", ""))
+        name = model_id or getattr(model.config, "_name_or_path", "") or model.config.model_type
+        namespace = Namespace(f"{name}@{model_fingerprint(model)}", geometry, str(dtype).replace("torch.", ""))
         settings = settings or CacheSettings(calibrate=False, load_back_min_tokens=0, load_backend="direct")
         owned: tuple[Any, ...] = (pool, host)
         try:
@@ -268,11 +341,17 @@ class KVTierGeneration:
         return request
 
     def generate(self, input_ids: Any, *, overlap: bool = True, **kwargs: Any) -> Any:
-        """``model.generate`` for one sequence (``[1, tokens]``), with the cached prefix served by kvtier and the new
-        whole pages inserted afterwards. ``kwargs`` go to ``model.generate``."""
+        """``model.generate`` for one prompt (``[1, tokens]``), with the cached prefix served by kvtier and the new
+        whole pages inserted afterwards (only the prompt's when several sequences come back: beams, samples).
+        ``kwargs`` go to ``model.generate``; those a pre-filled cache cannot serve exactly are refused before any
+        work: an attention mask with padding (the KV would not be the tokens' own), ``use_cache=False``, and
+        assisted / prompt-lookup decoding."""
         import torch
 
+        rows = _check_generate_kwargs(self.model, kwargs)
         with self.request(input_ids, overlap=overlap) as request:
+            if rows > 1:                                # generate expands the prompt, not a cache it is given
+                request.cache.batch_repeat_interleave(rows)
             with torch.no_grad():
                 output = self.model.generate(input_ids, past_key_values=request.cache, **kwargs)
             request.finish(output)
@@ -292,11 +371,15 @@ class KVTierGeneration:
             self.skipped_inserts += 1
             return 0
         start, end = len(prefix) * page, whole * page
-        index = self.paged.index(new)
-        for layer, states in enumerate(past.kvtier_layers):
-            assert states.keys is not None and states.values is not None
-            self.paged.write(layer, index, states.keys[:, :, start:end], states.values[:, :, start:end])
-        self.cache.insert(sequence[:end], np.concatenate([prefix, new]))
+        try:
+            index = self.paged.index(new)
+            for layer, states in enumerate(past.kvtier_layers):
+                assert states.keys is not None and states.values is not None
+                self.paged.write(layer, index, states.keys[:1, :, start:end], states.values[:1, :, start:end])
+            self.cache.insert(sequence[:end], np.concatenate([prefix, new]))
+        except BaseException:
+            self.cache.free(new)                        # a failed write (e.g. out of memory) gives its pages back
+            raise
         return end - start
 
     def close(self) -> None:
@@ -304,6 +387,41 @@ class KVTierGeneration:
         self.cache.close()
         for resource in reversed(self._owned):
             resource.close()
+
+
+UNSERVED_GENERATE = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+"""generate arguments whose decoding loop re-runs positions a pre-filled cache already holds (transformers gives
+other tokens with a pre-filled ``DynamicCache`` too)."""
+
+
+def _check_generate_kwargs(model: Any, kwargs: dict[str, Any]) -> int:
+    """Refuse what a pre-filled cache cannot serve; return the rows ``generate`` will run the prompt as (several
+    samples of one prompt without beam search: generate expands the inputs but not a cache it is given)."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    for name in UNSERVED_GENERATE:
+        if kwargs.get(name) is not None or getattr(config, name, None) is not None:
+            raise InvalidArgument(f"generate({name}=...): assisted and prompt-lookup decoding do not give the model's "
+                                  "own tokens with a pre-filled cache; call model.generate without kvtier for it")
+    if kwargs.get("use_cache") is False or getattr(config, "use_cache", True) is False:
+        raise InvalidArgument("generate(use_cache=False) computes without a cache; call model.generate directly")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool((mask != 0).all()):
+        raise InvalidArgument("an attention mask with padding changes the KV of the tokens it covers, and kvtier "
+                              "keys KV by token ids: pass the sequence without padding (and without a mask)")
+    def setting(name: str, default: int) -> int:
+        value = kwargs.get(name)
+        return int(value if value is not None else getattr(config, name, None) or default)
+    return setting("num_return_sequences", 1) if setting("num_beams", 1) == 1 else 1
+
+
+def _sequences_of(output: Any) -> np.ndarray:
+    """Token ids of a ``generate`` output (a tensor or an output with ``.sequences``): one row as 1-D, more as 2-D."""
+    sequences = getattr(output, "sequences", output)
+    shape = tuple(getattr(sequences, "shape", ()))
+    if len(shape) != 2 or shape[0] < 1:
+        raise InvalidArgument(f"expected token ids of shape [rows, tokens] (or a generate output), got {shape}")
+    ids = np.asarray(sequences.detach().cpu().numpy(), dtype=np.int64)
+    return ids[0] if shape[0] == 1 else ids
 
 
 def _tokens_of(input_ids: Any) -> np.ndarray:

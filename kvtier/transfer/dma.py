@@ -47,18 +47,19 @@ class DirectBackend(Backend):
         device_offsets = plan.offsets(job.device_pages, device_strides(context.geometry))
         host_offsets = plan.offsets(job.host_pages, context.host_pool.strides)
         host_runs, device_runs, sizes = merge_runs(host_offsets, device_offsets, plan.chunk_bytes)
+        bases = [context.device_pool.layer_device_addresses(t) for t in range(context.geometry.tensors)]
         for begin, count in layer_spans(job.layers, job.per_layer):
             for layer in range(begin, begin + count):
-                self._layer(job, layer, host_runs, device_runs, sizes)
+                self._layer(job, layer, host_runs, device_runs, sizes, [b[layer] for b in bases])
             job.mark(context.runtime, context.device, begin, job.stream)
 
-    def _layer(self, job: Job, layer: int, host_runs: np.ndarray, device_runs: np.ndarray, sizes: np.ndarray) -> None:
+    def _layer(self, job: Job, layer: int, host_runs: np.ndarray, device_runs: np.ndarray, sizes: np.ndarray,
+               device_bases: list[DeviceAddress]) -> None:
         context = self.context
         host_pool, cpu = context.host_pool, context.host_pool.buffer.cpu_address
-        for tensor in range(context.geometry.tensors):
+        for tensor, device_base in enumerate(device_bases):
             base = host_pool.tensor_offset(tensor) + layer * host_pool.strides.layer
             offsets, device, nbytes = host_pieces(context, base + host_runs, device_runs, sizes)
-            device_base: DeviceAddress = context.device_pool.layer_device_addresses(tensor)[layer]
             queue_copies(context, job.direction, (cpu, offsets), (device_base, device), nbytes, job.stream,
                          self.batched)
 
