@@ -197,7 +197,8 @@ def row(store: str, size: str, op: str, state: str, nbytes: int, seconds: float,
             "ceiling_gbps": ceiling_gbps, "pct": 100 * gbps / ceiling_gbps}
 
 
-def prefetch_rows(store_kind: str, spec: str, runtime, tokens: int, directory: Path | None) -> list[dict]:
+def prefetch_rows(store_kind: str, spec: str, runtime, tokens: int, directory: Path | None,
+                  layout: str = "page_first") -> list[dict]:
     """Write a chain through one cache, then time a fresh cache's prefetch of it (warm and, for files, cold)."""
     geometry = SIZES["llama3-8b p16"]
     pages = tokens // geometry.page_size
@@ -223,7 +224,7 @@ def prefetch_rows(store_kind: str, spec: str, runtime, tokens: int, directory: P
             if before:
                 before()
             device = DevicePool.allocate(geometry, 64, 0, runtime=runtime)
-            host = HostPool.allocate(geometry, "page_first", pages=pages + 64, kind="pinned", runtime=runtime)
+            host = HostPool.allocate(geometry, layout, pages=pages + 64, kind="pinned", runtime=runtime)
             cache = KVCache(device, host, namespace, CacheSettings(calibrate=False, io_backend="direct"),
                             storage=store)
             try:
@@ -234,8 +235,8 @@ def prefetch_rows(store_kind: str, spec: str, runtime, tokens: int, directory: P
                 assert fetch.outcome == "complete", fetch
                 assert cache.match_prefix(prompt).host_tokens == tokens
                 nbytes = pages * geometry.bytes_per_page
-                rows.append({"store": store_kind, "tokens": tokens, "cache": state, "seconds": seconds,
-                             "gbps": nbytes / seconds / 1e9, "bytes": nbytes})
+                rows.append({"store": store_kind, "tokens": tokens, "cache": state, "layout": layout,
+                             "seconds": seconds, "gbps": nbytes / seconds / 1e9, "bytes": nbytes})
             finally:
                 cache.close()
                 host.close()
@@ -255,6 +256,8 @@ def main() -> int:
     parser.add_argument("--mib", type=int, default=512, help="MiB of pages per row (default 512)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefetch-tokens", type=int, default=32768, help="0 skips the prefetch rows")
+    parser.add_argument("--host-layouts", default="page_first",
+                        help="host pool layouts the prefetch rows read into, comma-separated")
     parser.add_argument("--runtime", default=None)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -284,7 +287,8 @@ def main() -> int:
                 rows += page_rows(kind, spec, name, SIZES[name], runtime, args.mib, args.repeats, directory)
                 console.print(f"{kind} {name}: done")
             if args.prefetch_tokens:
-                prefetches += prefetch_rows(kind, spec, runtime, args.prefetch_tokens, directory)
+                for layout in args.host_layouts.split(","):
+                    prefetches += prefetch_rows(kind, spec, runtime, args.prefetch_tokens, directory, layout)
     finally:
         if started is not None:
             started[1].kill()
@@ -301,10 +305,11 @@ def main() -> int:
     console.print(table)
     if prefetches:
         table = Table(title="prefetch of a chain into an empty host tier (Llama-3-8B, 16-token pages)")
-        for column in ("store", "tokens", "page cache", "seconds", "GB/s"):
+        for column in ("store", "tokens", "host layout", "page cache", "seconds", "GB/s"):
             table.add_column(column)
         for r in prefetches:
-            table.add_row(r["store"], f"{r['tokens']:,}", r["cache"], f"{r['seconds']:.3f}", f"{r['gbps']:.2f}")
+            table.add_row(r["store"], f"{r['tokens']:,}", r["layout"], r["cache"], f"{r['seconds']:.3f}",
+                          f"{r['gbps']:.2f}")
         console.print(table)
     if args.json:
         with open(args.json, "w") as file:

@@ -42,9 +42,11 @@ def test_the_cache_never_touches_device_addresses():
 
 
 def test_storage_never_sees_a_device_address():
-    """kvtier.storage reads and writes CPU-domain views of host pages (page_metadata), nothing a device uses."""
+    """kvtier.storage reads and writes CPU-domain views of host pages (page_pieces, the offsets behind
+    page_metadata, over the buffer's CPU mapping), nothing a device uses."""
     for path in (PACKAGE / "storage").rglob("*.py"):
         text = path.read_text()
         assert not re.search(r"DeviceAddress|get_device_accessible_ptr|layer_device_addresses|layer_regions|"
                              r"kvtier\.transfer|kvtier\.kernels|device_alias", text), path
-    assert "page_metadata" in (PACKAGE / "storage" / "views.py").read_text()
+    views = (PACKAGE / "storage" / "views.py").read_text()
+    assert "page_pieces" in views and "cpu_address" in views

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -107,3 +109,23 @@ def test_slots_never_hand_out_a_page_twice(ops):
             slots.free(give)
             held = held[count:]
         assert slots.free_pages == 32 - len(held)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_page_pieces_are_the_page_spans_of_every_page(layout):
+    """The vectorised offsets storage views are cut from agree with page_spans / page_metadata, page by page."""
+    from kvtier.pools import HostPool, KVGeometry
+    from kvtier.runtime import create
+
+    geometry = KVGeometry.mha(layers=5, kv_heads=2, head_dim=32, itemsize=2, page_size=4)
+    with contextlib.closing(HostPool.allocate(geometry, layout, pages=12, kind="pinned",
+                                              runtime=create("emulated:unified"))) as host:
+        pages = [11, 0, 7, 7, 3]
+        offsets, sizes = host.page_pieces(pages)
+        assert [list(zip(row, sizes.tolist(), strict=True)) for row in offsets.tolist()] == \
+            [host.page_spans(p) for p in pages]
+        base = host.buffer.cpu_address.value
+        assert [[(a.value - base, n) for a, n in page] for page in host.page_metadata(pages)] == \
+            [host.page_spans(p) for p in pages]
+        with pytest.raises(Exception, match="out of range|page"):
+            host.page_pieces([12])

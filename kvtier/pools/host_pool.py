@@ -86,12 +86,27 @@ class HostPool:
                 spans.append((base + page * s.page, g.layers * g.page_bytes))
         return spans
 
+    def page_pieces(self, pages: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Buffer offsets ``[pages, pieces]`` and sizes ``[pieces]`` of each page's contiguous pieces (the spans of
+        :meth:`page_spans`, for many pages in one numpy step: a ``layer_first`` page has a piece per layer and
+        tensor, and a 32k-token prompt has 2,048 pages)."""
+        values = index_array(pages, "pages").astype(np.int64, copy=False)
+        self.check_pages(values)
+        g, s = self.geometry, self.strides
+        if self.layout is HostLayout.LAYER_FIRST:
+            starts = [self.tensor_offset(t) + layer * s.layer for t in range(g.tensors) for layer in range(g.layers)]
+            sizes = np.full(len(starts), g.page_bytes, dtype=np.int64)
+        else:
+            starts = [self.tensor_offset(t) for t in range(g.tensors)]
+            sizes = np.full(len(starts), g.layers * g.page_bytes, dtype=np.int64)
+        return values[:, None] * s.page + np.asarray(starts, dtype=np.int64)[None, :], sizes
+
     def page_metadata(self, pages: Any) -> list[list[tuple[CpuAddress, int]]]:
         """CPU-domain (address, length) pieces of each page, for storage and disaggregation consumers."""
-        values = index_array(pages, "pages")
-        self.check_pages(values)
-        cpu = self.buffer.cpu_address
-        return [[(cpu + offset, size) for offset, size in self.page_spans(int(p))] for p in values]
+        offsets, sizes = self.page_pieces(pages)
+        cpu, sizes_list = self.buffer.cpu_address, sizes.tolist()
+        return [[(cpu + offset, size) for offset, size in zip(row, sizes_list, strict=True)]
+                for row in offsets.tolist()]
 
     # -- lifetime --------------------------------------------------------------------------------------------------
     @property

@@ -31,8 +31,14 @@ class PageIO:
     :meth:`HostPages.batch`, which keeps the pool from closing until the batch is done."""
 
     def __init__(self, pool: HostPool, pages: Sequence[int] | np.ndarray) -> None:
+        """Slices of one view of the pool's CPU mapping at the offsets ``page_pieces`` gives (the CPU-domain twin of
+        ``page_metadata``; a ctypes view per piece cost 0.3 ms a page for ``layer_first`` pools)."""
         self.pool = pool
-        self.pages = [[_view(address.value, size) for address, size in page] for page in pool.page_metadata(pages)]
+        offsets, sizes = pool.page_pieces(pages)
+        whole = _view(pool.buffer.cpu_address.value, pool.buffer.nbytes)
+        sizes_list = sizes.tolist()
+        self.pages = [[whole[offset:offset + size] for offset, size in zip(row, sizes_list, strict=True)]
+                      for row in offsets.tolist()]
 
     def __len__(self) -> int:
         return len(self.pages)
