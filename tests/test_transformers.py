@@ -4,6 +4,8 @@ every conversation)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -224,15 +226,12 @@ def test_beam_search_caches_only_the_prompt_so_the_next_turn_is_right(seed):
     beams = reference(model, prompt, max_new_tokens=40, num_beams=4, num_return_sequences=4, do_sample=False,
                       eos_token_id=None, pad_token_id=0)
     beam = dict(max_new_tokens=40, num_beams=4, do_sample=False, eos_token_id=int(beams[1, 36]), pad_token_id=0)
-    generation = emulated(model)
-    try:
+    with contextlib.closing(emulated(model)) as generation:
         output = generation.generate(prompt, **beam)
         assert torch.equal(output, reference(model, prompt, **beam))
         follow_up = torch.cat([output, torch.randint(0, 1000, (1, 1))], dim=1)
         assert torch.equal(generation.generate(follow_up, **GREEDY), reference(model, follow_up, **GREEDY))
         generation.cache.check()
-    finally:
-        generation.close()
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -267,8 +266,7 @@ def test_generate_returns_dicts_and_several_sequences_and_caches_the_prompt():
     """return_dict_in_generate=True and num_return_sequences=2 generated, then raised from finish (output lost)."""
     model = tiny_llama("cpu")
     ids = torch.randint(0, 1000, (1, 40))
-    generation = emulated(model)
-    try:
+    with contextlib.closing(emulated(model)) as generation:
         output = generation.generate(ids, return_dict_in_generate=True, output_scores=True, **GREEDY)
         assert torch.equal(output.sequences, reference(model, ids, **GREEDY))
         torch.manual_seed(5)
@@ -278,8 +276,6 @@ def test_generate_returns_dicts_and_several_sequences_and_caches_the_prompt():
         longer = torch.cat([ids, torch.randint(0, 1000, (1, 30))], dim=1)
         assert torch.equal(generation.generate(longer, **GREEDY), reference(model, longer, **GREEDY))
         generation.cache.check()
-    finally:
-        generation.close()
 
 
 def test_two_models_of_one_name_with_other_weights_never_share_stored_pages(tmp_path):
@@ -309,8 +305,7 @@ def test_finish_refuses_what_the_cache_does_not_hold_and_inserts_nothing():
 
     model = tiny_llama("cpu")
     a, b = torch.randint(0, 1000, (1, 40)), torch.randint(0, 1000, (1, 40))
-    generation = emulated(model)
-    try:
+    with contextlib.closing(emulated(model)) as generation:
         with generation.request(a) as request:
             with torch.no_grad():
                 model(a, past_key_values=request.cache)
@@ -328,8 +323,6 @@ def test_finish_refuses_what_the_cache_does_not_hold_and_inserts_nothing():
         for ids in (b, longer):
             assert torch.equal(generation.generate(ids, **GREEDY), reference(model, ids, **GREEDY))
         generation.cache.check()
-    finally:
-        generation.close()
 
 
 def test_a_batch_on_an_unread_cache_is_refused_and_an_expanded_one_is_right():
@@ -338,8 +331,7 @@ def test_a_batch_on_an_unread_cache_is_refused_and_an_expanded_one_is_right():
 
     model = tiny_llama("cpu")
     prompt, suffix = torch.randint(0, 1000, (1, 40)), torch.randint(0, 1000, (2, 5))
-    generation = emulated(model)
-    try:
+    with contextlib.closing(emulated(model)) as generation:
         run_prefill(generation, prompt)
         ids = torch.cat([prompt[:, 32:].repeat(2, 1), suffix], dim=1)
         with generation.request(torch.cat([prompt, suffix[:1]], dim=1)) as request, torch.no_grad():
@@ -350,8 +342,6 @@ def test_a_batch_on_an_unread_cache_is_refused_and_an_expanded_one_is_right():
             logits = model(ids, past_key_values=request.cache).logits[:, -1]
             expected = model(torch.cat([prompt.repeat(2, 1), suffix], dim=1)).logits[:, -1]
         assert (logits - expected).abs().max() < 1e-4
-    finally:
-        generation.close()
 
 
 def test_models_whose_kv_cannot_be_paged_are_refused_at_build():
@@ -383,8 +373,7 @@ def test_models_whose_kv_cannot_be_paged_are_refused_at_build():
 def test_a_failed_insert_gives_its_pages_back():
     """A write that raised (a CUDA out-of-memory in index_copy_) left the pages held by the caller for good."""
     model = tiny_llama("cpu")
-    generation = emulated(model, device_tokens=128)
-    try:
+    with contextlib.closing(emulated(model, device_tokens=128)) as generation:
         free = generation.cache.stats()["device_free_pages"]
         write = generation.paged.write
         generation.paged.write = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory (simulated)"))
@@ -393,5 +382,3 @@ def test_a_failed_insert_gives_its_pages_back():
         generation.paged.write = write
         generation.cache.check()
         assert generation.cache.stats()["device_free_pages"] == free
-    finally:
-        generation.close()
