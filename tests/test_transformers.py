@@ -382,3 +382,22 @@ def test_a_failed_insert_gives_its_pages_back():
         generation.paged.write = write
         generation.cache.check()
         assert generation.cache.stats()["device_free_pages"] == free
+
+
+def test_a_storage_backend_opened_for_namespace_of_the_model_is_taken(tmp_path):
+    from kvtier.errors import InvalidArgument
+    from kvtier.integrations.transformers import namespace_of
+    from kvtier.storage import open_store
+
+    model = tiny_llama("cpu")
+    ids = torch.randint(0, 1000, (1, 50))
+    with contextlib.closing(open_store(f"file:{tmp_path}", namespace_of(model, 16))) as store:
+        with contextlib.closing(emulated(model, storage=store)) as generation:
+            generation.generate(ids, **GREEDY)
+            generation.cache.drain()
+    with contextlib.closing(emulated(model, storage=f"file:{tmp_path}")) as generation:
+        assert torch.equal(generation.generate(ids, **GREEDY), reference(model, ids, **GREEDY))
+        assert generation.turns[-1].host_tokens == 48                 # what the first one stored
+    with contextlib.closing(open_store(f"file:{tmp_path}", namespace_of(model, 16, "other"))) as store:
+        with pytest.raises(InvalidArgument, match="namespace"):
+            emulated(model, storage=store)

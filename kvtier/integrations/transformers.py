@@ -74,6 +74,17 @@ def checked_geometry(model: Any, page_size: int, dtype: Any) -> KVGeometry:
                           page_size=page_size)
 
 
+def namespace_of(model: Any, geometry: KVGeometry | int = 16, model_id: str | None = None) -> Namespace:
+    """The namespace ``KVTierGeneration.build`` keys this model's pages by (open a storage backend with it to pass
+    one in): ``model_id`` (default: the config's ``_name_or_path``, else its model type) plus a hash of a sample of
+    the weights, the KV geometry (or its page size, the rest read from the model) and the dtype."""
+    dtype = next(model.parameters()).dtype
+    if not isinstance(geometry, KVGeometry):
+        geometry = checked_geometry(model, geometry, dtype)
+    name = model_id or getattr(model.config, "_name_or_path", "") or model.config.model_type
+    return Namespace(f"{name}@{model_fingerprint(model)}", geometry, str(dtype).replace("torch.", ""))
+
+
 def model_fingerprint(model: Any) -> str:
     """A short hash of a sample of the weights (the first 4,096 elements of up to 8 tensors spread over the
     model), so two models of one name or type with other weights never share stored pages."""
@@ -284,8 +295,9 @@ class KVTierGeneration:
         link's rate, an event after each (``host_layout="page_first_direct"`` makes them strided copies instead).
         ``settings`` default: that, and load back whatever is cached (no recompute estimate). ``storage``: a spec
         (``file:PATH``, ``redis://…``; opened for this model's namespace and closed with this object) or a backend
-        opened for that namespace. The namespace is ``model_id`` (default: the config's ``_name_or_path``, else its
-        model type) plus a hash of a sample of the weights, so other weights never read these pages."""
+        opened for ``namespace_of(model, page_size, model_id)``: ``model_id`` (default: the config's
+        ``_name_or_path``, else its model type) plus a hash of a sample of the weights, so other weights never read
+        these pages."""
         import torch
 
         runtime = get_runtime(runtime) if not isinstance(runtime, Runtime) else runtime
@@ -307,8 +319,7 @@ class KVTierGeneration:
         except BaseException:
             pool.close()
             raise
-        name = model_id or getattr(model.config, "_name_or_path", "") or model.config.model_type
-        namespace = Namespace(f"{name}@{model_fingerprint(model)}", geometry, str(dtype).replace("torch.", ""))
+        namespace = namespace_of(model, geometry, model_id)
         settings = settings or CacheSettings(calibrate=False, load_back_min_tokens=0, load_backend="direct")
         owned: tuple[Any, ...] = (pool, host)
         try:
