@@ -204,10 +204,10 @@ def prefetch_rows(store_kind: str, spec: str, runtime, tokens: int, directory: P
     pages = tokens // geometry.page_size
     namespace = Namespace("bench/prefetch", geometry, "bfloat16", tenant=f"{os.getpid()}-{time.time_ns()}")
     prompt = np.random.default_rng().integers(0, 128256, tokens)
-    store = open_store(spec, namespace)
+    store = open_store(spec, namespace, layout=layout)
     rows = []
     try:
-        writer = HostPool.allocate(geometry, "page_first", pages=pages, kind="pinned", runtime=runtime)
+        writer = HostPool.allocate(geometry, layout, pages=pages, kind="pinned", runtime=runtime)
         view = writer.buffer.as_tensor().numpy()
         view[:] = np.random.default_rng().integers(0, 256, view.size, dtype=np.uint8)
         del view

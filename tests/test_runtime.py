@@ -227,4 +227,9 @@ def test_runs_between_typed_bases_scatter_and_gather(runtime, batched):
             runtime.memcpy_runs_async(dev.address.value, [0], host.cpu_address, [0], [16], stream=stream)
         with pytest.raises(InvalidArgument, match="sizes"):
             runtime.memcpy_runs_async(dev.address, [0, 16], host.cpu_address, [0], [16], stream=stream)
+        for bad in ({"sizes": [16.7]}, {"dst_offsets": [0.9]}, {"sizes": [True]}, {"sizes": ["16"]}):
+            args = {"dst_offsets": [0], "src_offsets": [0], "sizes": [16], **bad}   # were truncated and copied
+            with pytest.raises(InvalidArgument, match="must be integers"):
+                runtime.memcpy_runs_async(dev.address, args["dst_offsets"], host.cpu_address, args["src_offsets"],
+                                          args["sizes"], stream=stream)
         stream.close()

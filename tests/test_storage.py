@@ -216,3 +216,30 @@ def test_bad_specs_and_options_name_the_problem(tmp_path):
         RedisStore("redis://127.0.0.1:1/0", ns, ttl=0)
     with pytest.raises(InvalidArgument, match="file: needs a directory"):
         open_store("file:", ns)
+
+
+def test_pages_of_another_payload_order_are_a_layout_miss_and_left_alone(store_spec):
+    """Stored bytes follow the writer's host layout: a cache with a host pool of another byte order was served them
+    scrambled (silently wrong KV). Now the header names the order: a reader of another order misses (``layout``)
+    and leaves the page to readers of its order; layer_first and page_first_direct share one order."""
+    ns = namespace()
+    tokens = np.arange(3 * GEOMETRY.page_size)
+    keys = page_keys(ns, tokens)
+    data = random_pages(3)
+    with open_store(store_spec, ns, layout="page_first") as writer:
+        shared = getattr(writer, "shared", None)
+
+        def reader(layout):
+            return MemoryStore(ns, shared=shared, layout=layout) if shared else open_store(store_spec, ns,
+                                                                                           layout=layout)
+        writer.set(keys, [[p] for p in data])
+        with reader("layer_first") as other:
+            out = poisoned(3)
+            assert other.get(keys, [[o] for o in out]) == 0
+            assert other.stats()["miss.layout"] == 1 and not other.stats().get("removed_bad_pages")
+            other.set(keys[2:], [[p] for p in random_pages(1)])     # pages of its own order beside
+        out = poisoned(3)
+        assert writer.get(keys[:2], [[o] for o in out[:2]]) == 2    # still there, still right
+        assert np.array_equal(out[0], data[0]) and np.array_equal(out[1], data[1])
+    with reader("layer_first") as first, reader("page_first_direct") as second:
+        assert first.format.order == second.format.order != PageFormat.of(ns, "page_first").order

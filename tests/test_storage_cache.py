@@ -102,7 +102,8 @@ def test_a_restarted_cache_is_served_from_storage(runtime, store_spec, layout):
     shared = SharedPages()
 
     def storage(ns):
-        stores.append(MemoryStore(ns, shared=shared) if store_spec == "memory:" else open_store(store_spec, ns))
+        stores.append(MemoryStore(ns, shared=shared, layout=layout) if store_spec == "memory:"
+                      else open_store(store_spec, ns, layout=layout))
         return stores[-1]
 
     prompts = [prompt(12), prompt(7)]

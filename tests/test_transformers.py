@@ -391,13 +391,35 @@ def test_a_storage_backend_opened_for_namespace_of_the_model_is_taken(tmp_path):
 
     model = tiny_llama("cpu")
     ids = torch.randint(0, 1000, (1, 50))
-    with contextlib.closing(open_store(f"file:{tmp_path}", namespace_of(model, 16))) as store:
+    with contextlib.closing(open_store(f"file:{tmp_path}", namespace_of(model, 16), layout="layer_first")) as store:
         with contextlib.closing(emulated(model, storage=store)) as generation:
             generation.generate(ids, **GREEDY)
             generation.cache.drain()
     with contextlib.closing(emulated(model, storage=f"file:{tmp_path}")) as generation:
         assert torch.equal(generation.generate(ids, **GREEDY), reference(model, ids, **GREEDY))
         assert generation.turns[-1].host_tokens == 48                 # what the first one stored
-    with contextlib.closing(open_store(f"file:{tmp_path}", namespace_of(model, 16, "other"))) as store:
+    other = namespace_of(model, 16, "other")
+    with contextlib.closing(open_store(f"file:{tmp_path}", other, layout="layer_first")) as store:
         with pytest.raises(InvalidArgument, match="namespace"):
+            emulated(model, storage=store)
+
+
+def test_stored_pages_of_another_host_layout_are_never_served(tmp_path):
+    """A page_first generation's stored pages were loaded by a layer_first one over the same store: the bytes come in
+    another order, and the output differed from the model's own."""
+    from kvtier.errors import InvalidArgument
+    from kvtier.integrations.transformers import namespace_of
+    from kvtier.storage import open_store
+
+    model = tiny_llama("cpu")
+    ids = torch.randint(0, 1000, (1, 70))
+    with contextlib.closing(emulated(model, storage=f"file:{tmp_path}", host_layout="page_first")) as generation:
+        generation.generate(ids, **GREEDY)
+        generation.cache.drain()
+    for layout, hits in (("layer_first", 0), ("page_first", 64)):
+        with contextlib.closing(emulated(model, storage=f"file:{tmp_path}", host_layout=layout)) as generation:
+            assert torch.equal(generation.generate(ids, **GREEDY), reference(model, ids, **GREEDY))
+            assert generation.turns[-1].host_tokens == hits
+    with contextlib.closing(open_store(f"file:{tmp_path}", namespace_of(model, 16))) as store:   # page_first
+        with pytest.raises(InvalidArgument, match="layout='layer_first'"):
             emulated(model, storage=store)

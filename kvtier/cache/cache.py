@@ -38,7 +38,7 @@ from kvtier.cache.storage_tier import Prefetch, StorageTier
 from kvtier.cache.tiers import CALLER, FREE, TREE, Tiers
 from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
-from kvtier.pools import DevicePool, HostPool
+from kvtier.pools import DevicePool, HostPool, payload_order
 from kvtier.runtime import Event
 from kvtier.storage import StorageBackend
 from kvtier.transfer import TransferEngine
@@ -69,8 +69,9 @@ class KVCache:
                  storage: StorageBackend | None = None) -> None:
         """The cache takes every page of both pools. ``rates``: a measured table to choose backends from
         (``io_backend="auto"``) and estimate load time with; default: the H200 table of :mod:`kvtier.cache.rates`,
-        refined by a calibration transfer when ``settings.calibrate``. ``storage``: a backend of the same namespace
-        (:func:`kvtier.storage.open_store`) to prefetch from and write through to; it stays the caller's to close."""
+        refined by a calibration transfer when ``settings.calibrate``. ``storage``: a backend of the same namespace,
+        opened for the host pool's layout (:func:`kvtier.storage.open_store`) to prefetch from and write through to;
+        it stays the caller's to close."""
         settings = settings or CacheSettings()
         if storage is not None and (not isinstance(storage, StorageBackend) or storage.namespace != namespace
                                     or storage.closed):
@@ -79,6 +80,10 @@ class KVCache:
         if device_pool.geometry != namespace.geometry or host_pool.geometry != namespace.geometry:
             raise InvalidArgument(f"the namespace's geometry {namespace.geometry} differs from the pools' "
                                   f"({device_pool.geometry}, {host_pool.geometry})")
+        if storage is not None and storage.format.order != payload_order(namespace.geometry, host_pool.layout):
+            raise InvalidArgument(f"storage was opened for {storage.layout.value} pages, whose bytes come in another "
+                                  f"order than this host pool's ({host_pool.layout.value}): open it with "
+                                  f"open_store(spec, namespace, layout={host_pool.layout.value!r})")
         device_pool.check_open()
         host_pool.check_open()
         for pool in (device_pool, host_pool):

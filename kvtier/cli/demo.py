@@ -192,7 +192,7 @@ def command(runtime: Any, args: argparse.Namespace) -> int:
     cache = stand_in = storage = None
     try:
         rates = RateTable.load(args.hicache_rate_table) if args.hicache_rate_table else None
-        storage = open_store(args.storage, namespace) if args.storage else None
+        storage = open_store(args.storage, namespace, layout=settings.hicache_mem_layout) if args.storage else None
         cache = KVCache(device, host, namespace, settings, rates=rates, storage=storage)
         stand_in = StandInModel(device, namespace, min(64, longest // page + 1), stable=storage is not None)
         baseline = DeviceOnlyBaseline(device_pages, page)

@@ -295,9 +295,9 @@ class KVTierGeneration:
         link's rate, an event after each (``host_layout="page_first_direct"`` makes them strided copies instead).
         ``settings`` default: that, and load back whatever is cached (no recompute estimate). ``storage``: a spec
         (``file:PATH``, ``redis://…``; opened for this model's namespace and closed with this object) or a backend
-        opened for ``namespace_of(model, page_size, model_id)``: ``model_id`` (default: the config's
-        ``_name_or_path``, else its model type) plus a hash of a sample of the weights, so other weights never read
-        these pages."""
+        opened for ``namespace_of(model, page_size, model_id)`` and ``layout=host_layout``: ``model_id`` (default:
+        the config's ``_name_or_path``, else its model type) plus a hash of a sample of the weights, so other weights
+        never read these pages."""
         import torch
 
         runtime = get_runtime(runtime) if not isinstance(runtime, Runtime) else runtime
@@ -324,7 +324,7 @@ class KVTierGeneration:
         owned: tuple[Any, ...] = (pool, host)
         try:
             if isinstance(storage, str):
-                storage = open_store(storage, namespace)
+                storage = open_store(storage, namespace, layout=host_layout)
                 owned += (storage,)
             cache = KVCache(pool, host, namespace, settings, storage=storage)
         except BaseException:

@@ -1,10 +1,18 @@
 """KV pool geometries, host layouts, device and host pools, pointer tables, page slots."""
 
 from kvtier.pools.device_pool import DevicePool
-from kvtier.pools.geometry import HostLayout, KVGeometry, PoolKind, Strides, device_strides, host_strides
+from kvtier.pools.geometry import (
+    HostLayout,
+    KVGeometry,
+    PoolKind,
+    Strides,
+    device_strides,
+    host_strides,
+    payload_order,
+)
 from kvtier.pools.host_pool import HostPool
 from kvtier.pools.pointer_table import PointerTable, build_pointer_table
 from kvtier.pools.slots import PageSlotAllocator, SlotError
 
 __all__ = ["DevicePool", "HostLayout", "HostPool", "KVGeometry", "PageSlotAllocator", "PointerTable", "PoolKind",
-           "SlotError", "Strides", "build_pointer_table", "device_strides", "host_strides"]
+           "SlotError", "Strides", "build_pointer_table", "device_strides", "host_strides", "payload_order"]

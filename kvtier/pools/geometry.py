@@ -118,3 +118,19 @@ def host_strides(geometry: KVGeometry, layout: HostLayout, pages: int) -> Stride
         return Strides(layer=g.page_bytes, page=g.layers * g.page_bytes, slot=g.row_bytes, head=g.head_bytes)
     piece = g.page_size * g.head_bytes
     return Strides(layer=piece, page=g.heads * g.layers * piece, slot=g.head_bytes, head=g.layers * piece)
+
+
+def payload_order(geometry: KVGeometry, layout: HostLayout | str) -> int:
+    """A code (1..65535) for the order a page's bytes take when its host pieces are read one after another, which is
+    what storage keeps: pages of two layouts with one code are interchangeable (``layer_first`` and
+    ``page_first_direct`` always; ``page_head`` with one head too), pages of two codes are not. Derived from the
+    strides, so no layout is special-cased."""
+    import numpy as np
+    import xxhash
+
+    g, layout = geometry, HostLayout(layout)
+    strides = host_strides(g, layout, 2)                    # two pages: a layer_first layer stride spans a page
+    layer, slot, head = np.meshgrid(np.arange(g.layers), np.arange(g.page_size), np.arange(g.heads), indexing="ij")
+    address = layer * strides.layer + slot * strides.slot + head * strides.head
+    units = np.stack([layer, slot, head], axis=-1).reshape(-1, 3)[np.argsort(address, axis=None, kind="stable")]
+    return 1 + xxhash.xxh3_64_intdigest(units.astype(np.int32).tobytes()) % 65535

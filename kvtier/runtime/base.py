@@ -285,7 +285,12 @@ class Runtime:
         the link's ceiling, where one call per row is bound by the calls), the rest one memcpy_async each. Offsets
         keep the domain of their base: there is no raw address."""
         self._copy_size(dst, src, 0, "memcpy_runs_async")
-        arrays = [np.asarray(a, dtype=np.int64).reshape(-1) for a in (dst_offsets, src_offsets, sizes)]
+        given = [np.asarray(a) for a in (dst_offsets, src_offsets, sizes)]
+        for name, array in zip(("destination offsets", "source offsets", "sizes"), given, strict=True):
+            if array.size and array.dtype.kind not in "iu":
+                raise InvalidArgument(f"memcpy_runs_async: {name} must be integers, got {array.dtype} "
+                                      f"({array.reshape(-1)[:3].tolist()}...)")
+        arrays = [a.astype(np.int64, copy=False).reshape(-1) for a in given]
         if not arrays[0].size == arrays[1].size == arrays[2].size:
             raise InvalidArgument(f"memcpy_runs_async: {arrays[0].size} destination offsets, {arrays[1].size} source "
                                   f"offsets and {arrays[2].size} sizes")

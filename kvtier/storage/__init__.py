@@ -26,8 +26,9 @@ SPEC_HELP = "file:PATH, redis://[user:pass@]host:port[/db], rediss://…, redis+
 
 def open_store(spec: str, namespace: Namespace | None, **options: Any) -> StorageBackend:
     """A backend from a spec: ``file:PATH`` (or a bare path), ``redis://…``, ``rediss://…``, ``unix://…``,
-    ``redis+cluster://…``, ``memory:``. ``options`` go to the backend (``max_bytes=``, ``fsync=``, ``ttl=``,
-    ``timeout=``, ``retry_interval=``, ``batch_pages=``). ``namespace=None`` opens it for operators only."""
+    ``redis+cluster://…``, ``memory:``. ``options`` go to the backend (``layout=`` the host layout of the pages
+    given to it, default ``page_first``; ``max_bytes=``, ``fsync=``, ``ttl=``, ``timeout=``, ``retry_interval=``,
+    ``batch_pages=``). ``namespace=None`` opens it for operators only."""
     if not isinstance(spec, str) or not spec:
         raise InvalidArgument(f"storage spec {spec!r}: expected {SPEC_HELP}")
     scheme = spec.split("://", 1)[0] if "://" in spec else ""

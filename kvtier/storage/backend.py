@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.errors import InvalidArgument, KvtierError
+from kvtier.pools.geometry import HostLayout
 from kvtier.storage.format import HEADER_BYTES, PageFormat, PageRejected
 
 if TYPE_CHECKING:
@@ -125,16 +126,19 @@ class StorageBackend:
     kind = "abstract"
 
     def __init__(self, namespace: Namespace | None, *, retry_interval: float = 1.0, batch_pages: int = 32,
-                 io_threads: int | None = None) -> None:
+                 io_threads: int | None = None, layout: HostLayout | str = HostLayout.PAGE_FIRST) -> None:
         """``namespace=None`` opens the store for operators (list, describe, clear): page calls are refused.
-        ``io_threads``: threads that read, write and verify the pages of a batch side by side (default: up to 4)."""
+        ``io_threads``: threads that read, write and verify the pages of a batch side by side (default: up to 4).
+        ``layout``: the host layout of the pages given to ``get``/``set`` (it orders their bytes; a cache refuses a
+        store opened for another order than its host pool's)."""
         if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)) or \
                 not math.isfinite(retry_interval) or retry_interval < 0:
             raise InvalidArgument(f"retry_interval={retry_interval!r}: a finite number of seconds >= 0")
         if type(batch_pages) is not int or batch_pages < 1:
             raise InvalidArgument(f"batch_pages={batch_pages!r}: an int >= 1")
         self._namespace = namespace
-        self._format = PageFormat.of(namespace) if namespace is not None else None
+        self.layout = HostLayout(layout)
+        self._format = PageFormat.of(namespace, self.layout) if namespace is not None else None
         self.namespace_id = namespace.digest.hex()[:16] if namespace is not None else ""
         if io_threads is not None and (type(io_threads) is not int or io_threads < 1):
             raise InvalidArgument(f"io_threads={io_threads!r}: an int >= 1, or None")
@@ -321,8 +325,8 @@ class StorageBackend:
         for key, outcome in zip(keys, outcomes, strict=False):
             if outcome is not None:
                 self.counters.add(f"miss.{outcome.reason}")
-                if outcome.reason not in ("absent", "format"):   # the next write of it replaces it (another
-                    # format version's page is left to that version)
+                if outcome.reason not in ("absent", "format", "layout"):   # the next write of it replaces it
+                    # (a page of another format version or payload order is left to its readers)
                     with contextlib.suppress(Exception):
                         self.counters.add("removed_bad_pages", self._delete([key]))
                 return done

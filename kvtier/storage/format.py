@@ -8,8 +8,12 @@ compares every field with what it expects and recomputes the checksum; a page th
 comes from the SHA-256 keys.
 
 Layout (little-endian): magic ``KVTP``, version u16, header length u16, checksum algorithm u8, pool kind u8,
-2 reserved bytes, layers / page size / row bytes / heads u32 each, payload length u64, namespace digest (32 bytes),
+payload order u16, layers / page size / row bytes / heads u32 each, payload length u64, namespace digest (32 bytes),
 page key (32 bytes), dtype (16 bytes, NUL-padded ASCII), checksum (16 bytes).
+
+The payload is the host pool's pieces of the page, read one after another, so its byte order depends on the host
+layout; the payload order (``kvtier.pools.payload_order``) says which, and a reader of another order counts a miss
+(``layout``) and leaves the page to caches of that order. Version 1 had no order (2 reserved bytes there).
 """
 
 from __future__ import annotations
@@ -22,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from kvtier.errors import InvalidArgument
-from kvtier.pools.geometry import KVGeometry, PoolKind
+from kvtier.pools.geometry import HostLayout, KVGeometry, PoolKind, payload_order
 
 if TYPE_CHECKING:
     from kvtier.cache.keys import Namespace
 
 MAGIC = b"KVTP"
-VERSION = 1
+VERSION = 2
 XXH3_128 = 1
-_FIELDS = struct.Struct("<4sHHBB2xIIIIQ32s32s16s")
+_FIELDS = struct.Struct("<4sHHBBHIIIIQ32s32s16s")
 _CHECKSUM = struct.Struct("<16s")
 HEADER_BYTES = _FIELDS.size + _CHECKSUM.size
 KINDS = {kind: number for number, kind in enumerate(PoolKind, start=1)}
@@ -51,13 +55,15 @@ class PageFormat:
     namespace_digest: bytes
     geometry: KVGeometry
     dtype: str
+    order: int
 
     @classmethod
-    def of(cls, namespace: Namespace) -> PageFormat:
+    def of(cls, namespace: Namespace, layout: HostLayout | str = HostLayout.PAGE_FIRST) -> PageFormat:
+        """The format of ``namespace``'s pages read from and written to host pools of ``layout``."""
         dtype = namespace.dtype
         if len(dtype.encode()) > 16 or not dtype.isascii():
             raise InvalidArgument(f"dtype {dtype!r}: stored pages name their dtype in at most 16 ASCII characters")
-        return cls(namespace.digest, namespace.geometry, dtype)
+        return cls(namespace.digest, namespace.geometry, dtype, payload_order(namespace.geometry, layout))
 
     @property
     def payload_bytes(self) -> int:
@@ -69,7 +75,7 @@ class PageFormat:
 
     def _fields(self, key: bytes) -> bytes:
         g = self.geometry
-        return _FIELDS.pack(MAGIC, VERSION, HEADER_BYTES, XXH3_128, KINDS[g.kind], g.layers, g.page_size,
+        return _FIELDS.pack(MAGIC, VERSION, HEADER_BYTES, XXH3_128, KINDS[g.kind], self.order, g.layers, g.page_size,
                             g.row_bytes, g.heads, self.payload_bytes, self.namespace_digest, key, self.dtype.encode())
 
     def header(self, key: bytes, payload: Sequence[Any]) -> bytes:
@@ -102,11 +108,12 @@ class PageFormat:
         stored = header[:_FIELDS.size]
         if stored != expected:
             unpacked, wanted = _FIELDS.unpack(stored), _FIELDS.unpack(expected)
-            names = ("magic", "version", "header length", "checksum algorithm", "pool kind", "layers", "page size",
-                     "row bytes", "heads", "payload length", "namespace", "key", "dtype")
-            first = next(n for n, a, b in zip(names, unpacked, wanted, strict=False) if a != b)
-            reason = {"namespace": "namespace", "key": "key"}.get(first, "geometry" if first != "header length"
-                                                                   else "format")
+            names = ("magic", "version", "header length", "checksum algorithm", "pool kind", "payload order",
+                     "layers", "page size", "row bytes", "heads", "payload length", "namespace", "key", "dtype")
+            differing = [n for n, a, b in zip(names, unpacked, wanted, strict=False) if a != b]
+            first = next((n for n in differing if n != "payload order"), differing[0])   # geometry says more
+            reason = {"namespace": "namespace", "key": "key", "payload order": "layout",
+                      "header length": "format"}.get(first, "geometry")
             raise PageRejected(reason, f"stored {first} differs from this namespace's")
         return header[_FIELDS.size:HEADER_BYTES]
 
@@ -136,9 +143,10 @@ def describe_header(header: bytes) -> dict[str, Any] | None:
     """The fields of a stored header (for ``kvtier storage ls``), or None if it is not one."""
     if len(header) < HEADER_BYTES or header[:4] != MAGIC:
         return None
-    (_, version, _, _, kind, layers, page_size, row_bytes, heads, length, namespace, key,
+    (_, version, _, _, kind, order, layers, page_size, row_bytes, heads, length, namespace, key,
      dtype) = _FIELDS.unpack_from(header)
     kinds = {v: k for k, v in KINDS.items()}
-    return {"version": version, "kind": kinds[kind].value if kind in kinds else kind, "layers": layers,
+    return {"version": version, "kind": kinds[kind].value if kind in kinds else kind, "payload_order": order,
+            "layers": layers,
             "page_size": page_size, "row_bytes": row_bytes, "heads": heads, "payload_bytes": length,
             "namespace": namespace.hex(), "key": key.hex(), "dtype": dtype.rstrip(b"\0").decode(errors="replace")}
