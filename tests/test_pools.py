@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import numpy as np
 import pytest
@@ -129,3 +130,25 @@ def test_page_pieces_are_the_page_spans_of_every_page(layout):
             [host.page_spans(p) for p in pages]
         with pytest.raises(Exception, match="out of range|page"):
             host.page_pieces([12])
+
+
+def test_payload_order_codes_are_equal_exactly_when_byte_orders_are():
+    """Regression: a 16-bit hash of the order let page_head and layer_first share a code for some geometries (e.g. 4
+    heads, 16-token pages, 99 layers), and storage served one's pages scrambled to the other."""
+    from kvtier.pools import HostLayout, KVGeometry, host_strides, payload_order
+
+    def byte_order(geometry, layout):
+        s = host_strides(geometry, layout, 2)
+        layer, slot, head = np.meshgrid(np.arange(geometry.layers), np.arange(geometry.page_size),
+                                        np.arange(geometry.heads), indexing="ij")
+        return np.argsort(layer * s.layer + slot * s.slot + head * s.head, axis=None, kind="stable").tobytes()
+
+    geometries = [KVGeometry.mha(layers=layers, kv_heads=heads, head_dim=32, itemsize=2, page_size=page)
+                  for layers in (1, 2, 7, 24, 99) for heads in (1, 4, 6, 8) for page in (1, 12, 16, 34)]
+    geometries += [KVGeometry.mla(layers=61, latent_bytes=1152, page_size=64)]
+    for geometry in geometries:
+        for a, b in itertools.combinations(list(HostLayout), 2):
+            same = byte_order(geometry, a) == byte_order(geometry, b)
+            assert (payload_order(geometry, a) == payload_order(geometry, b)) == same, (geometry, a, b)
+    llama99 = KVGeometry.mha(layers=99, kv_heads=4, head_dim=32, itemsize=2, page_size=16)
+    assert payload_order(llama99, "layer_first") != payload_order(llama99, "page_head")

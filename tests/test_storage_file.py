@@ -144,3 +144,49 @@ def test_a_stored_page_is_written_once_and_a_damaged_one_is_replaced(tmp_path):
     store.set(keys[:1], [[second[0]]])                            # the next write replaces the damaged page
     count, out = read_pages(store, keys)
     assert count == 2 and np.array_equal(out[0], second[0])
+
+
+def _version_1_page(fmt, key: bytes, payload: bytes) -> bytes:
+    """A page as format version 1 wrote it: no payload order (zeros where it now is), checksummed as v1 did."""
+    import struct
+
+    import xxhash
+
+    from kvtier.storage.format import _FIELDS
+
+    fields = bytearray(fmt.sealed(key, bytes(16))[:_FIELDS.size])
+    struct.pack_into("<H", fields, 4, 1)
+    struct.pack_into("<H", fields, 10, 0)
+    digest = xxhash.xxh3_128(bytes(fields))
+    digest.update(payload)
+    return bytes(fields) + digest.digest()
+
+
+@pytest.mark.parametrize("damage", ["version_1", "order_bit"])
+def test_a_page_this_store_would_not_read_is_replaced_by_the_next_write(tmp_path, damage):
+    """Regression: write-once skipped any existing file, so a version-1 page left by an upgrade (or one whose payload
+    order field was damaged) stayed a miss forever while set() reported the page stored."""
+    from kvtier.cache import page_keys
+    from kvtier.storage import FileStore
+    from storage_helpers import namespace, random_pages
+
+    ns = namespace()
+    store = FileStore(tmp_path, ns)
+    keys = page_keys(ns, np.arange(store.format.geometry.page_size))
+    old = random_pages(1)[0]
+    path = store.path(keys[0])
+    if damage == "version_1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(_version_1_page(store.format, keys[0], old.tobytes()).ljust(4096, b"\0") + old.tobytes())
+    else:
+        store.set(keys, [[old]])
+        raw = bytearray(path.read_bytes())
+        raw[10] ^= 0x01                                     # the payload order field
+        path.write_bytes(bytes(raw))
+    out = np.zeros_like(old)
+    assert store.get(keys, [[out]]) == 0 and path.exists()  # a miss, left in place
+    new = random_pages(1)[0]
+    assert store.set(keys, [[new]]) == 1
+    assert store.get(keys, [[out]]) == 1 and np.array_equal(out, new)
+    assert store.set(keys, [[random_pages(1)[0]]]) == 1 and store.stats()["set.already_stored"] == 1
+    store.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.checks import Choice
-from kvtier.errors import KvtierError
+from kvtier.errors import InvalidArgument, KvtierError
 
 
 class PoolKind(Choice):
@@ -120,17 +120,32 @@ def host_strides(geometry: KVGeometry, layout: HostLayout, pages: int) -> Stride
     return Strides(layer=piece, page=g.heads * g.layers * piece, slot=g.head_bytes, head=g.layers * piece)
 
 
+ORDER_DIMS = {"layer": 1, "token": 2, "head": 3}
+
+
 def payload_order(geometry: KVGeometry, layout: HostLayout | str) -> int:
-    """A code (1..65535) for the order a page's bytes take when its host pieces are read one after another, which is
-    what storage keeps: pages of two layouts with one code are interchangeable (``layer_first`` and
-    ``page_first_direct`` always; ``page_head`` with one head too), pages of two codes are not. Derived from the
-    strides, so no layout is special-cased."""
+    """An exact code for the order a page's bytes take when its host pieces are read one after another, which is
+    what storage keeps: the nesting of the page's dimensions, outermost first, dimensions of size 1 left out, one
+    decimal digit each (layer 1, token 2, head 3: ``layer_first`` is 123, ``page_first`` 213, ``page_head`` 312).
+    Pages of two layouts with one code are interchangeable (``layer_first`` and ``page_first_direct`` always,
+    ``page_head`` with one head too), pages of two codes are not. Derived from the strides, and checked against the
+    byte order itself, so no layout is special-cased and no two orders can share a code."""
     import numpy as np
-    import xxhash
 
     g, layout = geometry, HostLayout(layout)
     strides = host_strides(g, layout, 2)                    # two pages: a layer_first layer stride spans a page
+    dims = [(name, size, stride) for name, size, stride in
+            (("layer", g.layers, strides.layer), ("token", g.page_size, strides.slot), ("head", g.heads, strides.head))
+            if size > 1]
+    nesting = sorted(dims, key=lambda d: -d[2])
+    code = 0
+    for name, _, _ in nesting:
+        code = code * 10 + ORDER_DIMS[name]
     layer, slot, head = np.meshgrid(np.arange(g.layers), np.arange(g.page_size), np.arange(g.heads), indexing="ij")
     address = layer * strides.layer + slot * strides.slot + head * strides.head
-    units = np.stack([layer, slot, head], axis=-1).reshape(-1, 3)[np.argsort(address, axis=None, kind="stable")]
-    return 1 + xxhash.xxh3_64_intdigest(units.astype(np.int32).tobytes()) % 65535
+    order = np.argsort(address, axis=None, kind="stable")
+    index = {"layer": layer, "token": slot, "head": head}
+    expected = np.lexsort([index[name].reshape(-1) for name, _, _ in reversed(nesting)]) if nesting else order
+    if not np.array_equal(order, expected):
+        raise InvalidArgument(f"{layout.value}: a page's bytes do not nest its dimensions; no payload order for it")
+    return code or 1
