@@ -184,7 +184,9 @@ def test_a_page_this_store_would_not_read_is_replaced_by_the_next_write(tmp_path
         raw[10] ^= 0x01                                     # the payload order field
         path.write_bytes(bytes(raw))
     out = np.zeros_like(old)
-    assert store.get(keys, [[out]]) == 0 and path.exists()  # a miss, left in place
+    assert store.get(keys, [[out]]) == 0                    # a miss: a v1 page is left, a damaged one removed
+    assert path.exists() == (damage == "version_1")
+    assert store.stats()[f"miss.{'format' if damage == 'version_1' else 'corrupt'}"] == 1
     new = random_pages(1)[0]
     assert store.set(keys, [[new]]) == 1
     assert store.get(keys, [[out]]) == 1 and np.array_equal(out, new)

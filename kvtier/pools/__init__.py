@@ -9,10 +9,12 @@ from kvtier.pools.geometry import (
     device_strides,
     host_strides,
     payload_order,
+    valid_payload_order,
 )
 from kvtier.pools.host_pool import HostPool
 from kvtier.pools.pointer_table import PointerTable, build_pointer_table
 from kvtier.pools.slots import PageSlotAllocator, SlotError
 
 __all__ = ["DevicePool", "HostLayout", "HostPool", "KVGeometry", "PageSlotAllocator", "PointerTable", "PoolKind",
-           "SlotError", "Strides", "build_pointer_table", "device_strides", "host_strides", "payload_order"]
+           "SlotError", "Strides", "build_pointer_table", "device_strides", "host_strides", "payload_order",
+           "valid_payload_order"]

@@ -149,3 +149,10 @@ def payload_order(geometry: KVGeometry, layout: HostLayout | str) -> int:
     if not np.array_equal(order, expected):
         raise InvalidArgument(f"{layout.value}: a page's bytes do not nest its dimensions; no payload order for it")
     return code or 1
+
+
+def valid_payload_order(code: int) -> bool:
+    """Whether ``code`` is one :func:`payload_order` can give (distinct digits 1-3), so a damaged header field is
+    told from a page of another order."""
+    digits = str(code)
+    return code >= 1 and set(digits) <= set("123") and len(set(digits)) == len(digits)

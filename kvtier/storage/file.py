@@ -10,9 +10,9 @@ what one writes is a hit for the others.
   never a torn one; its temporary file is swept by the next store that opens the directory (the owner pid is in
   its name). Without fsync a power loss may leave a torn page: the checksum makes that a miss.
 - **One write per page.** A key names its content (the KV of a prefix in one namespace), so a page already stored
-  in this store's format is not written again (``overwrite=True`` rewrites it); a page this store would not read
-  (another format version or payload order, a damaged header) is replaced by the next write of it, and a page found
-  damaged on read is removed.
+  in this store's format (or in another payload order, for caches of that layout) is not written again
+  (``overwrite=True`` rewrites it); a page of another format version or with a damaged header is replaced by the next
+  write of it, and a page found damaged on read is removed.
 - **Reads** go straight into host memory (``preadv`` into the page's pieces) and are verified before the page counts.
 - **Size bound.** ``max_bytes`` bounds the directory: past it, the least recently used pages (by modification time,
   which a hit refreshes) are removed down to 90% of the bound. Each process tracks what it writes and rescans the
@@ -179,8 +179,9 @@ class FileStore(StorageBackend):
         return len(keys)
 
     def _holds_own_page(self, path: Path, key: bytes) -> bool:
-        """Whether ``path`` is a regular file whose header this store accepts for ``key`` (the payload is checked on
-        read): a page of another version or payload order left behind must not block this store's write forever."""
+        """Whether ``path`` holds a page to keep: one whose header this store accepts for ``key`` (the payload is
+        checked on read), or a page of another payload order (its readers' own). A page of another version or a
+        damaged header must not block this store's write forever."""
         try:
             fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
@@ -190,7 +191,9 @@ class FileStore(StorageBackend):
                 return False
             self.format.check_header(os.pread(fd, HEADER_BYTES, 0), key)
             return True
-        except (OSError, PageRejected):
+        except PageRejected as rejected:
+            return rejected.reason == "layout"          # another order's page is left to its readers
+        except OSError:
             return False
         finally:
             os.close(fd)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from kvtier.errors import InvalidArgument
-from kvtier.pools.geometry import HostLayout, KVGeometry, PoolKind, payload_order
+from kvtier.pools.geometry import HostLayout, KVGeometry, PoolKind, payload_order, valid_payload_order
 
 if TYPE_CHECKING:
     from kvtier.cache.keys import Namespace
@@ -114,6 +114,8 @@ class PageFormat:
             first = next((n for n in differing if n != "payload order"), differing[0])   # geometry says more
             reason = {"namespace": "namespace", "key": "key", "payload order": "layout",
                       "header length": "format"}.get(first, "geometry")
+            if reason == "layout" and not valid_payload_order(unpacked[5]):
+                reason = "corrupt"                     # no layout orders bytes that way: a damaged field
             raise PageRejected(reason, f"stored {first} differs from this namespace's")
         return header[_FIELDS.size:HEADER_BYTES]
 
