@@ -69,7 +69,7 @@ def test_launch_boundary_refuses_raw_integers(split):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"chunk_bytes": 1000}, "multiple of 16"),
+    ({"chunk_bytes": 0}, "positive number of bytes"),
     ({"src": None}, None),
     ({"index_bytes": 2}, "int32 or int64"),
     ({"n_pieces": 0}, "bad launch shape"),
@@ -81,8 +81,8 @@ def test_launch_boundary_refuses_raw_integers(split):
 def test_launch_shapes_are_checked(split, overrides, match):
     launcher = KernelLauncher(split)
     if overrides.get("src", 1) is None:
-        overrides["src"] = ChunkSide(DeviceBuffer(16, 0, runtime=split), 1000, 0)
-        match = "multiples of 16"
+        overrides["src"] = ChunkSide(DeviceBuffer(16, 0, runtime=split), 1000, 0, units_per_page=0)
+        match = "units_per_page"
     if overrides.get("src") == "per_page":
         overrides["src"] = ChunkSide(DeviceBuffer(16, 0, runtime=split), 1024, 0, units_per_page=1 << 31)
     with pytest.raises(KvtierError, match=match):

@@ -20,7 +20,16 @@ from kvtier.address import DeviceAddress
 from kvtier.errors import AddressDomainError, KvtierError, MisalignedAddress
 from kvtier.kernels import reference
 from kvtier.kernels.loader import kernel_image
-from kvtier.kernels.source import DEFAULT_UNROLL, KERNEL_NAMES, source_hash
+from kvtier.kernels.source import (
+    DEFAULT_UNROLL,
+    INDEX_TYPES,
+    KERNEL_NAMES,
+    SWAP_WIDTHS,
+    WIDTHS,
+    copy_kernel,
+    source_hash,
+    swap_kernel,
+)
 from kvtier.memory import DeviceBuffer, get_device_accessible_ptr
 from kvtier.runtime import KernelArg, ProgramSpec, Runtime, Stream, i32, i64
 
@@ -62,15 +71,12 @@ class ChunkCopy:
     table_layers: int = 0
 
     def validate(self) -> None:
-        if self.chunk_bytes <= 0 or self.chunk_bytes % 16:
-            raise KvtierError(f"chunk size {self.chunk_bytes} must be a positive multiple of 16 bytes")
+        if self.chunk_bytes <= 0:
+            raise KvtierError(f"chunk size {self.chunk_bytes} must be a positive number of bytes")
         for side in (self.src, self.dst):
-            strides = (side.page_stride, side.unit_stride, side.piece_stride)
-            if any(s % 16 for s in strides):
-                raise KvtierError(f"strides {strides} must be multiples of 16 bytes (16-byte vector copies)")
             if side.units_per_page < 1:
                 raise KvtierError(f"units_per_page must be >= 1, got {side.units_per_page}")
-        if self.index_bytes not in KERNEL_NAMES:
+        if self.index_bytes not in INDEX_TYPES:
             raise KvtierError(f"indices must be int32 or int64, got {self.index_bytes}-byte items")
         if self.n_units < 0 or self.n_layers < 0 or self.n_pieces < 1 or self.layer_begin < 0 or self.n_tensors < 1:
             raise KvtierError(f"bad launch shape: units={self.n_units} layers={self.n_layers} pieces={self.n_pieces}")
@@ -88,6 +94,13 @@ class ChunkCopy:
                                   f"{self.rows_per_tensor} layers")
 
     @property
+    def width(self) -> int:
+        """The widest access every chunk size and stride of the launch allows (16 bytes for KV rows)."""
+        sizes = [self.chunk_bytes] + [v for side in (self.src, self.dst)
+                                      for v in (side.page_stride, side.unit_stride, side.piece_stride)]
+        return widest(sizes)
+
+    @property
     def rows_per_tensor(self) -> int:
         return self.table_layers or self.layer_begin + self.n_layers
 
@@ -99,7 +112,7 @@ class ChunkCopy:
         """The same copy with each chunk cut into equal pieces of at most ``most`` bytes, where chunks are single
         pieces: warps then take ~4 KiB at a time, so the last warps of a launch finish within a few µs of each other
         (a per-layer load of 32 KiB chunks otherwise idles ~25 µs per launch waiting for the slowest warp)."""
-        cuts = _cuts(self.chunk_bytes, most) if self.n_pieces == 1 else 1
+        cuts = _cuts(self.chunk_bytes, most, self.width) if self.n_pieces == 1 else 1
         if cuts == 1 or self.chunks * cuts > MAX_COUNT:
             return self
         piece = self.chunk_bytes // cuts
@@ -109,10 +122,53 @@ class ChunkCopy:
                          self.n_layers, cuts, piece, self.n_tensors, self.table_layers)
 
 
+def widest(values: Sequence[int]) -> int:
+    """The widest access width dividing every value (sizes, strides, addresses)."""
+    return next(w for w in WIDTHS if all(int(v) % w == 0 for v in values))
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """One HiSparse swap-in launch over ``batch`` requests; ``state`` is the nine operands of the kernel's HotState,
+    in its order (slot_tokens, lru, lru_next, token_slot, flags, miss_src, miss_dst, host_locs, device_locs)."""
+
+    state: tuple[Any, ...]
+    host: ChunkSide
+    device: ChunkSide
+    topk: Any
+    requests: Any
+    seq_lens: Any
+    out: Any
+    batch: int
+    n_slots: int
+    k: int
+    max_tokens: int
+    layer: int
+    state_layers: int
+    n_tensors: int
+    table_layers: int
+    row_bytes: int
+
+    def validate(self) -> None:
+        if len(self.state) != 9:
+            raise KvtierError(f"a swap-in takes 9 state operands, got {len(self.state)}")
+        if not 1 <= self.k <= self.n_slots:
+            raise KvtierError(f"top-k of {self.k} for {self.n_slots} hot slots: need 1 <= k <= slots")
+        if self.row_bytes <= 0 or self.batch < 0 or self.max_tokens < 1:
+            raise KvtierError(f"bad swap-in shape: rows of {self.row_bytes} bytes, batch {self.batch}")
+        if not 0 <= self.layer < self.state_layers or not 0 <= self.layer < self.table_layers:
+            raise KvtierError(f"layer {self.layer} outside the state's {self.state_layers} layers")
+
+    @property
+    def width(self) -> int:
+        return widest([self.row_bytes] + [v for side in (self.host, self.device)
+                                          for v in (side.page_stride, side.unit_stride)])
+
+
 @functools.cache
-def _cuts(chunk_bytes: int, most: int) -> int:
-    """The fewest equal cuts of a chunk into whole 16-byte vectors, each at most ``most`` bytes."""
-    vectors = chunk_bytes // 16
+def _cuts(chunk_bytes: int, most: int, width: int = 16) -> int:
+    """The fewest equal cuts of a chunk into whole ``width``-byte vectors, each at most ``most`` bytes."""
+    vectors = chunk_bytes // width
     return next(k for k in range(max(1, -(-chunk_bytes // most)), vectors + 1) if vectors % k == 0)
 
 
@@ -145,7 +201,7 @@ class KernelLauncher:
             raise KvtierError(f"bad kernel specialization: unroll={unroll}, max_threads={max_threads}")
         self.runtime, self.mode, self.unroll, self.max_threads = runtime, mode, unroll, max_threads
         self.spec = _transfer_program(mode, unroll, max_threads)
-        self._checked: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._widths: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._buffers: weakref.WeakKeyDictionary[DeviceBuffer, DeviceAddress] = weakref.WeakKeyDictionary()
 
     def origin(self, device: int) -> str:
@@ -166,15 +222,15 @@ class KernelLauncher:
         _check_aligned(address, align, "kernel operand")
         return address
 
-    def _check_entries(self, table: Any) -> None:
-        """Every per-layer base in a pointer table must allow the kernel's 16-byte vector accesses. A table's entries
-        never change, so each table is checked once, not at every launch."""
-        if table in self._checked:
-            return
-        for entry in getattr(table, "entries", ()):
-            _check_aligned(entry, VECTOR_BYTES, "pointer-table entry")
-        if hasattr(table, "entries"):
-            self._checked.add(table)
+    def _entry_width(self, table: Any) -> int:
+        """The widest access every per-layer base in a pointer table allows (16 for KV pools, whose bases are checked
+        when the pool is made). A table's entries never change, so each table is measured once."""
+        width = self._widths.get(table) if hasattr(table, "entries") else None
+        if width is None:
+            width = widest([entry.value for entry in getattr(table, "entries", ())])
+            if hasattr(table, "entries"):
+                self._widths[table] = width
+        return width
 
     def copy_chunks(self, call: ChunkCopy, *, device: int, stream: Stream, max_blocks: int = 2,
                     threads: int = MAX_THREADS) -> None:
@@ -196,17 +252,11 @@ class KernelLauncher:
         if call.n_units == 0 or not spans:
             return
         call = replace(call, n_layers=max(count for _, count in spans)).in_pieces()
-        group = chunk_group(call.chunk_bytes // 16, self.unroll)
-        if group * call.chunk_bytes // 16 > MAX_COUNT:
-            raise KvtierError(f"chunks of {call.chunk_bytes} bytes are too large for one kernel copy (the kernel "
-                              f"counts 16-byte vectors in 31 bits)")
-        sides = []
-        for side in (call.src, call.dst):
-            self._check_entries(side.table)
-            sides.append((self.resolve(side.table, device, 8), i64(side.page_stride), i64(side.unit_stride),
-                          i64(side.piece_stride), i64(side.units_per_page)))
+        width = min(call.width, *(self._entry_width(side.table) for side in (call.src, call.dst)))
+        group = self._group(call.chunk_bytes, width)
+        sides = [self._side(side, device) for side in (call.src, call.dst)]
         indices = [self.resolve(index, device, call.index_bytes) for index in (call.src_index, call.dst_index)]
-        program, name = self.runtime.load_program(self.spec, device), KERNEL_NAMES[call.index_bytes]
+        program, name = self.runtime.load_program(self.spec, device), copy_kernel(call.index_bytes, width)
         for begin, count in spans:
             if count:
                 rows = call.table_layers or begin + count
@@ -216,6 +266,39 @@ class KernelLauncher:
                 self.runtime.launch(program, name, grid=max_blocks, block=threads, args=args, stream=stream)
             if after_each is not None:
                 after_each(begin, count)
+
+
+    def _group(self, chunk_bytes: int, width: int) -> int:
+        group = chunk_group(chunk_bytes // width, self.unroll)
+        if group * chunk_bytes // width > MAX_COUNT:
+            raise KvtierError(f"chunks of {chunk_bytes} bytes are too large for one kernel copy (the kernel counts "
+                              f"{width}-byte vectors in 31 bits)")
+        return group
+
+    def _side(self, side: ChunkSide, device: int) -> tuple[KernelArg, ...]:
+        return (self.resolve(side.table, device, 8), i64(side.page_stride), i64(side.unit_stride),
+                i64(side.piece_stride), i64(side.units_per_page))
+
+    def swap_in(self, call: SwapIn, *, device: int, stream: Stream, threads: int = MAX_THREADS) -> None:
+        """One HiSparse swap-in launch (one block per request of the batch); see ``transfer.cu``."""
+        call.validate()
+        if threads < 32 or threads > self.max_threads or threads % 32:
+            raise KvtierError(f"a swap-in block of {threads} threads: need 32..1024 threads in whole warps")
+        if call.batch == 0:
+            return
+        width = min(call.width, *(self._entry_width(side.table) for side in (call.host, call.device)))
+        width = next(w for w in SWAP_WIDTHS if width % w == 0) if width >= SWAP_WIDTHS[-1] else 0
+        if not width:
+            raise MisalignedAddress(f"swap-in rows of {call.row_bytes} bytes need 4-byte aligned rows and bases")
+        state = tuple(self.resolve(op, device, 8 if i >= 5 else 4) for i, op in enumerate(call.state))
+        args: list[KernelArg] = [state, self._side(call.host, device), self._side(call.device, device),
+                                 *(self.resolve(op, device, size) for op, size in
+                                   ((call.topk, 4), (call.requests, 8), (call.seq_lens, 8), (call.out, 8))),
+                                 i32(call.batch), i32(call.n_slots), i32(call.k), i64(call.max_tokens), i32(call.layer),
+                                 i32(call.state_layers), i32(call.n_tensors), i32(call.table_layers),
+                                 i64(call.row_bytes), i32(self._group(call.row_bytes, width))]
+        program = self.runtime.load_program(self.spec, device)
+        self.runtime.launch(program, swap_kernel(width), grid=call.batch, block=threads, args=args, stream=stream)
 
 
 def _check_aligned(address: DeviceAddress, align: int, what: str) -> None:
@@ -234,7 +317,10 @@ def _transfer_program(mode: str | None, unroll: int, max_threads: int) -> Progra
     def image(capability: tuple[int, int]) -> tuple[bytes, str]:
         return kernel_image(f"sm_{capability[0]}{capability[1]}", mode, unroll, max_threads)
 
-    references = {name: functools.partial(reference.copy_chunks, index_bytes=size)
-                  for size, name in KERNEL_NAMES.items()}
+    references: dict[str, Callable[..., None]] = {
+        copy_kernel(size, width): functools.partial(reference.copy_chunks, index_bytes=size, width=width)
+        for size in INDEX_TYPES for width in WIDTHS}
+    references.update({swap_kernel(width): functools.partial(reference.hot_swap_in, width=width)
+                       for width in SWAP_WIDTHS})
     key = f"transfer-{source_hash()}-{mode or 'auto'}-u{unroll}-t{max_threads}"
-    return ProgramSpec(key, tuple(KERNEL_NAMES.values()), image, references)
+    return ProgramSpec(key, KERNEL_NAMES, image, references)

@@ -7,7 +7,22 @@ import hashlib
 from pathlib import Path
 
 SOURCE_PATH = Path(__file__).with_name("transfer.cu")
-KERNEL_NAMES = {8: "kvtier_copy_chunks_i64", 4: "kvtier_copy_chunks_i32"}
+WIDTHS = (16, 8, 4, 2, 1)
+"""Access widths of the copy kernels, widest first: a launch takes the widest every address and size allows."""
+SWAP_WIDTHS = (16, 8, 4)
+INDEX_TYPES = {8: "i64", 4: "i32"}
+
+
+def copy_kernel(index_bytes: int, width: int) -> str:
+    return f"kvtier_copy_chunks_{INDEX_TYPES[index_bytes]}" + ("" if width == 16 else f"_w{width}")
+
+
+def swap_kernel(width: int) -> str:
+    return "kvtier_hot_swap_in" + ("" if width == 16 else f"_w{width}")
+
+
+KERNEL_NAMES = tuple(copy_kernel(i, w) for i in INDEX_TYPES for w in WIDTHS) + tuple(swap_kernel(w)
+                                                                                      for w in SWAP_WIDTHS)
 DEFAULT_UNROLL = 8
 
 

@@ -32,7 +32,35 @@ struct Side {
     i64 units_per_page;
 };
 
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+// W-byte accesses: 16 when every address and size of a launch allows it, narrower only where a layout needs it (the
+// 8-byte scale regions of DeepSeek-V4 rows, states whose rows are not 16-byte multiples).
+template <int W> struct Vector;
+template <> struct Vector<16> { typedef uint4 T; };
+template <> struct Vector<8> { typedef uint2 T; };
+template <> struct Vector<4> { typedef unsigned int T; };
+template <> struct Vector<2> { typedef unsigned short T; };
+template <> struct Vector<1> { typedef unsigned char T; };
+
+template <typename T>
+__device__ __forceinline__ T load_stream(const T* p) {
+#if defined(__CUDA_ARCH__)
+    return __ldcs(p);
+#else
+    return *p;
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ void store_stream(T* p, T v) {
+#if defined(__CUDA_ARCH__)
+    __stcs(p, v);
+#else
+    *p = v;
+#endif
+}
+
+template <>
+__device__ __forceinline__ uint4 load_stream<uint4>(const uint4* p) {
 #if defined(__CUDA_ARCH__)
     uint4 v;
     asm volatile("ld.global.cs.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -43,7 +71,8 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
 #endif
 }
 
-__device__ __forceinline__ void store_stream(uint4* p, uint4 v) {
+template <>
+__device__ __forceinline__ void store_stream<uint4>(uint4* p, uint4 v) {
 #if defined(__CUDA_ARCH__)
     asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};"
                  :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
@@ -82,24 +111,26 @@ __device__ __forceinline__ char* chunk_address(const Side& s, const Divisor& per
     return (char*)(s.table[row]) + page * s.page_stride + slot * s.unit_stride + piece * s.piece_stride;
 }
 
-template <typename Index>
-__device__ void copy_chunks(Side src, Side dst, const Index* __restrict__ src_index,
-                            const Index* __restrict__ dst_index, i64 n_units, int layer_begin, int n_layers,
-                            int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int group) {
+// The copy loop shared by every kernel here: warp `worker` of `workers` walks chunks in groups of `group`.
+template <typename Index, int W>
+__device__ void copy_body(const Side& src, const Side& dst, const Index* __restrict__ src_index,
+                          const Index* __restrict__ dst_index, i64 n_units, int layer_begin, int n_layers,
+                          int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int group,
+                          unsigned worker, unsigned workers) {
+    typedef typename Vector<W>::T V;
     __shared__ char* pointers[2][32][KVTIER_MAX_GROUP];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const unsigned vectors = (unsigned)(chunk_bytes >> 4);
+    if (n_units <= 0 || n_layers <= 0) return;
+    const unsigned vectors = (unsigned)(chunk_bytes / W);
     const unsigned total = (unsigned)((i64)n_tensors * n_layers * n_units * n_pieces);
-    const unsigned warps = gridDim.x * (blockDim.x >> 5);
     const Divisor by_vectors = make_divisor(vectors), by_pieces = make_divisor((unsigned)n_pieces),
                   by_units = make_divisor((unsigned)n_units), by_layers = make_divisor((unsigned)n_layers),
                   src_per_page = make_divisor((unsigned)src.units_per_page),
                   dst_per_page = make_divisor((unsigned)dst.units_per_page);
     char** src_ptr = pointers[0][warp];
     char** dst_ptr = pointers[1][warp];
-    for (unsigned first = (blockIdx.x * (blockDim.x >> 5) + warp) * (unsigned)group; first < total;
-         first += warps * (unsigned)group) {
+    for (unsigned first = worker * (unsigned)group; first < total; first += workers * (unsigned)group) {
         const unsigned count = total - first < (unsigned)group ? total - first : (unsigned)group;
         for (unsigned i = lane; i < count; i += 32) {
             unsigned c = first + i;
@@ -115,13 +146,13 @@ __device__ void copy_chunks(Side src, Side dst, const Index* __restrict__ src_in
         __syncwarp();
         const unsigned work = count * vectors;
         for (unsigned j0 = lane; j0 < work; j0 += 32 * KVTIER_UNROLL) {
-            uint4 r[KVTIER_UNROLL];
+            V r[KVTIER_UNROLL];
 #pragma unroll
             for (int k = 0; k < KVTIER_UNROLL; ++k) {
                 unsigned j = j0 + k * 32;
                 if (j < work) {
                     unsigned c = quotient(by_vectors, j);
-                    r[k] = load_stream((const uint4*)(src_ptr[c]) + (j - c * vectors));
+                    r[k] = load_stream((const V*)(src_ptr[c]) + (j - c * vectors));
                 }
             }
 #pragma unroll
@@ -129,7 +160,7 @@ __device__ void copy_chunks(Side src, Side dst, const Index* __restrict__ src_in
                 unsigned j = j0 + k * 32;
                 if (j < work) {
                     unsigned c = quotient(by_vectors, j);
-                    store_stream((uint4*)(dst_ptr[c]) + (j - c * vectors), r[k]);
+                    store_stream((V*)(dst_ptr[c]) + (j - c * vectors), r[k]);
                 }
             }
         }
@@ -137,16 +168,166 @@ __device__ void copy_chunks(Side src, Side dst, const Index* __restrict__ src_in
     }
 }
 
-extern "C" __global__ void __launch_bounds__(KVTIER_MAX_THREADS) kvtier_copy_chunks_i64(Side src, Side dst, const i64* src_index, const i64* dst_index,
-                                                  i64 n_units, int layer_begin, int n_layers, int n_tensors,
-                                                  int table_layers, int n_pieces, i64 chunk_bytes, int group) {
-    copy_chunks<i64>(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors, table_layers,
-                     n_pieces, chunk_bytes, group);
+#define KVTIER_COPY_CHUNKS(NAME, INDEX, W)                                                                        \
+    extern "C" __global__ void __launch_bounds__(KVTIER_MAX_THREADS)                                              \
+        NAME(Side src, Side dst, const INDEX* src_index, const INDEX* dst_index, i64 n_units, int layer_begin,     \
+             int n_layers, int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int group) {           \
+        copy_body<INDEX, W>(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors,             \
+                            table_layers, n_pieces, chunk_bytes, group,                                            \
+                            blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), gridDim.x * (blockDim.x >> 5));   \
+    }
+
+KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i64, i64, 16)
+KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i32, int, 16)
+KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i64_w8, i64, 8)
+KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i32_w8, int, 8)
+KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i64_w4, i64, 4)
+KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i32_w4, int, 4)
+KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i64_w2, i64, 2)
+KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i32_w2, int, 2)
+KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i64_w1, i64, 1)
+KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i32_w1, int, 1)
+
+// ---- HiSparse swap-in ----------------------------------------------------------------------------------------------
+// A request's hot buffer has n_slots LRU slots plus slot n_slots for its newest token; the full KV is in the host
+// pool. Given a step's top-k token ids, hits keep their slot and move to the most-recent end of the LRU order, misses
+// take the least-recent slots no top-k token holds (in top-k order) and are copied host -> device, and `out` gets the
+// device row of every top-k entry (-1 for entries outside [0, seq_len)). A sequence no longer than n_slots is wholly
+// resident (token t in slot t): no copy, no state change. One block per request; state rows are request * layers +
+// layer; `flags` is all zero between launches.
+struct HotState {
+    int* slot_tokens;        // [rows][n_slots + 1]
+    int* lru;                // [rows][n_slots], least recent first
+    int* lru_next;           // [requests][n_slots] scratch
+    int* token_slot;         // [rows][max_tokens], -1: not in an LRU slot
+    int* flags;              // [requests][n_slots] scratch
+    i64* miss_src;           // [requests][k] scratch
+    i64* miss_dst;           // [requests][k] scratch
+    const i64* host_locs;    // [requests][max_tokens]: host unit of each token
+    const i64* device_locs;  // [requests][n_slots + 1]: device unit of each slot
+};
+
+__device__ int block_exclusive_scan(int value, int* total) {
+    __shared__ int sums[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int x = value;
+    for (int d = 1; d < 32; d <<= 1) {
+        int y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
+    }
+    if (lane == 31) sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int s = lane < warps ? sums[lane] : 0;
+        for (int d = 1; d < 32; d <<= 1) {
+            int y = __shfl_up_sync(0xffffffffu, s, d);
+            if (lane >= d) s += y;
+        }
+        sums[lane] = s;
+    }
+    __syncthreads();
+    const int before = (warp > 0 ? sums[warp - 1] : 0) + x - value;
+    *total = sums[warps - 1];
+    __syncthreads();
+    return before;
 }
 
-extern "C" __global__ void __launch_bounds__(KVTIER_MAX_THREADS) kvtier_copy_chunks_i32(Side src, Side dst, const int* src_index, const int* dst_index,
-                                                  i64 n_units, int layer_begin, int n_layers, int n_tensors,
-                                                  int table_layers, int n_pieces, i64 chunk_bytes, int group) {
-    copy_chunks<int>(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors, table_layers,
-                     n_pieces, chunk_bytes, group);
+template <int W>
+__device__ void hot_swap_in(HotState s, Side host, Side dev, const int* topk, const i64* requests,
+                            const i64* seq_lens, i64* out, int batch, int n_slots, int k, i64 max_tokens,
+                            int layer, int state_layers, int n_tensors, int table_layers, i64 chunk_bytes, int group) {
+    const int b = blockIdx.x, tid = threadIdx.x, threads = blockDim.x;
+    if (b >= batch) return;
+    const i64 req = requests[b], seq = seq_lens[b];
+    const int* top = topk + (i64)b * k;
+    i64* result = out + (i64)b * k;
+    const i64* dloc = s.device_locs + req * (n_slots + 1);
+    if (seq <= n_slots) {
+        for (int i = tid; i < k; i += threads) {
+            const int t = top[i];
+            result[i] = (t >= 0 && t < seq) ? dloc[t] : -1;
+        }
+        return;
+    }
+    const i64 row = req * state_layers + layer;
+    int* slot_tokens = s.slot_tokens + row * (n_slots + 1);
+    int* lru = s.lru + row * n_slots;
+    int* next = s.lru_next + req * n_slots;
+    int* token_slot = s.token_slot + row * max_tokens;
+    int* flags = s.flags + req * n_slots;
+    i64* miss_src = s.miss_src + req * k;
+    i64* miss_dst = s.miss_dst + req * k;
+    const i64* hloc = s.host_locs + req * max_tokens;
+    const int newest = (int)(seq - 1);
+    for (int i = tid; i < k; i += threads) {
+        const int t = top[i];
+        if (t < 0 || t >= seq) { result[i] = -1; continue; }
+        if (t == newest) { result[i] = dloc[n_slots]; continue; }
+        const int slot = token_slot[t];
+        if (slot >= 0) { result[i] = dloc[slot]; flags[slot] = 1; continue; }
+        atomicMin(&token_slot[t], -2 - (k - 1 - i));  // the first entry naming a token owns its miss
+        result[i] = -2;
+    }
+    __syncthreads();
+    const int per_k = (k + threads - 1) / threads, k0 = tid * per_k, k1 = min(k, k0 + per_k);
+    int mine = 0;
+    for (int i = k0; i < k1; ++i) {
+        if (result[i] == -2) {
+            if (token_slot[top[i]] == -2 - (k - 1 - i)) ++mine; else result[i] = -3;
+        }
+    }
+    int misses;
+    int rank = block_exclusive_scan(mine, &misses);
+    for (int i = k0; i < k1; ++i) {
+        if (result[i] == -2) miss_dst[rank++] = i;
+    }
+    const int per_n = (n_slots + threads - 1) / threads, n0 = tid * per_n, n1 = min(n_slots, n0 + per_n);
+    int free_here = 0;
+    for (int p = n0; p < n1; ++p) free_here += flags[lru[p]] == 0;
+    int evictable;
+    int e = block_exclusive_scan(free_here, &evictable);
+    for (int p = n0; p < n1; ++p) {
+        const int slot = lru[p];
+        if (flags[slot] == 0) {
+            if (e >= misses) next[e - misses] = slot;
+            else { next[evictable - misses + e] = slot; miss_src[e] = slot; }
+            ++e;
+        } else {
+            next[evictable + (p - e)] = slot;
+        }
+    }
+    __syncthreads();
+    for (int r = tid; r < misses; r += threads) {
+        const int i = (int)miss_dst[r], t = top[i], slot = (int)miss_src[r];
+        const int old = slot_tokens[slot];
+        if (old >= 0) token_slot[old] = -1;
+        slot_tokens[slot] = t;
+        token_slot[t] = slot;
+        result[i] = dloc[slot];
+        miss_src[r] = hloc[t];
+        miss_dst[r] = dloc[slot];
+    }
+    for (int p = tid; p < n_slots; p += threads) {
+        lru[p] = next[p];
+        flags[p] = 0;
+    }
+    __syncthreads();
+    for (int i = tid; i < k; i += threads) {
+        if (result[i] == -3) result[i] = dloc[token_slot[top[i]]];
+    }
+    copy_body<i64, W>(host, dev, miss_src, miss_dst, misses, layer, 1, n_tensors, table_layers, 1, chunk_bytes, group,
+                      tid >> 5, threads >> 5);
 }
+
+#define KVTIER_HOT_SWAP_IN(NAME, W)                                                                               \
+    extern "C" __global__ void __launch_bounds__(KVTIER_MAX_THREADS)                                              \
+        NAME(HotState s, Side host, Side dev, const int* topk, const i64* requests, const i64* seq_lens, i64* out, \
+             int batch, int n_slots, int k, i64 max_tokens, int layer, int state_layers, int n_tensors, int table_layers,     \
+             i64 chunk_bytes, int group) {                                                                         \
+        hot_swap_in<W>(s, host, dev, topk, requests, seq_lens, out, batch, n_slots, k, max_tokens, layer, state_layers,  \
+                       n_tensors, table_layers, chunk_bytes, group);                                               \
+    }
+
+KVTIER_HOT_SWAP_IN(kvtier_hot_swap_in, 16)
+KVTIER_HOT_SWAP_IN(kvtier_hot_swap_in_w8, 8)
+KVTIER_HOT_SWAP_IN(kvtier_hot_swap_in_w4, 4)

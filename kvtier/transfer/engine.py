@@ -27,17 +27,15 @@ from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument
 from kvtier.kernels import KernelLauncher
 from kvtier.pools import DevicePool, HostPool
-from kvtier.runtime import Event, Graph, Stream
+from kvtier.runtime import Graph, Stream
 from kvtier.transfer.dma import BatchBackend, DirectBackend
 from kvtier.transfer.indices import IndexRing, arena_bytes
-from kvtier.transfer.job import D2H, H2D, Backend, Context, Job, Transfer
+from kvtier.transfer.job import CURRENT, D2H, H2D, Backend, Context, Job, Transfer, order_after
 from kvtier.transfer.kernel import KernelBackend
 from kvtier.transfer.plan import index_values, plan_for
 from kvtier.transfer.staged import StagedBackend
 
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (KernelBackend, StagedBackend, DirectBackend, BatchBackend)}
-CURRENT = "current"
-"""``after=CURRENT`` (the default): order the transfer after the caller's current stream."""
 
 
 @dataclass(frozen=True)
@@ -260,28 +258,10 @@ class TransferEngine:
     def _units(self, pages: np.ndarray) -> np.ndarray:
         return index_values(self.plan.units(pages), self.index_bytes)
 
-    def _order(self, stream: Stream, after: Any) -> None:
-        if after is None:
-            return
-        if isinstance(after, str):
-            if after != CURRENT:
-                raise InvalidArgument(f"after={after!r}: use {CURRENT!r}, an event, a stream, a list or None")
-            after = self.runtime.current_stream(self.device)
-        for item in after if isinstance(after, (list, tuple)) else [after]:
-            if isinstance(item, Event) or hasattr(item, "cuda_event"):
-                stream.wait(self.runtime.as_event(item))
-                continue
-            source = self.runtime.as_stream(item)
-            if source is stream:
-                continue
-            marker = self.runtime.create_event(self.device)
-            marker.record(source)
-            stream.wait(marker)
-
     def _submit(self, direction: str, dev: np.ndarray, host: np.ndarray, layers: Sequence[int], after: Any,
                 per_layer: bool) -> Transfer:
         stream = self.streams[direction]
-        self._order(stream, after)
+        order_after(self.runtime, stream, after)
         transfer = Transfer(self.runtime, self.runtime.create_event(self.device))
         job = Job(direction, dev, host, self._units(dev), self._units(host), list(layers), per_layer, stream,
                   transfer)

@@ -17,6 +17,29 @@ from kvtier.runtime import Event, Runtime, Stream
 from kvtier.transfer.plan import ChunkPlan
 
 D2H, H2D = "d2h", "h2d"
+CURRENT = "current"
+"""``after=CURRENT`` (the default): order the transfer after the caller's current stream."""
+
+
+def order_after(runtime: Runtime, stream: Stream, after: Any) -> None:
+    """Make ``stream`` wait for ``after``: ``CURRENT`` (the caller's current stream of the stream's device), an event
+    or stream (kvtier's or torch's), a list of them, or None (no ordering). Every engine orders through here."""
+    if after is None:
+        return
+    if isinstance(after, str):
+        if after != CURRENT:
+            raise InvalidArgument(f"after={after!r}: use {CURRENT!r}, an event, a stream, a list or None")
+        after = runtime.current_stream(stream.device)
+    for item in after if isinstance(after, (list, tuple)) else [after]:
+        if isinstance(item, Event) or hasattr(item, "cuda_event"):
+            stream.wait(runtime.as_event(item))
+            continue
+        source = runtime.as_stream(item)
+        if source is stream:
+            continue
+        marker = runtime.create_event(stream.device)
+        marker.record(source)
+        stream.wait(marker)
 
 
 @dataclass

@@ -1,0 +1,264 @@
+"""The transfer engine of model-family pools (state, page rows): the same contract as ``TransferEngine``.
+
+Backups run all layers on the D2H stream; loads run layer by layer on the H2D stream and record one event per model
+layer (a layer without rows in this pool gets its event at once, so a model waits on every layer alike). Each part is
+an SM copy through the launch boundary (``kernel`` backend, ``max_blocks`` SMs), ordered after the caller's current
+stream unless ``after`` says otherwise; one lock around queuing, so threads may share an engine; closing drains.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.checks import index_array, integer
+from kvtier.errors import BufferClosed, InvalidArgument
+from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
+from kvtier.memory import HostKind
+from kvtier.memory.lifetime import Owned
+from kvtier.pools import build_pointer_table
+from kvtier.pools.family import FamilyDevicePool, FamilyHostPool, Part
+from kvtier.runtime import Graph, Stream
+from kvtier.transfer.engine import CapturedLoad
+from kvtier.transfer.indices import IndexRing, arena_bytes
+from kvtier.transfer.job import CURRENT, D2H, H2D, Transfer, order_after
+from kvtier.transfer.plan import layer_spans
+
+
+class FamilyEngine:
+    def __init__(self, device_pool: FamilyDevicePool, host_pool: FamilyHostPool, *, max_blocks: int = 2,
+                 threads: int = 1024, index_bytes: int = 8, launcher: KernelLauncher | None = None,
+                 index_ring_bytes: int | None = None) -> None:
+        device_pool.check_open()
+        host_pool.check_open()
+        if device_pool.geometry != host_pool.geometry:
+            raise InvalidArgument(f"pool geometries differ: {device_pool.geometry} vs {host_pool.geometry}")
+        if device_pool.runtime is not host_pool.runtime:
+            raise InvalidArgument("device and host pools belong to different runtimes")
+        if host_pool.buffer.kind is HostKind.PAGEABLE:
+            raise InvalidArgument("kernel copies need a device-accessible host pool, and this one is pageable: "
+                                  "allocate it 'registered', 'pinned' or 'shm'")
+        self.max_blocks = integer(max_blocks, "max_blocks", low=1)
+        self.threads = integer(threads, "threads", low=32, high=1025)
+        if self.threads % 32 or index_bytes not in (4, 8):
+            raise InvalidArgument(f"threads must be whole warps and index_bytes 4 or 8, got {threads}, {index_bytes}")
+        self.device_pool, self.host_pool, self.index_bytes = device_pool, host_pool, index_bytes
+        self.geometry, self.runtime, self.device = device_pool.geometry, device_pool.runtime, device_pool.device
+        self.launcher = launcher or KernelLauncher(self.runtime)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._captures: weakref.WeakSet[CapturedLoad] = weakref.WeakSet()
+        self._owned = Owned()
+        with self._owned.building() as owned:
+            self.streams = {d: owned.own(self.runtime.create_stream(self.device)) for d in (D2H, H2D)}
+            most = max(part.units_per_page for part, _ in device_pool.parts()) * device_pool.units
+            ring = index_ring_bytes or arena_bytes(most, index_bytes)
+            self.rings = {d: owned.own(IndexRing(self.runtime, self.device, self.streams[d], ring))
+                          for d in (D2H, H2D)}
+            self._sides: dict[str, tuple[Part, ChunkSide, ChunkSide]] = {}
+            for part, placement in device_pool.parts():
+                host = host_pool.placement(part)
+                tables = [owned.own(build_pointer_table(self.runtime, self.device, list(p.bases)))
+                          for p in (placement, host)]
+                device_side, host_side = (ChunkSide(t, p.page_stride, p.unit_stride, p.piece_stride,
+                                                    part.units_per_page)
+                                          for t, p in zip(tables, (placement, host), strict=True))
+                self._sides[part.name] = (part, device_side, host_side)
+        device_pool.add_user(self)
+        host_pool.add_user(self)
+
+    @property
+    def default_unit(self) -> str:
+        return "slot" if any(part.unit == "slot" for part, _, _ in self._sides.values()) else "page"
+
+    # -- public operations ----------------------------------------------------------------------------------------
+    def backup(self, device_units: Any, host_units: Any, *, unit: str | None = None, after: Any = CURRENT
+               ) -> Transfer:
+        """Every layer of ``device_units`` (slots, pages or tokens) → ``host_units``, on the D2H stream."""
+        with self._lock:
+            self._check_open()
+            unit, dev, host = self._units(device_units, host_units, unit, D2H)
+            return self._submit(D2H, unit, dev, host, None, after, per_layer=False)
+
+    def load(self, host_units: Any, device_units: Any, *, unit: str | None = None,
+             layers: Sequence[int] | None = None, after: Any = CURRENT, per_layer: bool = True) -> Transfer:
+        """``host_units`` → ``device_units`` layer by layer on the H2D stream, one event per model layer."""
+        with self._lock:
+            self._check_open()
+            unit, dev, host = self._units(device_units, host_units, unit, H2D)
+            return self._submit(H2D, unit, dev, host, self._layers(layers), after, per_layer=bool(per_layer))
+
+    def capture_load(self, host_units: Any, device_units: Any, *, layer: int, unit: str | None = None
+                     ) -> CapturedLoad:
+        """A one-layer load captured as a graph (indices owned by the graph; host bytes read at each replay)."""
+        with self._lock:
+            self._check_open()
+            unit, dev, host = self._units(device_units, host_units, unit, H2D)
+            layer, = self._layers([layer])
+            stream = self.runtime.create_stream(self.device)
+            ring = None
+            try:
+                ring = IndexRing(self.runtime, self.device, stream, arena_bytes(dev.size, self.index_bytes))
+                indices, lease = ring.upload([self._index(host), self._index(dev)])
+                stream.synchronize()
+                stream.begin_capture()
+                try:
+                    self._launch(H2D, unit, indices, dev.size, [layer], True, stream)
+                finally:
+                    graph: Graph = stream.end_capture()
+                ring.fence(lease)
+            except BaseException:
+                if ring is not None:
+                    ring.close()
+                stream.close()
+                raise
+            captured = CapturedLoad(self, graph, stream, ring)  # type: ignore[arg-type]
+            self._captures.add(captured)
+            return captured
+
+    def synchronize(self) -> None:
+        self.drain()
+
+    def drain(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            for stream in self.streams.values():
+                stream.synchronize()
+            for captured in list(self._captures):
+                captured.drain()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Wait for queued transfers, then free tables, rings and streams. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self.drain()
+            finally:
+                self._closed = True
+                self.device_pool.remove_user(self)
+                self.host_pool.remove_user(self)
+                for captured in list(self._captures):
+                    captured.close()
+                self._owned.close()
+
+    def __enter__(self) -> FamilyEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosed("this FamilyEngine is closed")
+        self.device_pool.check_open()
+        self.host_pool.check_open()
+
+    def _parts(self, unit: str) -> list[tuple[Part, ChunkSide, ChunkSide]]:
+        return [sides for sides in self._sides.values() if sides[0].unit == unit]
+
+    def _units(self, device_units: Any, host_units: Any, unit: str | None, direction: str
+               ) -> tuple[str, np.ndarray, np.ndarray]:
+        unit = unit or self.default_unit
+        if not self._parts(unit):
+            kinds = sorted({part.unit for part, _, _ in self._sides.values()})
+            raise InvalidArgument(f"{self.geometry.name} pools move {' or '.join(kinds)}s, not {unit}s")
+        dev, host = index_array(device_units, f"device {unit}s"), index_array(host_units, f"host {unit}s")
+        if dev.size != host.size:
+            raise InvalidArgument(f"{dev.size} device {unit}s but {host.size} host {unit}s: index lists must match")
+        per_page = self._parts(unit)[0][0].units_per_page
+        self.device_pool.check_units(dev // per_page if unit == "token" else dev, f"device {unit}")
+        self.host_pool.check_units(host // per_page if unit == "token" else host, f"host {unit}")
+        if unit == "token" and not getattr(self.geometry, "token_granular", True):
+            pages = self.geometry.whole_pages(dev, host)
+            if pages is None:
+                raise InvalidArgument(f"{self.geometry.name} rows are packed per page: a token transfer must cover "
+                                      f"whole pages from their first token, on both sides (got {dev.size} tokens)")
+            unit, (dev, host) = "page", pages
+        destination = host if direction == D2H else dev
+        ordered = np.sort(destination)
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+        if repeated.size:
+            raise InvalidArgument(f"destination {unit} {int(repeated[0])} appears twice: a unit written twice in one "
+                                  f"transfer would mix the bytes of both sources")
+        return unit, dev, host
+
+    def _layers(self, layers: Sequence[int] | None) -> list[int]:
+        count = self.geometry.layers
+        if layers is None:
+            return list(range(count))
+        if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__"):
+            raise InvalidArgument(f"layers must be a sequence of layer indices, got {layers!r}")
+        chosen = index_array(layers, "layers").tolist()
+        bad = [x for x in chosen if not 0 <= x < count]
+        if bad:
+            raise InvalidArgument(f"layer {bad[0]} is out of range (the model has {count} layers)")
+        if len(set(chosen)) != len(chosen):
+            raise InvalidArgument(f"layers {chosen} repeat a layer")
+        return chosen
+
+    def _index(self, units: np.ndarray) -> np.ndarray:
+        if self.index_bytes == 4 and units.size and int(units.max()) >= 1 << 31:
+            raise InvalidArgument(f"unit {int(units.max())} does not fit int32 indices: use index_bytes=8")
+        return units.astype(np.int64 if self.index_bytes == 8 else np.int32)
+
+    def _submit(self, direction: str, unit: str, dev: np.ndarray, host: np.ndarray, layers: list[int] | None,
+                after: Any, per_layer: bool) -> Transfer:
+        stream = self.streams[direction]
+        order_after(self.runtime, stream, after)
+        transfer = Transfer(self.runtime, self.runtime.create_event(self.device))
+        layers = list(range(self.geometry.layers)) if layers is None else layers
+        marks = transfer.layer_events if per_layer else None
+        if dev.size:
+            ring = self.rings[direction]
+            src, dst = (dev, host) if direction == D2H else (host, dev)
+            indices, lease = ring.upload([self._index(src), self._index(dst)])
+            try:
+                self._launch(direction, unit, indices, dev.size, layers, per_layer, stream, marks)
+            finally:
+                ring.fence(lease)
+        elif marks is not None:
+            for layer in layers:
+                marks[layer] = self._mark(stream)
+        transfer.finished.record(stream)
+        return transfer
+
+    def _mark(self, stream: Stream) -> Any:
+        event = self.runtime.create_event(self.device)
+        event.record(stream)
+        return event
+
+    def _launch(self, direction: str, unit: str, indices: list[Any], count: int, layers: list[int], per_layer: bool,
+                stream: Stream, marks: dict[int, Any] | None = None) -> None:
+        """Per-layer: for each model layer, every part that has it, then the layer's event. Otherwise one launch per
+        part and run of consecutive layers."""
+        parts = self._parts(unit)
+        position = [{layer: i for i, layer in enumerate(part.layers)} for part, _, _ in parts]
+        groups = [[(layer, 1)] for layer in layers] if per_layer else [[(layers[0], len(layers))]] if layers else []
+        if not per_layer:
+            groups = [layer_spans(layers, False)]
+        for group in groups:
+            for (part, device_side, host_side), where in zip(parts, position, strict=True):
+                spans = [(where[layer], 1) for begin, n in group for layer in range(begin, begin + n) if layer in where]
+                if not spans:
+                    continue
+                spans = layer_spans([s for s, _ in spans], per_layer)
+                src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
+                call = ChunkCopy(src, dst, indices[0], indices[1], self.index_bytes, count, 0, len(part.layers),
+                                 part.pieces, part.chunk_bytes, 1, len(part.layers))
+                self.launcher.copy_layer_spans(call, spans, device=self.device, stream=stream,
+                                               max_blocks=self.max_blocks, threads=self.threads)
+            if marks is not None:
+                for begin, n in group:
+                    for layer in range(begin, begin + n):
+                        marks[layer] = self._mark(stream)

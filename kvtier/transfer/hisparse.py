@@ -1,0 +1,265 @@
+"""HiSparse: sparse attention over a long context whose full KV lives in the host pool.
+
+Each request keeps a device *hot buffer* per layer: ``slots`` rows managed least-recently-used, plus one row for its
+newest token. At every decode step and layer, the model's indexer picks top-k tokens; :meth:`HotBuffer.swap_in`
+finds them in the buffer (hits move to the most-recent end), copies the misses host → device into the least recent
+rows no top-k token holds, and writes the device row of every top-k entry — all in one kernel (one block per
+request), so it can be captured in a CUDA graph with the rest of the step. A sequence no longer than ``slots`` is
+wholly resident (token t in row t): no copy and no LRU change. :meth:`backup_newest` copies each request's newest
+token to the host (all layers) before the next step overwrites its row.
+
+Contract with the engine: after :meth:`assign`, tokens 0..slots-1 are in rows 0..slots-1 (prefill writes them
+there); the model writes a request's newest token into row ``slots`` once the sequence is longer than ``slots``; the
+host pool holds every token but the newest (prefill backs them up; ``backup_newest`` each step). Top-k entries are
+token ids, -1 for padding; an entry outside [0, seq_len) gets row -1.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvtier.checks import index_array, integer
+from kvtier.errors import BufferClosed, InvalidArgument
+from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher, SwapIn
+from kvtier.memory import DeviceBuffer, HostKind
+from kvtier.memory.lifetime import Owned
+from kvtier.pools import DevicePool, HostPool, build_pointer_table, device_strides
+from kvtier.runtime import Stream
+from kvtier.transfer.indices import IndexRing
+from kvtier.transfer.job import CURRENT, Transfer, order_after
+from kvtier.transfer.plan import plan_for
+
+STATE = ("slot_tokens", "lru", "lru_next", "token_slot", "flags", "miss_src", "miss_dst", "host_locs", "device_locs")
+
+
+class HotBuffer:
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, requests: int, slots: int, top_k: int,
+                 max_tokens: int, launcher: KernelLauncher | None = None, threads: int = 1024) -> None:
+        """``device_pool``: rows (page size 1) of the same kind, layers and row as ``host_pool``; request r's rows
+        are r * (slots + 1) .. + slots unless :meth:`assign` names others."""
+        g, h = device_pool.geometry, host_pool.geometry
+        if g.page_size != 1:
+            raise InvalidArgument(f"the hot buffer's device pool holds rows (page size 1), not {g.page_size}-token "
+                                  f"pages")
+        if (g.kind, g.layers, g.row_bytes, g.heads) != (h.kind, h.layers, h.row_bytes, h.heads):
+            raise InvalidArgument(f"device rows {g} and host pages {h} differ in kind, layers or row")
+        if device_pool.runtime is not host_pool.runtime:
+            raise InvalidArgument("device and host pools belong to different runtimes")
+        if host_pool.buffer.kind is HostKind.PAGEABLE:
+            raise InvalidArgument("swap-in reads the host pool from the GPU: it must be registered, pinned or shm")
+        plan = plan_for(h, host_pool.strides)
+        if plan.unit == "head":
+            raise InvalidArgument(f"a {host_pool.layout.value} host pool splits token rows by head: swap-in copies "
+                                  f"whole rows (use layer_first, page_first or page_first_direct)")
+        self.requests, self.slots = integer(requests, "requests", low=1), integer(slots, "slots", low=1)
+        self.top_k = integer(top_k, "top_k", low=1, high=self.slots + 1)
+        self.max_tokens = integer(max_tokens, "max_tokens", low=self.slots + 1)
+        self.device_pool, self.host_pool, self.geometry = device_pool, host_pool, g
+        self.runtime, self.device, self.threads = device_pool.runtime, device_pool.device, threads
+        self.launcher = launcher or KernelLauncher(self.runtime)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._host_locs = np.full((self.requests, self.max_tokens), -1, np.int64)
+        self._device_locs = np.full((self.requests, self.slots + 1), -1, np.int64)
+        self._owned = Owned()
+        r, n, k, t, layers = self.requests, self.slots, self.top_k, self.max_tokens, g.layers
+        sizes = {"slot_tokens": r * layers * (n + 1) * 4, "lru": r * layers * n * 4, "lru_next": r * n * 4,
+                 "token_slot": r * layers * t * 4, "flags": r * n * 4, "miss_src": r * k * 8, "miss_dst": r * k * 8,
+                 "host_locs": r * t * 8, "device_locs": r * (n + 1) * 8}
+        with self._owned.building() as owned:
+            self.state = {name: owned.own(DeviceBuffer(sizes[name], self.device, runtime=self.runtime))
+                          for name in STATE}
+            self.out = owned.own(DeviceBuffer(r * k * 8, self.device, runtime=self.runtime))
+            self.d2h = owned.own(self.runtime.create_stream(self.device))
+            self._ring = owned.own(IndexRing(self.runtime, self.device, self.d2h, 4 * r * 8))
+            self._inputs: dict[Any, IndexRing] = {}
+            device_table = owned.own(build_pointer_table(self.runtime, self.device, [
+                op for tensor in range(g.tensors) for op in device_pool.layers[tensor]]))
+            host_table = owned.own(build_pointer_table(self.runtime, self.device, [
+                region for tensor in range(g.tensors) for region in host_pool.layer_regions(tensor)]))
+        dev = device_strides(g)
+        self.device_side = ChunkSide(device_table, dev.page, 0, 0, 1)
+        self.host_side = ChunkSide(host_table, host_pool.strides.page, host_pool.strides.slot, 0, h.page_size)
+        self.state["flags"].upload(np.zeros(r * n, np.int32))
+        for request in range(r):
+            self._reset(request)
+        device_pool.add_user(self)
+        host_pool.add_user(self)
+
+    # -- set-up ------------------------------------------------------------------------------------------------------
+    def assign(self, request: int, host_tokens: Any, device_rows: Any = None) -> None:
+        """Give ``request`` its tokens' host units (token ids 0..len-1 → host token units, page * page_size + slot)
+        and, optionally, its ``slots + 1`` device rows; resets its LRU state (token t in row t)."""
+        with self._lock:
+            self._check_open()
+            request = integer(request, "request", low=0, high=self.requests)
+            host = index_array(host_tokens, "host_tokens")
+            if host.size > self.max_tokens:
+                raise InvalidArgument(f"{host.size} tokens exceed max_tokens={self.max_tokens}")
+            self.host_pool.check_pages(host // self.host_pool.geometry.page_size)
+            rows = np.arange(request * (self.slots + 1), (request + 1) * (self.slots + 1)) if device_rows is None \
+                else index_array(device_rows, "device_rows")
+            if rows.size != self.slots + 1 or np.unique(rows).size != rows.size:
+                raise InvalidArgument(f"a request needs {self.slots + 1} distinct device rows, got {rows.size}")
+            self.device_pool.check_pages(rows, "device row")
+            self.synchronize()
+            self._host_locs[request] = -1
+            self._host_locs[request, :host.size] = host
+            self._device_locs[request] = rows
+            self._reset(request)
+
+    def _reset(self, request: int) -> None:
+        n, t, layers = self.slots, self.max_tokens, self.geometry.layers
+        tokens = np.concatenate([np.arange(n, dtype=np.int32), [-1]]).astype(np.int32)
+        token_slot = np.full(t, -1, np.int32)
+        token_slot[:n] = np.arange(n, dtype=np.int32)
+        for layer in range(layers):
+            row = request * layers + layer
+            self.state["slot_tokens"].upload(tokens, row * (n + 1) * 4)
+            self.state["lru"].upload(np.arange(n, dtype=np.int32), row * n * 4)
+            self.state["token_slot"].upload(token_slot, row * t * 4)
+        self.state["host_locs"].upload(self._host_locs[request], request * t * 8)
+        self.state["device_locs"].upload(self._device_locs[request], request * (n + 1) * 8)
+
+    # -- the step ---------------------------------------------------------------------------------------------------
+    def swap_in(self, layer: int, requests: Any, topk: Any, seq_lens: Any, *, out: Any = None,
+                stream: Any = None) -> Any:
+        """Swap ``layer``'s top-k tokens of each request into its hot buffer on ``stream`` (default: the caller's
+        current stream); returns ``out`` ([batch, top_k] int64 device rows; the buffer's own unless given).
+
+        ``requests`` / ``seq_lens`` (int64) and ``topk`` (int32, [batch, top_k]) are host arrays (checked, then
+        uploaded on the stream) or device operands (tensors, buffers; read by the kernel as they are, e.g. the
+        indexer's output inside a CUDA graph)."""
+        with self._lock:
+            self._check_open()
+            layer = integer(layer, "layer", low=0, high=self.geometry.layers)
+            target = self.runtime.current_stream(self.device) if stream is None else self.runtime.as_stream(stream)
+            on_device = [_is_device(x) for x in (requests, topk, seq_lens)]
+            if all(on_device):
+                batch = _rows(requests)
+                ops = [requests, topk, seq_lens]
+            elif not any(on_device):
+                ops, batch = self._upload(requests, topk, seq_lens, target)
+            else:
+                raise InvalidArgument("give requests, topk and seq_lens all as host arrays or all on the device")
+            if batch > self.requests:
+                raise InvalidArgument(f"a batch of {batch} requests exceeds the buffer's {self.requests}")
+            out = self.out if out is None else out
+            call = SwapIn(tuple(self.state[name] for name in STATE), self.host_side, self.device_side, ops[1], ops[0],
+                          ops[2], out, batch, self.slots, self.top_k, self.max_tokens, layer, self.geometry.layers,
+                          self.geometry.tensors, self.geometry.layers, self.geometry.row_bytes)
+            self.launcher.swap_in(call, device=self.device, stream=target, threads=self.threads)
+            return out
+
+    def _upload(self, requests: Any, topk: Any, seq_lens: Any, stream: Stream) -> tuple[list[Any], int]:
+        reqs, seqs = index_array(requests, "requests"), index_array(seq_lens, "seq_lens")
+        top = np.asarray(topk)
+        if top.ndim != 2 or top.shape != (reqs.size, self.top_k) or not np.issubdtype(top.dtype, np.integer):
+            raise InvalidArgument(f"topk must be integers of shape ({reqs.size}, {self.top_k}), got {top.shape}")
+        if seqs.size != reqs.size:
+            raise InvalidArgument(f"{reqs.size} requests but {seqs.size} sequence lengths")
+        if reqs.size and (reqs.min() < 0 or reqs.max() >= self.requests):
+            raise InvalidArgument(f"request {int(reqs.max())} is out of range (buffer has {self.requests})")
+        if np.unique(reqs).size != reqs.size:
+            raise InvalidArgument("a request appears twice in one swap-in batch")
+        if seqs.size and (seqs.min() < 1 or seqs.max() > self.max_tokens):
+            raise InvalidArgument(f"sequence lengths must be in [1, {self.max_tokens}], got {seqs.tolist()}")
+        for req, seq in zip(reqs.tolist(), seqs.tolist(), strict=True):
+            if seq > self.slots and (self._host_locs[req, :seq - 1] < 0).any():
+                raise InvalidArgument(f"request {req} has {seq} tokens but host units for fewer: assign() them")
+        key = getattr(stream, "handle", None) or id(stream)
+        ring = self._inputs.get(key)
+        if ring is None:
+            ring = self._inputs[key] = self._owned.own(
+                IndexRing(self.runtime, self.device, stream, 4 * (2 * self.requests * 8 + self.requests * self.top_k
+                                                                  * 4)))
+        addresses, lease = ring.upload([reqs.astype(np.int64), top.astype(np.int32).reshape(-1),
+                                        seqs.astype(np.int64)])
+        ring.fence(lease)
+        return addresses, int(reqs.size)
+
+    def backup_newest(self, requests: Any, seq_lens: Any, *, after: Any = CURRENT) -> Transfer:
+        """Copy each request's newest token (its row ``slots``, every layer) to its host unit, on the buffer's D2H
+        stream, ordered after ``after`` (default: the caller's current stream, where the model wrote it)."""
+        with self._lock:
+            self._check_open()
+            reqs, seqs = index_array(requests, "requests"), index_array(seq_lens, "seq_lens")
+            if reqs.size != seqs.size or (reqs.size and (reqs.min() < 0 or reqs.max() >= self.requests)):
+                raise InvalidArgument("requests and seq_lens must match and name assigned requests")
+            if seqs.size and (seqs.min() <= self.slots or seqs.max() > self.max_tokens):
+                raise InvalidArgument(f"only sequences longer than the {self.slots} slots have a newest-token row")
+            host = self._host_locs[reqs, seqs - 1]
+            if (host < 0).any():
+                raise InvalidArgument("a newest token has no host unit: assign() the request's tokens first")
+            order_after(self.runtime, self.d2h, after)
+            transfer = Transfer(self.runtime, self.runtime.create_event(self.device))
+            indices, lease = self._ring.upload([self._device_locs[reqs, self.slots].astype(np.int64),
+                                                host.astype(np.int64)])
+            try:
+                g = self.geometry
+                call = ChunkCopy(self.device_side, self.host_side, indices[0], indices[1], 8, reqs.size, 0, g.layers,
+                                 1, g.row_bytes, g.tensors, g.layers)
+                self.launcher.copy_chunks(call, device=self.device, stream=self.d2h)
+            finally:
+                self._ring.fence(lease)
+            transfer.finished.record(self.d2h)
+            return transfer
+
+    def read_state(self, request: int, layer: int) -> dict[str, np.ndarray]:
+        """The request's LRU state for ``layer`` (tests, debugging): slot tokens, LRU order (least recent first)."""
+        self.synchronize()
+        n, layers = self.slots, self.geometry.layers
+        row = integer(request, "request", low=0, high=self.requests) * layers + integer(layer, "layer", low=0,
+                                                                                       high=layers)
+        tokens = np.frombuffer(self.state["slot_tokens"].download(row * (n + 1) * 4, (n + 1) * 4), np.int32)
+        lru = np.frombuffer(self.state["lru"].download(row * n * 4, n * 4), np.int32)
+        return {"slot_tokens": tokens.copy(), "lru": lru.copy(), "device_rows": self._device_locs[request].copy()}
+
+    # -- lifetime ---------------------------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        self.drain()
+
+    def drain(self) -> None:
+        if self._closed:
+            return
+        self.d2h.synchronize()
+        for ring in self._inputs.values():
+            ring.stream.synchronize()
+        self.runtime.synchronize(self.device)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosed("this HotBuffer is closed")
+        self.device_pool.check_open()
+        self.host_pool.check_open()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self.drain()
+            finally:
+                self._closed = True
+                self.device_pool.remove_user(self)
+                self.host_pool.remove_user(self)
+                self._owned.close()
+
+    def __enter__(self) -> HotBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _is_device(operand: Any) -> bool:
+    return isinstance(operand, DeviceBuffer) or getattr(getattr(operand, "device", None), "type", None) == "cuda"
+
+
+def _rows(operand: Any) -> int:
+    if isinstance(operand, DeviceBuffer):
+        return operand.nbytes // 8
+    return int(operand.numel())
