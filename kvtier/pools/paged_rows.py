@@ -218,7 +218,17 @@ class PagedRowDevicePool(FamilyDevicePool):
         """``layers``: one CUDA tensor per stored layer, [pages, ...] with each page's row contiguous (uint8 or any
         dtype), pages evenly spaced."""
         runtime = runtime or get_runtime()
+        layers = list(layers)
+        if len(layers) != len(geometry.stored_layers):
+            raise InvalidArgument(f"{len(layers)} layer tensors for {len(geometry.stored_layers)} stored layers")
         first = layers[0]
+        for i, layer in enumerate(layers):
+            if (layer.shape, layer.stride(), layer.dtype, layer.device) != (first.shape, first.stride(), first.dtype,
+                                                                            first.device):
+                raise InvalidArgument(f"layer tensor {i} is {layer.dtype} {tuple(layer.shape)} strides "
+                                      f"{layer.stride()} on {layer.device}; every layer must match the first "
+                                      f"({first.dtype} {tuple(first.shape)} strides {first.stride()} on "
+                                      f"{first.device})")
         row = first[0].numel() * first.element_size()
         if row < geometry.page_bytes or not first[0].is_contiguous():
             raise InvalidArgument(f"a page holds {row} contiguous bytes, a row needs {geometry.page_bytes}")

@@ -185,8 +185,8 @@ class StateDevicePool(FamilyDevicePool):
                 raise InvalidArgument(f"{t.name}: a layer is {first.dtype} {tuple(first.shape[1:])} per slot, the "
                                       f"geometry says {t.dtype} {t.shape}")
             for i, layer in enumerate(layers):
-                if layer.stride() != first.stride() or layer.shape != first.shape:
-                    raise InvalidArgument(f"{t.name} layer {i}: every layer needs the same shape and strides")
+                if layer.stride() != first.stride() or layer.shape != first.shape or layer.dtype != first.dtype:
+                    raise InvalidArgument(f"{t.name} layer {i}: every layer needs the same dtype, shape and strides")
                 if layer.device != first.device:
                     raise InvalidArgument(f"{t.name} layer {i} is on {layer.device}, not {first.device}")
             if slots is not None and first.shape[0] != slots or device is not None and first.device != device:

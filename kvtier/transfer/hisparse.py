@@ -64,6 +64,8 @@ class HotBuffer:
         self._closed = False
         self._host_locs = np.full((self.requests, self.max_tokens), -1, np.int64)
         self._device_locs = np.full((self.requests, self.slots + 1), -1, np.int64)
+        if device_pool.pages >= self.requests * (self.slots + 1):  # the documented default rows, where they fit
+            self._device_locs[:] = np.arange(self.requests * (self.slots + 1)).reshape(self.requests, -1)
         self._owned = Owned()
         r, n, k, t, layers = self.requests, self.slots, self.top_k, self.max_tokens, g.layers
         sizes = {"slot_tokens": r * layers * (n + 1) * 4, "lru": r * layers * n * 4, "lru_next": r * n * 4,
@@ -147,7 +149,14 @@ class HotBuffer:
                 raise InvalidArgument("give requests, topk and seq_lens all as host arrays or all on the device")
             if batch > self.requests:
                 raise InvalidArgument(f"a batch of {batch} requests exceeds the buffer's {self.requests}")
+            if all(on_device):
+                for operand, need, name in ((topk, batch * self.top_k * 4, "topk"), (seq_lens, batch * 8, "seq_lens")):
+                    if _nbytes(operand) < need:
+                        raise InvalidArgument(f"{name} holds {_nbytes(operand)} bytes, a batch of {batch} needs {need}")
             out = self.out if out is None else out
+            if _nbytes(out) < batch * self.top_k * 8:
+                raise InvalidArgument(f"out holds {_nbytes(out)} bytes: a batch of {batch} needs "
+                                      f"{batch * self.top_k * 8} ([batch, top_k] int64)")
             call = SwapIn(tuple(self.state[name] for name in STATE), self.host_side, self.device_side, ops[1], ops[0],
                           ops[2], out, batch, self.slots, self.top_k, self.max_tokens, layer, self.geometry.layers,
                           self.geometry.tensors, self.geometry.layers, self.geometry.row_bytes)
@@ -165,17 +174,23 @@ class HotBuffer:
             raise InvalidArgument(f"request {int(reqs.max())} is out of range (buffer has {self.requests})")
         if np.unique(reqs).size != reqs.size:
             raise InvalidArgument("a request appears twice in one swap-in batch")
+        if (self._device_locs[reqs] < 0).any():
+            raise InvalidArgument(f"request {int(reqs[(self._device_locs[reqs] < 0).any(axis=1)][0])} has no device "
+                                  f"rows: assign() them")
         if seqs.size and (seqs.min() < 1 or seqs.max() > self.max_tokens):
             raise InvalidArgument(f"sequence lengths must be in [1, {self.max_tokens}], got {seqs.tolist()}")
         for req, seq in zip(reqs.tolist(), seqs.tolist(), strict=True):
             if seq > self.slots and (self._host_locs[req, :seq - 1] < 0).any():
                 raise InvalidArgument(f"request {req} has {seq} tokens but host units for fewer: assign() them")
-        key = getattr(stream, "handle", None) or id(stream)
+        # one ring per native stream: wrappers of the same stream (torch's current stream, the legacy stream: handle
+        # 0) are new objects at every call, so their id would allocate a ring per step
+        key = (stream.device, stream.handle)
         ring = self._inputs.get(key)
         if ring is None:
             ring = self._inputs[key] = self._owned.own(
                 IndexRing(self.runtime, self.device, stream, 4 * (2 * self.requests * 8 + self.requests * self.top_k
                                                                   * 4)))
+        ring.stream = stream  # the caller's wrapper of that native stream (an old one may be destroyed)
         addresses, lease = ring.upload([reqs.astype(np.int64), top.astype(np.int32).reshape(-1),
                                         seqs.astype(np.int64)])
         ring.fence(lease)
@@ -263,3 +278,10 @@ def _rows(operand: Any) -> int:
     if isinstance(operand, DeviceBuffer):
         return operand.nbytes // 8
     return int(operand.numel())
+
+
+def _nbytes(operand: Any) -> int:
+    """Bytes a device operand (buffer, region, tensor) holds from its start."""
+    if hasattr(operand, "numel") and hasattr(operand, "element_size"):
+        return int(operand.numel()) * int(operand.element_size())
+    return int(operand.nbytes)
