@@ -30,7 +30,7 @@ from kvtier.pools import DevicePool, HostPool
 from kvtier.runtime import Graph, Stream
 from kvtier.transfer.dma import BatchBackend, DirectBackend
 from kvtier.transfer.indices import IndexRing, arena_bytes
-from kvtier.transfer.job import CURRENT, D2H, H2D, Backend, Context, Job, Transfer, order_after
+from kvtier.transfer.job import CURRENT, D2H, H2D, Backend, Context, Job, Transfer, checked_layers, order_after
 from kvtier.transfer.kernel import KernelBackend
 from kvtier.transfer.plan import index_values, plan_for
 from kvtier.transfer.staged import StagedBackend
@@ -242,18 +242,7 @@ class TransferEngine:
         return dev, host
 
     def _layers(self, layers: Sequence[int] | None) -> list[int]:
-        count = self.geometry.layers
-        if layers is None:
-            return list(range(count))
-        if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__"):
-            raise InvalidArgument(f"layers must be a sequence of layer indices, got {layers!r}")
-        chosen = index_array(layers, "layers").tolist()
-        bad = [x for x in chosen if not 0 <= x < count]
-        if bad:
-            raise InvalidArgument(f"layer {bad[0]} is out of range (pool has {count} layers)")
-        if len(set(chosen)) != len(chosen):
-            raise InvalidArgument(f"layers {chosen} repeat a layer")
-        return chosen
+        return checked_layers(layers, self.geometry.layers)
 
     def _units(self, pages: np.ndarray) -> np.ndarray:
         return index_values(self.plan.units(pages), self.index_bytes)

@@ -25,7 +25,7 @@ from kvtier.pools.family import FamilyDevicePool, FamilyHostPool, Part
 from kvtier.runtime import Graph, Stream
 from kvtier.transfer.engine import CapturedLoad
 from kvtier.transfer.indices import IndexRing, arena_bytes
-from kvtier.transfer.job import CURRENT, D2H, H2D, Transfer, order_after
+from kvtier.transfer.job import CURRENT, D2H, H2D, Transfer, checked_layers, order_after
 from kvtier.transfer.plan import layer_spans
 
 
@@ -194,18 +194,7 @@ class FamilyEngine:
         return unit, dev, host
 
     def _layers(self, layers: Sequence[int] | None) -> list[int]:
-        count = self.geometry.layers
-        if layers is None:
-            return list(range(count))
-        if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__"):
-            raise InvalidArgument(f"layers must be a sequence of layer indices, got {layers!r}")
-        chosen = index_array(layers, "layers").tolist()
-        bad = [x for x in chosen if not 0 <= x < count]
-        if bad:
-            raise InvalidArgument(f"layer {bad[0]} is out of range (the model has {count} layers)")
-        if len(set(chosen)) != len(chosen):
-            raise InvalidArgument(f"layers {chosen} repeat a layer")
-        return chosen
+        return checked_layers(layers, self.geometry.layers)
 
     def _index(self, units: np.ndarray) -> np.ndarray:
         if self.index_bytes == 4 and units.size and int(units.max()) >= 1 << 31:

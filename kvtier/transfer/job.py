@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.checks import index_array
 from kvtier.errors import InvalidArgument
 from kvtier.kernels import KernelLauncher
 from kvtier.pools import DevicePool, HostPool
@@ -19,6 +20,21 @@ from kvtier.transfer.plan import ChunkPlan
 D2H, H2D = "d2h", "h2d"
 CURRENT = "current"
 """``after=CURRENT`` (the default): order the transfer after the caller's current stream."""
+
+
+def checked_layers(layers: Sequence[int] | None, count: int) -> list[int]:
+    """``layers`` (default: all ``count``) as a list, each in range and none repeated."""
+    if layers is None:
+        return list(range(count))
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__len__"):
+        raise InvalidArgument(f"layers must be a sequence of layer indices, got {layers!r}")
+    chosen = index_array(layers, "layers").tolist()
+    bad = [x for x in chosen if not 0 <= x < count]
+    if bad:
+        raise InvalidArgument(f"layer {bad[0]} is out of range (pool has {count} layers)")
+    if len(set(chosen)) != len(chosen):
+        raise InvalidArgument(f"layers {chosen} repeat a layer")
+    return chosen
 
 
 def order_after(runtime: Runtime, stream: Stream, after: Any) -> None:
