@@ -13,16 +13,21 @@ How an engine uses it, per request::
 The cache owns every page of both pools: device pages are handed out by ``allocate`` and come back through
 ``insert`` (kept), ``free`` (returned) or eviction. It never touches a device address: pages are numbers, and the
 transfer engines move them.
+
+A hybrid model's cache (``state=(StateDevicePool, StateHostPool)``) also owns every state slot: ``allocate_state``
+hands one out for a request's recurrent state, ``insert(..., state=slot)`` takes it as the snapshot after the
+prompt's last token, and a match ends only where such a snapshot exists (:mod:`kvtier.cache.state_tier`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -34,11 +39,13 @@ from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.operation import BACKUP, LOAD, LoadBack, Operation
 from kvtier.cache.rates import H200_TABLE, RateTable
 from kvtier.cache.settings import AUTO, COPY_ENGINE_BACKENDS, CacheSettings, WritePolicy
+from kvtier.cache.state_tier import StateTier
 from kvtier.cache.storage_tier import Prefetch, StorageTier
 from kvtier.cache.tiers import CALLER, FREE, TREE, Tiers
 from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.pools import DevicePool, HostPool, payload_order
+from kvtier.pools.state import StateDevicePool, StateHostPool
 from kvtier.runtime import Event
 from kvtier.storage import StorageBackend
 from kvtier.transfer import TransferEngine
@@ -55,24 +62,33 @@ class OutOfPages(OutOfMemory):
 @dataclass(frozen=True)
 class Inserted:
     """``existing_tokens`` were already cached (their caller pages that differ from the tree's were freed:
-    ``freed``); ``new_tokens`` are new to the tree; ``node`` is the deepest node of the prompt."""
+    ``freed``); ``new_tokens`` are new to the tree; ``node`` is the deepest node of the prompt. ``state_kept``: the
+    state slot given was taken as the node's snapshot (False: the node had one already, and the slot was freed)."""
 
     existing_tokens: int
     new_tokens: int
     freed: np.ndarray
     node: Node
+    state_kept: bool = False
 
 
 class KVCache:
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, namespace: Namespace,
                  settings: CacheSettings | None = None, *, rates: RateTable | None = None,
-                 storage: StorageBackend | None = None) -> None:
+                 storage: StorageBackend | None = None,
+                 state: tuple[StateDevicePool, StateHostPool] | None = None,
+                 layer_map: Any = None) -> None:
         """The cache takes every page of both pools. ``rates``: a measured table to choose backends from
         (``io_backend="auto"``) and estimate load time with; default: the H200 table of :mod:`kvtier.cache.rates`,
         refined by a calibration transfer when ``settings.calibrate``. ``storage``: a backend of the same namespace,
         opened for the host pool's layout (:func:`kvtier.storage.open_store`) to prefetch from and write through to;
-        it stays the caller's to close."""
+        it stays the caller's to close. ``state``: a hybrid model's state pools (the KV pools then hold only its
+        attention layers); ``layer_map``: which model layer is which (default
+        :func:`~kvtier.cache.state_tier.interleaved_layers`), for per-layer waits on load-backs."""
         settings = settings or CacheSettings()
+        if state is not None and storage is not None:
+            raise InvalidArgument("a hybrid cache (state=) has no storage tier yet: state snapshots are not stored")
+        state_pools = self._check_state(state, device_pool)
         if storage is not None and (not isinstance(storage, StorageBackend) or storage.namespace != namespace
                                     or storage.closed):
             raise InvalidArgument(f"storage must be an open StorageBackend of this cache's namespace, got "
@@ -86,7 +102,7 @@ class KVCache:
                                   f"open_store(spec, namespace, layout={host_pool.layout.value!r})")
         device_pool.check_open()
         host_pool.check_open()
-        for pool in (device_pool, host_pool):
+        for pool in (device_pool, host_pool, *state_pools):
             owner = _CLAIMED.get(pool)
             if owner is not None and not owner.closed:
                 raise InvalidArgument(f"{pool!r} already belongs to {owner!r}: one cache per pool (close it first)")
@@ -99,10 +115,12 @@ class KVCache:
         self._done = threading.Event()
         self.metrics = CacheMetrics()
         self._engines: dict[str, TransferEngine] = {}
+        self.states = StateTier(*state_pools, kv_layers=self.geometry.layers, layer_map=layer_map,
+                                max_blocks=settings.max_blocks) if state_pools else None
         self.tiers = Tiers(RadixIndex(self.page_size, namespace.digest), self.geometry, device_pool.pages,
                            host_pool.pages, settings, self.metrics, self._engines, self._markers,
                            lambda: self._controller.inflight(BACKUP),
-                           contiguous_device=self.load_backend in COPY_ENGINE_BACKENDS)
+                           contiguous_device=self.load_backend in COPY_ENGINE_BACKENDS, states=self.states)
         self._prefill_rate: float | None = None
         try:
             self._engines[LOAD] = TransferEngine(device_pool, host_pool, backend=self.load_backend,
@@ -121,8 +139,24 @@ class KVCache:
         self.storage = storage
         self._storage = StorageTier(storage, host_pool, self.tiers, self.metrics, self._lock, settings,
                                     self._decide_storage) if storage is not None else None
-        _CLAIMED[device_pool] = _CLAIMED[host_pool] = self
+        self._pools = (device_pool, host_pool, *state_pools)
+        for pool in self._pools:
+            _CLAIMED[pool] = self
         self._gauges()
+
+    @staticmethod
+    def _check_state(state: Any, device_pool: DevicePool) -> tuple[Any, ...]:
+        if state is None:
+            return ()
+        if not isinstance(state, tuple) or len(state) != 2 or not isinstance(state[0], StateDevicePool) \
+                or not isinstance(state[1], StateHostPool):
+            raise InvalidArgument(f"state must be (StateDevicePool, StateHostPool), got {state!r}")
+        if state[0].runtime is not device_pool.runtime or state[0].device != device_pool.device:
+            raise InvalidArgument(f"the state pools must be on the KV pools' runtime and device "
+                                  f"({device_pool.runtime.name}, device {device_pool.device})")
+        state[0].check_open()
+        state[1].check_open()
+        return tuple(state)
 
     @property
     def index(self) -> RadixIndex:
@@ -138,16 +172,24 @@ class KVCache:
         return self.tiers.host
 
     # -- lookups ----------------------------------------------------------------------------------------------------
-    def match_prefix(self, tokens: Any, *, lock: bool = False) -> Match:
+    def match_prefix(self, tokens: Any, *, lock: bool = False, device_only: bool = False) -> Match:
         """The longest cached prefix (whole pages): ``device_tokens`` on the device, then ``host_tokens`` in host
         memory only. Moves no bytes. ``lock=True`` locks the match in the same step (with other threads evicting,
         a match locked later may already have lost its pages); ``unlock(match)`` when the request is done.
         ``match.pending`` lists load-backs still landing in the device part: wait for them (``wait_for``) before
-        reading those pages."""
+        reading those pages. ``device_only``: the longest prefix that needs no load-back.
+
+        Hybrid caches: the deepest prefix with its KV *and* a state snapshot at its end (``match.device_state`` or
+        ``match.host_state``), shorter than the KV alone when the snapshot there is gone."""
         tokens = token_array(tokens)
         with self._lock:
             self._check_open()
-            match = self.index.match(tokens)
+            usable: Callable[[Node], bool] | None
+            if self.states is not None:
+                usable = StateTier.on_device if device_only else StateTier.usable
+            else:
+                usable = (lambda n: n.device is not None) if device_only else None
+            match = self.index.match(tokens, usable=usable)
             if lock:
                 self.index.lock(match.last_node)
                 match.locked = True
@@ -249,16 +291,59 @@ class KVCache:
             self.device.release(pages.copy())
             self._gauges()
 
+    def allocate_state(self) -> int:
+        """A device state slot for a request's recurrent state (hybrid caches); evicts least recently used snapshots
+        as needed; raises OutOfPages when none can be had. The caller's current stream waits (on the GPU) for writes
+        still queued to slots freed before."""
+        with self._lock:
+            self._check_open()
+            states = self._need_states("allocate_state")
+            slots = self.tiers.allocate_device_states(1)
+            if slots is None:
+                callers = int(np.count_nonzero(states.slots == CALLER))
+                raise OutOfPages(f"no device state slot free of {states.device.pages}: {callers} held by callers, "
+                                 f"the rest by snapshots that are locked or in flight")
+            states.slots[slots] = CALLER
+            stream = self.device_pool.runtime.current_stream(self.device_pool.device)
+            for fence in self.tiers.pending_fences():
+                stream.wait(fence)
+            return int(slots[0])
+
+    def free_state(self, slot: int, *, after: Any = CURRENT) -> None:
+        """Give back a slot from ``allocate_state`` that was not inserted; whoever gets it next waits for ``after``."""
+        with self._lock:
+            self._check_open()
+            states = self._need_states("free_state")
+            fences = self._markers(after)
+            slot = states.check_caller_slot(slot, "free_state")
+            self.tiers.fence(fences)
+            states.give_back(slot)
+
+    def _need_states(self, what: str) -> StateTier:
+        if self.states is None:
+            raise InvalidArgument(f"{what}: this cache has no state tier (build it with state=(device, host) pools)")
+        return self.states
+
     # -- insert -----------------------------------------------------------------------------------------------------
-    def insert(self, tokens: Any, device_pages: Any, *, after: Any = CURRENT) -> Inserted:
+    def insert(self, tokens: Any, device_pages: Any, *, after: Any = CURRENT, state: int | None = None) -> Inserted:
         """Hand the KV of ``tokens`` (one device page per whole page; pages past the last whole page stay the
         caller's) to the cache. Pages for positions the device tier already holds are freed unless they are the
         tree's own. ``after``: what the write-through backup waits for (default: the caller's current stream, where
-        the model wrote this KV)."""
+        the model wrote this KV).
+
+        Hybrid caches: ``state`` is a slot from ``allocate_state`` holding the recurrent state after the last of
+        ``tokens`` (whole pages only: a snapshot must sit at a node's end). The cache takes it (freed at once when the
+        prefix has a device snapshot already); without it the prefix is cached as KV that no match can end on."""
         tokens = token_array(tokens)
         pages = index_array(device_pages, "device_pages")
         with self._lock:
             self._check_open()
+            if state is not None:
+                state = self._need_states("insert").check_caller_slot(state, "insert")
+                if not len(tokens) or len(tokens) % self.page_size:
+                    raise InvalidArgument(f"insert with a state needs whole pages: {len(tokens)} tokens are not a "
+                                          f"positive multiple of the page size {self.page_size} (the snapshot would "
+                                          f"sit past the end of the cached prefix)")
             written = self._markers(after)
             whole = self.index.whole_pages(tokens)
             count = len(whole) // self.page_size
@@ -276,11 +361,24 @@ class KVCache:
                 self.tiers.state[placed.duplicates] = FREE
                 self.device.release(placed.duplicates.copy())
                 self.tiers.fence(written)            # the caller may still be writing them
-            if placed.new_node is not None and self.settings.write_policy is WritePolicy.WRITE_THROUGH:
-                self._controller.request_backup([placed.new_node], None)
+            kept = state is not None and self._adopt_state(placed.last_node, state, written)
+            if (placed.new_node is not None or kept) and self.settings.write_policy is WritePolicy.WRITE_THROUGH:
+                self._controller.request_backup([placed.last_node], None)
             self._gauges()
             return Inserted(placed.existing_tokens, len(whole) - placed.existing_tokens, placed.duplicates.copy(),
-                            placed.last_node)
+                            placed.last_node, kept)
+
+    def _adopt_state(self, node: Node, slot: int, written: list[Any] | None) -> bool:
+        """The caller's snapshot becomes ``node``'s device snapshot, unless it has one (then the slot is freed, and
+        whoever gets it next waits for the caller's writes)."""
+        assert self.states is not None
+        if node.device_state is not None:
+            self.tiers.fence(written)
+            self.states.give_back(slot)
+            return False
+        self.states.put(node, "device", slot)
+        node.state_written = written
+        return True
 
     def backup(self, match: Match | Node, *, after: Any = CURRENT) -> None:
         """Ask for a backup of a cached prefix now, whatever the write policy (off the caller's thread)."""
@@ -296,6 +394,11 @@ class KVCache:
         ``load_back_min_tokens``, when its estimated time is not below the recompute estimate (unless ``force``),
         or when no device pages can be had. The load is queued on this thread (so it is ordered after ``after``,
         default the caller's current stream, and its events exist when this returns); the controller completes it.
+
+        Hybrid caches: a host-only snapshot at the match's end comes along into a new device slot
+        (``load.device_state``), in the same operation; without room for both nothing moves
+        (``no_device_pages`` / ``no_device_state``). Declined, the caller recomputes from
+        ``match_prefix(tokens, device_only=True)``: so the estimate counts every token past the last device snapshot.
         """
         with self._lock:
             self._check_open()
@@ -308,47 +411,102 @@ class KVCache:
                 return None
             self._own(match)
             chain = self.index.host_chain(node)
-            if not chain:
+            if self.states is not None and node.parent is not None and not StateTier.usable(node):
+                self.metrics.add("decisions", 1, "no_state")       # its snapshot was evicted since the match
+                return None
+            with_state = self.states is not None and node.device_state is None and node.host_state is not None
+            if not chain and not with_state:
                 return None
             tokens = sum(len(n.tokens) for n in chain)
-            decision = self.decide(tokens, force=force)
+            nbytes = tokens // self.page_size * self.geometry.bytes_per_page + \
+                (self.states.slot_bytes if with_state and self.states is not None else 0)
+            decision = self.decide(self._recompute_tokens(node, tokens), force=force, nbytes=nbytes)
             if decision != "load":
                 self.metrics.add("decisions", 1, decision)
                 return None
-            count = tokens // self.page_size
-            self.index.lock(node)
-            try:
-                pages = self.tiers.allocate_device(count)
-            finally:
-                self.index.unlock(node)
-            if pages is None:
-                self.metrics.add("decisions", 1, "no_device_pages")
+            room = self._load_room(node, tokens // self.page_size, with_state)
+            if room is None:
                 return None
-            host = np.concatenate([n.host for n in chain])
-            op = LoadBack(list(chain), pages.copy(), host, count * self.geometry.bytes_per_page, tokens)
-            try:
-                order = (order or []) + self.tiers.pending_fences()
-                op.transfer = self._engines[LOAD].load(host, pages, after=order or None)
-            except BaseException:
-                self.tiers.state[pages] = FREE
-                self.device.release(pages)
-                raise
-            self.tiers.assign(chain, "device", pages, op)
-            self.tiers.state[pages] = TREE
+            pages, slots = room
+            op = LoadBack(list(chain), pages.copy(), np.concatenate([n.host for n in chain]) if chain else pages[:0],
+                          nbytes, tokens, self.states.layer_map if self.states is not None else None)
+            self._queue_load(op, node, pages, slots, (order or []) + self.tiers.pending_fences())
             op.prefix_pages = np.concatenate([n.device for n in reversed(list(node.path()))])
             self.metrics.add("decisions", 1, "load")
             self._controller.track(op)
             self._gauges()
             return op
 
-    def decide(self, tokens: int, *, force: bool = False) -> str:
-        """``"load"``, or why loading ``tokens`` from host memory is declined."""
+    def _recompute_tokens(self, node: Node, loaded: int) -> int:
+        """What declining a load-back costs: the loaded tokens, or on a hybrid cache every token past the deepest
+        device snapshot above ``node`` (without a state the model cannot start in between)."""
+        if self.states is None:
+            return loaded
+        tokens = 0
+        for n in node.path():
+            if n.device_state is not None:
+                break
+            tokens += len(n.tokens)
+        return tokens
+
+    def _load_room(self, node: Node, count: int, with_state: bool) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """Device pages (and a device state slot) for a load-back: both or neither (counted why)."""
+        self.index.lock(node)
+        try:
+            pages = self.tiers.allocate_device(count)
+            if pages is None:
+                self.metrics.add("decisions", 1, "no_device_pages")
+                return None
+            slots = self.tiers.allocate_device_states(1) if with_state else None
+            if with_state and slots is None:
+                self.device.release(pages)
+                self.metrics.add("decisions", 1, "no_device_state")
+                return None
+            return pages, slots
+        finally:
+            self.index.unlock(node)
+
+    def _queue_load(self, op: LoadBack, node: Node, pages: np.ndarray, slots: np.ndarray | None,
+                    order: list[Any]) -> None:
+        """Queue the copies of a load-back and give the nodes their device ``pages`` (the tree's own array, not the
+        one the caller gets in ``op``) and ``node`` its snapshot; a copy that cannot be queued gives everything back
+        once the part already queued has finished."""
+        try:
+            if len(pages):
+                op.transfer = self._engines[LOAD].load(op.host_pages, pages, after=order or None)
+            if slots is not None:
+                assert self.states is not None and node.host_state is not None
+                op.state_device, op.state_host = slots, np.array([node.host_state], dtype=np.int64)
+                op.state_transfer = self.states.engine.load(op.state_host, slots.copy(), after=order or None)
+        except BaseException:
+            for transfer in op.transfers():
+                with contextlib.suppress(Exception):
+                    transfer.wait()
+            self.device.release(pages)
+            if slots is not None and self.states is not None:
+                self.states.give_back(int(slots[0]))
+            raise
+        chain = [n for n in op.nodes if n.device is None]
+        self.tiers.assign(chain, "device", pages, op)
+        self.tiers.state[pages] = TREE
+        if slots is not None and self.states is not None:
+            self.states.put(node, "device", int(slots[0]))
+            if node.loading is not op:
+                node.loading = op
+                op.nodes.append(node)
+        op.device_state = node.device_state
+
+    def decide(self, tokens: int, *, force: bool = False, nbytes: int | None = None) -> str:
+        """``"load"``, or why loading ``tokens`` from host memory is declined (``nbytes``: what the load moves, when
+        that is not ``tokens`` of KV — a hybrid load-back saves more tokens than it moves)."""
         if tokens < self.settings.load_back_min_tokens:
             return "too_short"
         rate = self.settings.prefill_tokens_per_s or self._prefill_rate
         if force or not rate or not self.load_gbps or not math.isfinite(self.load_gbps):
             return "load"
-        load_s = tokens // self.page_size * self.geometry.bytes_per_page / (self.load_gbps * 1e9)
+        if nbytes is None:
+            nbytes = tokens // self.page_size * self.geometry.bytes_per_page
+        load_s = nbytes / (self.load_gbps * 1e9)
         return "load" if load_s < tokens / rate else "slower_than_recompute"
 
     def _decide_storage(self, tokens: int) -> str:
@@ -381,6 +539,18 @@ class KVCache:
         with self._lock:
             self._check_open()
             freed = self.tiers.evict_device(device_pages), self.tiers.evict_host(host_pages)
+            self._gauges()
+            return freed
+
+    def evict_states(self, *, device: int = 0, host: int = 0) -> tuple[int, int]:
+        """Evict this many state snapshots per tier where possible (their nodes keep the KV); returns how many went.
+        Under write_back a device snapshot is backed up first, with its KV."""
+        device = integer(device, "device", low=0)
+        host = integer(host, "host", low=0)
+        with self._lock:
+            self._check_open()
+            self._need_states("evict_states")
+            freed = self.tiers.evict_device_states(device), self.tiers.evict_states("host", host)
             self._gauges()
             return freed
 
@@ -419,7 +589,8 @@ class KVCache:
                     self.metrics.add("storage_skipped", unwritten, "cancelled_at_close")
             with self._lock:
                 self.returned_caller_pages = self.tiers.release_everything()
-                for pool in (self.device_pool, self.host_pool):
+                self.returned_caller_states = self.tiers.held_states
+                for pool in self._pools:
                     if _CLAIMED.get(pool) is self:
                         del _CLAIMED[pool]
                 self._gauges()
@@ -445,6 +616,11 @@ class KVCache:
                              "host_free_pages": self.host.free_pages, "load_backend": self.load_backend,
                              "backup_backend": self.backup_backend, "load_gbps_estimate": self.load_gbps,
                              "prefill_tokens_per_s": self.settings.prefill_tokens_per_s or self._prefill_rate})
+            if self.states is not None:
+                snapshot.update({"device_states": len(self.states.held["device"]),
+                                 "host_states": len(self.states.held["host"]),
+                                 "device_free_states": self.states.device.free_pages,
+                                 "host_free_states": self.states.host.free_pages})
         if self.storage is not None:
             snapshot.update({f"storage.{k}": v for k, v in self.storage.stats().items()})
         return snapshot
@@ -544,8 +720,12 @@ class KVCache:
         self.metrics.set("free_pages", self.host.free_pages, "host")
 
     def _close_engines(self) -> None:
-        for engine in {id(e): e for e in self._engines.values()}.values():
-            engine.close()
+        try:
+            for engine in {id(e): e for e in self._engines.values()}.values():
+                engine.close()
+        finally:
+            if self.states is not None:
+                self.states.close()
 
     def _choose_backends(self) -> tuple[str, str]:
         s = self.settings

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,7 @@ class IndexCorrupted(KvtierError):
 class Node:
     __slots__ = ("id", "parent", "children", "tokens", "device", "host", "lock", "hits", "last_access",
                  "writing", "loading", "written", "storing", "stored", "device_children", "host_children", "alive",
-                 "_keys")
+                 "device_state", "host_state", "state_written", "_keys")
 
     def __init__(self, node_id: int, parent: Node | None, tokens: np.ndarray) -> None:
         self.id, self.parent, self.tokens = node_id, parent, tokens
@@ -60,6 +60,12 @@ class Node:
         """Known to be in storage (written there, or read from there): not written again."""
         self.device_children = self.host_children = 0
         self.alive = True
+        self.device_state: int | None = None
+        self.host_state: int | None = None
+        """Hybrid models: slots of a snapshot of the recurrent state after this node's last token (see
+        :mod:`kvtier.cache.state_tier`); a split leaves it with the tail, where it belongs."""
+        self.state_written: Any = None
+        """What a backup of ``device_state`` must wait for: where the snapshot was written (events)."""
         self._keys: list[bytes] | None = None
 
     @property
@@ -88,13 +94,16 @@ class Node:
 
     def __repr__(self) -> str:
         tiers = "".join(t for t, v in (("D", self.device), ("H", self.host)) if v is not None)
+        tiers += "".join(t for t, v in (("d", self.device_state), ("h", self.host_state)) if v is not None)
         return f"Node({self.id}, {len(self.tokens)} tokens, {tiers or '-'}, lock={self.lock})"
 
 
 @dataclass
 class Match:
     """What ``match`` found: ``device_tokens`` on the device (``device_pages``), then ``host_tokens`` more in host
-    memory only (``host_nodes``, top-down). ``last_node`` is the deepest matched node (lock it to pin the match)."""
+    memory only (``host_nodes``, top-down). ``last_node`` is the deepest matched node (lock it to pin the match).
+    Hybrid caches: ``device_state`` / ``host_state`` are the slots of the state snapshot at the match's end (the cache's
+    own: read, never write them; ``load_back`` brings a host-only one to the device)."""
 
     tokens: int
     device_tokens: int
@@ -105,6 +114,8 @@ class Match:
     host_nodes: list[Node] = field(default_factory=list)
     pending: list[Any] = field(default_factory=list)
     locked: bool = False
+    device_state: int | None = None
+    host_state: int | None = None
 
     @property
     def cached_tokens(self) -> int:
@@ -140,9 +151,14 @@ class RadixIndex:
     def whole_pages(self, tokens: np.ndarray) -> np.ndarray:
         return tokens[: len(tokens) // self.page_size * self.page_size]
 
-    def match(self, tokens: np.ndarray, *, touch: bool = True) -> Match:
-        """Longest cached prefix of ``tokens`` (whole pages), split so it ends at a node boundary."""
+    def match(self, tokens: np.ndarray, *, touch: bool = True, usable: Callable[[Node], bool] | None = None
+              ) -> Match:
+        """Longest cached prefix of ``tokens`` (whole pages), split so it ends at a node boundary. ``usable``: the
+        match ends at the deepest node of that path it accepts (hybrid models: one with a state snapshot)."""
         path, _ = self._walk(self.whole_pages(tokens))
+        if usable is not None:
+            ends = [i for i, node in enumerate(path) if usable(node)]
+            path = path[:ends[-1] + 1] if ends else []
         if touch:
             self._clock += 1
             for node in path:
@@ -156,7 +172,9 @@ class RadixIndex:
         return Match(tokens=len(tokens), device_tokens=len(device_pages) * page,
                      host_tokens=sum(len(n.tokens) for n in host_nodes), device_pages=device_pages,
                      last_device_node=device_nodes[-1] if device_nodes else self.root,
-                     last_node=path[-1] if path else self.root, host_nodes=host_nodes, pending=pending)
+                     last_node=path[-1] if path else self.root, host_nodes=host_nodes, pending=pending,
+                     device_state=path[-1].device_state if path else None,
+                     host_state=path[-1].host_state if path else None)
 
     def _walk(self, tokens: np.ndarray, split: bool = True) -> tuple[list[Node], int]:
         """The nodes ``tokens`` runs through, and how many pages of the last one it covers when that is only part of

@@ -31,6 +31,8 @@ class CacheMetrics:
             "pages": Counter("kvtier_cache_transfer_pages", "pages moved per direction", ["direction"], registry=r),
             "seconds": Counter("kvtier_cache_transfer_seconds", "submit-to-completion time of transfers",
                                ["direction"], registry=r),
+            "states": Counter("kvtier_cache_states", "state snapshots moved (load, backup) or evicted alone "
+                              "(evicted_device, evicted_host) on hybrid caches", ["what"], registry=r),
             "evicted": Counter("kvtier_cache_evicted_tokens", "tokens evicted per tier", ["tier"], registry=r),
             "decisions": Counter("kvtier_cache_load_back_decisions", "load-back decisions", ["decision"],
                                  registry=r),

@@ -3,13 +3,15 @@
 This is the policy half of the cache: which pages to evict (LRU leaves of each tier, never a busy node), what a write
 policy backs up and when, how a finished or failed transfer changes the tree. ``KVCache`` is the other half: it checks
 arguments, holds the lock (every method here runs under it) and runs the controller. Pages are numbers; the transfer
-engines turn them into addresses.
+engines turn them into addresses. On a hybrid cache (``states``, :mod:`kvtier.cache.state_tier`) every move here takes
+the nodes' state snapshots along: the same operation, all or nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -22,6 +24,9 @@ from kvtier.errors import KvtierError
 from kvtier.pools.geometry import KVGeometry
 from kvtier.transfer.engine import CURRENT
 
+if TYPE_CHECKING:
+    from kvtier.cache.state_tier import StateTier
+
 FREE, CALLER, TREE = 0, 1, 2
 """What a device page is: free, held by a caller (from ``allocate``, not inserted yet), or the tree's."""
 
@@ -30,7 +35,7 @@ class Tiers:
     def __init__(self, index: RadixIndex, geometry: KVGeometry, device_pages: int, host_pages: int,
                  settings: CacheSettings, metrics: CacheMetrics, engines: dict[str, Any],
                  markers: Callable[[Any], list[Any] | None], inflight: Callable[[], list[Operation]],
-                 contiguous_device: bool = False) -> None:
+                 contiguous_device: bool = False, states: StateTier | None = None) -> None:
         """``markers(after)`` turns an ordering request into events recorded now; ``inflight()`` lists the backups
         the controller has in flight (an allocation that finds nothing to evict waits for them).
         ``contiguous_device``: hand out runs of consecutive device pages (copy-engine loads move a layer of a run of
@@ -47,6 +52,8 @@ class Tiers:
         """Host pages in use outside the tree: read into by a prefetch, or dropped from it while storage reads them."""
         self.on_backed_up: Callable[[list[Node]], None] | None = None
         """Called (under the lock) with the nodes of each backup that completes: write-through to storage."""
+        self.states = states
+
 
     def fence(self, events: list[Any] | None) -> None:
         if events:
@@ -95,7 +102,7 @@ class Tiers:
             if not victims:
                 break
             if tier == "device" and self.settings.write_policy is WritePolicy.WRITE_BACK:
-                self.backup_now([v for v in victims if v.host is None])
+                self.backup_now([v for v in victims if v.host is None or self._state_unsaved(v)])
             released: list[np.ndarray] = []
             dropped = 0
             for victim in victims:
@@ -103,6 +110,8 @@ class Tiers:
                 assert pages is not None
                 released.append(pages)
                 (self.index.set_device if tier == "device" else self.index.set_host)(victim, None)
+                if self.states is not None:
+                    self.states.drop(victim, tier, self.fence)
                 if getattr(victim, other) is None:
                     if tier == "device":
                         self.fence(victim.written)   # dropped before any backup waited for its KV
@@ -118,6 +127,46 @@ class Tiers:
                 self.metrics.add("skipped", dropped, "evicted_without_backup")
         return freed
 
+    # -- state snapshots (hybrid caches) ----------------------------------------------------------------------------
+    def allocate_device_states(self, count: int) -> np.ndarray | None:
+        """``count`` device state slots; evicts least recently used snapshots (write_back: backed up first), then
+        waits for backups in flight and evicts again. None when still short."""
+        assert self.states is not None
+        slots = self.states.device.allocate(count)
+        if slots is None:
+            self.evict_device_states(count - self.states.device.free_pages)
+            slots = self.states.device.allocate(count)
+        if slots is None and self.inflight():
+            for op in self.inflight():
+                self.finish_now(op)
+            self.evict_device_states(count - self.states.device.free_pages)
+            slots = self.states.device.allocate(count)
+        return slots
+
+    def allocate_host_states(self, count: int) -> np.ndarray | None:
+        assert self.states is not None
+        slots = self.states.host.allocate(count)
+        if slots is None:
+            self.evict_states("host", count - self.states.host.free_pages)
+            slots = self.states.host.allocate(count)
+        return slots
+
+    def evict_device_states(self, need: int) -> int:
+        if self.settings.write_policy is WritePolicy.WRITE_BACK and self.states is not None:
+            self.backup_now([n for n in self.states.lru("device", need) if self._state_unsaved(n)])
+        return self.evict_states("device", need)
+
+    def evict_states(self, tier: str, need: int) -> int:
+        """Free ``need`` snapshots of ``tier`` (fewer when not enough are evictable), least recently used first; the
+        nodes keep their KV (and serve deeper prefixes), but no match ends on them from that tier any more."""
+        assert self.states is not None
+        victims = self.states.lru(tier, need) if need > 0 else []
+        for victim in victims:
+            self.states.drop(victim, tier, self.fence)
+        if victims:
+            self.metrics.add("states", len(victims), f"evicted_{tier}")
+        return len(victims)
+
     def evictable_tokens(self, tier: str) -> int:
         leaves = self.index.device_leaves if tier == "device" else self.index.host_leaves
         return sum(len(n.tokens) for n in leaves if not (n.host_busy if tier == "host" else n.busy))
@@ -129,40 +178,91 @@ class Tiers:
         return events or None
 
     def start_backup(self, targets: list[Node], after: Any) -> Operation | None:
-        """Assign host pages to ``targets`` and every ancestor not yet on the host, and queue the copy."""
-        chain: list[Node] = []
-        seen: set[int] = set()
-        for target in targets:
-            if not target.alive or target.device is None:
-                continue
-            for node in reversed(list(target.path())):
-                if node.host is None and node.id not in seen:
-                    seen.add(node.id)
-                    chain.append(node)
-        if not chain:
+        """Assign host pages to ``targets`` and every ancestor not yet on the host (and host slots to their state
+        snapshots not yet there), and queue the copies: all of them, or none when host room runs out."""
+        chain, stated = self._backup_chain(targets)
+        if not chain and not stated:
             return None
         count = sum(len(n.tokens) for n in chain) // self.page_size
         for target in targets:
             if target.alive:
                 self.index.lock(target)
         try:
-            host = self.allocate_host(count)
+            host, slots = self._host_room(count, len(stated), len(chain))
         finally:
             for target in targets:
                 if target.alive:
                     self.index.unlock(target)
         if host is None:
-            self.metrics.add("skipped", len(chain), "host_full")
             return None
-        device = np.concatenate([n.device for n in chain])
-        op = Operation(BACKUP, list(chain), device, host, count * self.geometry.bytes_per_page)
+        device = np.concatenate([n.device for n in chain]) if chain else host[:0]
+        nbytes = count * self.geometry.bytes_per_page + len(stated) * (self.states.slot_bytes if self.states else 0)
+        op = Operation(BACKUP, list(chain) + [n for n in stated if n.host is not None], device, host, nbytes)
+        events = self.written(chain, after)
+        events = (events or []) + [e for n in stated for e in (n.state_written or [])] or None
         try:
-            op.transfer = self.engines[BACKUP].backup(device, host, after=self.written(chain, after))
+            if chain:
+                op.transfer = self.engines[BACKUP].backup(device, host, after=events)
+            if stated:
+                assert self.states is not None and slots is not None
+                op.state_device, op.state_host = np.array([n.device_state for n in stated], np.int64), slots
+                op.state_transfer = self.states.engine.backup(op.state_device, slots, after=events)
         except BaseException:
-            self.host.free(host)
+            self._abandon(op, host, slots)
             raise
         self.assign(chain, "host", host, op)
+        for node, slot in zip(stated, slots if slots is not None else [], strict=True):
+            assert self.states is not None
+            self.states.put(node, "host", int(slot))
+            node.writing = op
         return op
+
+    def _backup_chain(self, targets: list[Node]) -> tuple[list[Node], list[Node]]:
+        """The nodes whose KV a backup of ``targets`` copies (not on the host yet, top-down) and those whose state
+        snapshot it copies (on the device only, and not being written)."""
+        chain: list[Node] = []
+        stated: list[Node] = []
+        seen: set[int] = set()
+        for target in targets:
+            if not target.alive or target.device is None:
+                continue
+            for node in reversed(list(target.path())):
+                if node.id in seen:
+                    continue
+                seen.add(node.id)
+                if node.host is None:
+                    chain.append(node)
+                if self._state_unsaved(node) and node.writing is None:
+                    stated.append(node)
+        return chain, stated
+
+    @staticmethod
+    def _state_unsaved(node: Node) -> bool:
+        return node.device_state is not None and node.host_state is None
+
+    def _host_room(self, pages: int, slots: int, nodes: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Host pages and host state slots for one backup, both or neither (counted as skipped when neither)."""
+        host = self.allocate_host(pages)
+        if host is None:
+            self.metrics.add("skipped", nodes, "host_full")
+            return None, None
+        if not slots:
+            return host, None
+        taken = self.allocate_host_states(slots)
+        if taken is None:
+            self.host.free(host)
+            self.metrics.add("skipped", max(nodes, 1), "host_state_full")
+            return None, None
+        return host, taken
+
+    def _abandon(self, op: Operation, host: np.ndarray, slots: np.ndarray | None) -> None:
+        """A backup failed to queue part of its copies: let the queued part finish, then give its room back."""
+        for transfer in op.transfers():
+            with contextlib.suppress(Exception):     # the room goes back either way
+                transfer.wait()
+        self.host.free(host)
+        if slots is not None and self.states is not None:
+            self.states.host.free(slots)
 
     def assign(self, chain: list[Node], tier: str, pages: np.ndarray, op: Operation) -> None:
         """Give each node of ``chain`` its run of ``pages`` on ``tier``, marked as in flight with ``op``."""
@@ -209,10 +309,14 @@ class Tiers:
             if op.kind == BACKUP:
                 for node in nodes:
                     node.written = None          # on the host now; later backups need no wait
+                    if node.host_state is not None:
+                        node.state_written = None
                 if self.on_backed_up is not None:
                     self.on_backed_up(nodes)
             self.metrics.add("bytes", op.nbytes, op.kind)
             self.metrics.add("pages", len(op.device_pages), op.kind)
+            if len(op.state_device):
+                self.metrics.add("states", len(op.state_device), op.kind)
             self.metrics.add("seconds", time.perf_counter() - op.submitted, op.kind)
 
     def drop_subtree(self, top: Node, tier: str) -> None:
@@ -223,6 +327,8 @@ class Tiers:
             order.append(node)
             stack.extend(node.children.values())
         for node in reversed(order):
+            if self.states is not None:
+                self.states.drop(node, tier)
             pages = getattr(node, tier)
             if pages is None:
                 continue
@@ -246,6 +352,7 @@ class Tiers:
         pages callers still held."""
         for node in list(self.index.all_nodes()):
             node.lock, node.writing, node.loading, node.storing = 0, None, None, None
+        self.held_states = self.states.release_everything() if self.states is not None else 0
         for tier, allocator in (("device", self.device), ("host", self.host)):
             owned = self.index.page_owners(tier)
             if owned.size:
@@ -261,7 +368,9 @@ class Tiers:
         return held
 
     def check(self) -> None:
-        """The page accounting of both tiers against the tree (raises IndexCorrupted)."""
+        """The page (and state slot) accounting of both tiers against the tree (raises IndexCorrupted)."""
+        if self.states is not None:
+            self.states.check(self.index)
         for tier, allocator in (("device", self.device), ("host", self.host)):
             owned = self.index.page_owners(tier)
             if np.unique(owned).size != owned.size:

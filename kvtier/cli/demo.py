@@ -4,6 +4,10 @@ N users share a system prompt and come back turn after turn with a growing histo
 the device pool has been taken by the others, so the history is found in host memory and loaded back. A stand-in
 model writes each page's KV (bytes derived from the page key), so every page loaded back is checked byte for byte.
 Beside it runs a device-only radix cache of the same device size (index only), the baseline for "prefill saved".
+
+``--model qwen3.5-like`` runs a hybrid geometry (three linear-attention layers with Mamba-like state for every GQA
+layer, scaled down to run on the emulator): the cache keeps a state snapshot at the end of every prompt and history,
+a match ends only on one, and every state loaded back is checked byte for byte too.
 """
 
 from __future__ import annotations
@@ -31,19 +35,25 @@ from kvtier.cache import (
 )
 from kvtier.errors import KvtierError
 from kvtier.pools import DevicePool, HostPool, KVGeometry
+from kvtier.pools.state import StateDevicePool, StateGeometry, StateHostPool
 from kvtier.storage import SPEC_HELP, open_store
 from kvtier.transfer import TransferEngine
+from kvtier.transfer.family import FamilyEngine
 
 MODELS = {
     "tiny": (KVGeometry.mha(layers=4, kv_heads=2, head_dim=64, itemsize=2, page_size=16), None),
     "llama3-8b": (KVGeometry.mha(layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=16), 20000.0),
+    "qwen3.5-like": (KVGeometry.mha(layers=2, kv_heads=2, head_dim=64, itemsize=2, page_size=16), None),
 }
+STATES = {"qwen3.5-like": StateGeometry.mamba(6, (256, 3), (4, 32, 32))}
+"""Hybrid models: the state of their linear-attention layers (the KV geometry above holds the attention layers)."""
 VOCAB = 128256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="auto", choices=("auto", *MODELS),
-                        help="KV geometry: tiny (default on the emulator) or llama3-8b (default on CUDA)")
+                        help="KV geometry: tiny (default on the emulator), llama3-8b (default on CUDA), or "
+                             "qwen3.5-like (hybrid: 2 GQA + 6 linear-attention layers with state snapshots)")
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=1024)
@@ -74,6 +84,8 @@ class Tally:
     baseline_computed: int = 0
     pages_checked: int = 0
     mismatched_pages: int = 0
+    states_checked: int = 0
+    mismatched_states: int = 0
     declined: int = 0
     out_of_pages: int = 0
 
@@ -82,6 +94,9 @@ class StandInModel:
     """Writes the KV of new pages (bytes derived from the page key, different in every 16-byte piece) through a
     pinned scratch pool, and reads pages back to check them. The salt is fresh in every run, except with storage:
     then it is derived from the namespace, so that pages a previous run stored are the KV this run expects."""
+
+    state: StandInState | None = None
+    """Hybrid models: the stand-in for the linear-attention layers' state."""
 
     def __init__(self, device: DevicePool, namespace: Namespace, scratch_pages: int, *, stable: bool = False) -> None:
         g = device.geometry
@@ -116,21 +131,56 @@ class StandInModel:
         return bad
 
     def close(self) -> None:
+        if self.state is not None:
+            self.state.close()
+        del self.view
+        self.engine.close()
+        self.scratch.close()
+
+
+class StandInState:
+    """A hybrid model's recurrent state after a prefix: bytes derived from the prefix's last page key, written into a
+    device slot and read back through a one-slot scratch host pool and the state engine."""
+
+    def __init__(self, device: StateDevicePool, salt: bytes) -> None:
+        self.salt, self.nbytes = salt, device.geometry.slot_bytes
+        self.scratch = StateHostPool.allocate(device.geometry, "page_first", slots=1, kind="pinned",
+                                              runtime=device.runtime)
+        self.engine = FamilyEngine(device, self.scratch)
+        self.view = self.scratch.buffer.as_tensor().numpy()
+
+    def expected(self, key: bytes) -> np.ndarray:
+        seed = int.from_bytes(hashlib.sha256(self.salt + b"state" + key).digest()[:8], "little")
+        return np.random.default_rng(seed).integers(1, 256, self.nbytes, dtype=np.uint8)
+
+    def write(self, key: bytes, slot: int) -> None:
+        self.view[:] = self.expected(key)
+        self.engine.load([0], [slot], per_layer=False).wait()
+
+    def matches(self, key: bytes, slot: int) -> bool:
+        self.view[:] = 0
+        self.engine.backup([slot], [0]).wait()
+        return bool(np.array_equal(self.view, self.expected(key)))
+
+    def close(self) -> None:
         del self.view
         self.engine.close()
         self.scratch.close()
 
 
 class DeviceOnlyBaseline:
-    """A radix cache with the same device pool and no host tier: what an engine without kvtier would hit."""
+    """A radix cache with the same device pool and no host tier: what an engine without kvtier would hit. For a
+    hybrid model (``hybrid``) a match ends only where a request ended (where it would hold a state)."""
 
-    def __init__(self, pages: int, page_size: int) -> None:
+    def __init__(self, pages: int, page_size: int, *, hybrid: bool = False) -> None:
         self.index = RadixIndex(page_size, b"\0" * 32)
         self.pages, self.page_size = PageAllocator(pages, name="baseline"), page_size
+        self.ends: set[Any] | None = set() if hybrid else None
 
     def serve(self, tokens: np.ndarray) -> int:
         tokens = token_array(tokens)
-        match = self.index.match(tokens)
+        ends = self.ends
+        match = self.index.match(tokens, usable=None if ends is None else (lambda n: n in ends))
         need = len(tokens) // self.page_size - len(match.device_pages)
         self.index.lock(match.last_node)
         try:
@@ -148,6 +198,8 @@ class DeviceOnlyBaseline:
             self.index.unlock(match.last_node)
         placed = self.index.place(tokens, np.concatenate([match.device_pages, new]))
         self.pages.free(placed.duplicates)
+        if ends is not None:
+            ends.add(placed.last_node)
         return match.device_tokens
 
 
@@ -190,12 +242,19 @@ def command(runtime: Any, args: argparse.Namespace) -> int:
     host = HostPool.allocate(geometry, settings.hicache_mem_layout, pages=host_pages,
                              kind=settings.hicache_host_kind, runtime=runtime)
     cache = stand_in = storage = None
+    state_pools: tuple[StateDevicePool, StateHostPool] | None = None
     try:
+        if model in STATES:
+            if args.storage:
+                raise KvtierError("--storage does not take hybrid models yet: state snapshots are not stored")
+            state_pools = state_pools_for(STATES[model], args, runtime)
         rates = RateTable.load(args.hicache_rate_table) if args.hicache_rate_table else None
         storage = open_store(args.storage, namespace, layout=settings.hicache_mem_layout) if args.storage else None
-        cache = KVCache(device, host, namespace, settings, rates=rates, storage=storage)
+        cache = KVCache(device, host, namespace, settings, rates=rates, storage=storage, state=state_pools)
         stand_in = StandInModel(device, namespace, min(64, longest // page + 1), stable=storage is not None)
-        baseline = DeviceOnlyBaseline(device_pages, page)
+        if state_pools is not None:
+            stand_in.state = StandInState(state_pools[0], stand_in.salt)
+        baseline = DeviceOnlyBaseline(device_pages, page, hybrid=state_pools is not None)
         tally = Tally()
         started = time.perf_counter()
         with Progress(TextColumn("[bold]kvtier demo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -217,6 +276,8 @@ def command(runtime: Any, args: argparse.Namespace) -> int:
             cache.close()
         if storage is not None:
             storage.close()
+        for pool in state_pools or ():
+            pool.close()
         host.close()
         device.close()
     if args.save:
@@ -226,11 +287,27 @@ def command(runtime: Any, args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
     else:
         show(console, report)
-    return 1 if tally.mismatched_pages else 0
+    return 1 if tally.mismatched_pages or tally.mismatched_states else 0
+
+
+def state_pools_for(geometry: StateGeometry, args: argparse.Namespace, runtime: Any
+                    ) -> tuple[StateDevicePool, StateHostPool]:
+    """Device slots for about half the users' snapshots plus the request in flight; host slots for all of them."""
+    device = StateDevicePool.allocate(geometry, max(3, args.users // 2 + 2), 0, runtime=runtime)
+    try:
+        host = StateHostPool.allocate(geometry, "page_first", slots=2 * args.users * args.turns + 2, kind="pinned",
+                                      runtime=runtime)
+    except BaseException:
+        device.close()
+        raise
+    return device, host
 
 
 def serve_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline, tally: Tally, prompt: np.ndarray,
                reply: np.ndarray, verify: bool) -> None:
+    if cache.states is not None:
+        serve_hybrid_turn(cache, model, baseline, tally, prompt, reply, verify)
+        return
     page = cache.page_size
     full = np.concatenate([prompt, reply])
     keys = page_keys(cache.namespace, full)
@@ -284,6 +361,82 @@ def serve_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline
             cache.unlock(history)
 
 
+def serve_hybrid_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline, tally: Tally,
+                      prompt: np.ndarray, reply: np.ndarray, verify: bool) -> None:
+    """One turn of a hybrid model: the prompt's whole pages are served from the deepest prefix with a state (loaded
+    back with its state when it is in host memory; from the deepest device snapshot when the load is declined), then
+    the prompt and, after decode, the history are inserted, each with the state after its last token."""
+    page = cache.page_size
+    prompt = prompt[:len(prompt) // page * page]
+    keys = page_keys(cache.namespace, np.concatenate([prompt, reply]))
+    match = cache.match_prefix(prompt, lock=True)
+    try:
+        prefix, state = match.device_pages, match.device_state
+        for op in match.pending:
+            op.wait()
+        if match.host_tokens or (match.cached_tokens and state is None):
+            load = cache.load_back(match)
+            if load is None:
+                tally.declined += 1
+                cache.unlock(match)
+                match = cache.match_prefix(prompt, lock=True, device_only=True)
+                prefix, state = match.device_pages, match.device_state
+            else:
+                load.wait()
+                prefix, state = load.prefix_pages, load.device_state
+                tally.loaded += load.loaded_tokens
+                if verify:
+                    loaded = prefix[len(match.device_pages):]
+                    tally.pages_checked += len(loaded)
+                    tally.mismatched_pages += model.mismatches(keys[len(match.device_pages):len(prefix)], loaded)
+        if verify and len(prefix):
+            assert model.state is not None and state is not None
+            tally.states_checked += 1
+            tally.mismatched_states += not model.state.matches(keys[len(prefix) - 1], state)
+        if not insert_with_state(cache, model, tally, prompt, prefix, keys):
+            return
+        tally.requests += 1
+        tally.prompt_tokens += len(prompt)
+        tally.device_hit += min(match.device_tokens, len(prefix) * page)
+        tally.host_hit += len(prefix) * page - min(match.device_tokens, len(prefix) * page)
+        tally.computed += len(prompt) - len(prefix) * page
+        tally.baseline_computed += len(prompt) - baseline.serve(prompt)
+    finally:
+        cache.unlock(match)
+    full = np.concatenate([prompt, reply])
+    full = full[:len(full) // page * page]
+    if len(full) > len(prompt):                      # decode: the reply's KV and the state after it join
+        history = cache.match_prefix(full, lock=True, device_only=True)
+        try:
+            for op in history.pending:
+                op.wait()
+            insert_with_state(cache, model, tally, full, history.device_pages, keys)
+        finally:
+            cache.unlock(history)
+
+
+def insert_with_state(cache: KVCache, model: StandInModel, tally: Tally, tokens: np.ndarray, prefix: np.ndarray,
+                      keys: list[bytes]) -> bool:
+    """Prefill ``tokens`` past ``prefix`` (KV and the state after the last token) and insert both."""
+    assert model.state is not None
+    whole = len(tokens) // cache.page_size
+    try:
+        slot = cache.allocate_state()
+    except OutOfPages:
+        tally.out_of_pages += 1
+        return False
+    try:
+        new = cache.allocate(whole - len(prefix))
+    except OutOfPages:
+        cache.free_state(slot)
+        tally.out_of_pages += 1
+        return False
+    model.write(keys[len(prefix):whole], new)
+    model.state.write(keys[whole - 1], slot)
+    cache.insert(tokens, np.concatenate([prefix, new]), state=slot)
+    return True
+
+
 def results(cache: KVCache, tally: Tally, elapsed: float, model: str, runtime: str, device_pages: int,
             host_pages: int) -> dict[str, Any]:
     s = cache.stats()
@@ -315,6 +468,12 @@ def results(cache: KVCache, tally: Tally, elapsed: float, model: str, runtime: s
         "storage_misses": {k[len("storage.miss."):]: int(v) for k, v in s.items() if k.startswith("storage.miss.")},
         "storage_errors": int(sum(v for k, v in s.items() if k.startswith("storage.errors."))),
         "storage_writes_skipped": int(sum(v for k, v in s.items() if k.startswith("storage_skipped."))),
+        "hybrid": cache.states is not None, "states_checked": tally.states_checked,
+        "mismatched_states": tally.mismatched_states, "states_loaded": int(s.get("states.load", 0)),
+        "states_backed_up": int(s.get("states.backup", 0)),
+        "states_evicted": int(s.get("states.evicted_device", 0) + s.get("states.evicted_host", 0)),
+        "device_state_slots": cache.states.device.pages if cache.states is not None else 0,
+        "host_state_slots": cache.states.host.pages if cache.states is not None else 0,
     }
 
 
@@ -341,6 +500,13 @@ def show(console: Any, r: dict[str, Any]) -> None:
         ("loaded pages checked, byte for byte", f"{r['pages_checked']:,}, {r['mismatched_pages']} wrong"),
         ("wall time", f"{r['seconds']:.1f} s"),
     ]
+    if r["hybrid"]:
+        rows[-1:-1] = [
+            ("state slots: device / host", f"{r['device_state_slots']} / {r['host_state_slots']}"),
+            ("states: loaded back / backed up / evicted alone",
+             f"{r['states_loaded']} / {r['states_backed_up']} / {r['states_evicted']}"),
+            ("served states checked, byte for byte", f"{r['states_checked']:,}, {r['mismatched_states']} wrong"),
+        ]
     if r["storage"]:
         rows[2:2] = [
             ("hit rate: storage (part of host)", f"{r['storage_hit_rate']:.1%} ({r['storage']})"),
