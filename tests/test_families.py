@@ -802,3 +802,31 @@ def test_from_tensors_refuses_layers_that_differ(cuda):
     temporal = [torch.zeros(3, 2, dtype=torch.float16, device="cuda")] * 2
     with pytest.raises(InvalidArgument, match="dtype"):
         StateDevicePool.from_tensors(s, {"conv": conv, "temporal": temporal}, runtime=cuda)
+
+
+def test_device_copy_moves_every_layer_of_each_slot_and_refuses_overlap(runtime):
+    """FamilyEngine.copy: device slots → other device slots of the same pool (a snapshot forked for a request)."""
+    from kvtier.pools.state import StateDevicePool, StateGeometry, StateHostPool
+    from kvtier.transfer.family import FamilyEngine
+
+    g = StateGeometry.mamba(3, (5, 3), (2, 3, 4), conv_dtype="float16")
+    rng = np.random.default_rng()
+    with StateDevicePool.allocate(g, 6, 0, runtime=runtime, pad=6) as dev, \
+            StateHostPool.allocate(g, "page_first", slots=6, runtime=runtime) as host, FamilyEngine(dev, host) as eng:
+        view = host.buffer.as_tensor().numpy()
+        data = rng.integers(1, 256, view.size, dtype=np.uint8)
+        view[:] = data
+        eng.load(np.arange(6), np.arange(6)).wait()
+        eng.copy([4, 0], [1, 5]).wait()
+        runtime.synchronize(0)
+        view[:] = 0xEE
+        eng.backup(np.arange(6), np.arange(6)).wait()
+        out = view.copy()
+        slot = g.slot_bytes
+        expect = data.reshape(6, slot)[[0, 4, 2, 3, 4, 0]]
+        np.testing.assert_array_equal(out.reshape(6, slot), expect)
+        with pytest.raises(InvalidArgument, match="both copied from and written"):
+            eng.copy([1, 2], [2, 3])
+        with pytest.raises(InvalidArgument, match="out of range"):
+            eng.copy([0], [6])
+        del view

@@ -458,3 +458,39 @@ def test_arrays_a_load_back_returns_do_not_alias_the_tree(hybrid):
     assert not model.mismatches(tokens, again.device_pages)
     assert model.state_ok(tokens, again.device_state)
     cache.check()
+
+
+def test_fork_state_copies_the_snapshot_and_the_tree_keeps_its_own(hybrid):
+    """A request continues from a copy: writing the fork must leave the tree's snapshot as it was."""
+    tokens = prompt(4 * P)
+    hybrid.serve(tokens)
+    cache, model = hybrid.cache, hybrid.model
+    match = cache.match_prefix(tokens, lock=True)
+    try:
+        forked = cache.fork_state(match)
+        assert forked != match.device_state
+        hybrid.sdev.runtime.synchronize(0)
+        assert model.state_ok(tokens, forked)
+        model._put(forked, [np.full(size, 0x5A, np.uint8) for size, _, _ in model.items])
+        assert model.state_ok(tokens, match.device_state), "writing the fork changed the tree's snapshot"
+        cache.free_state(forked)
+    finally:
+        cache.unlock(match)
+    cache.check()
+
+
+def test_fork_state_of_a_host_only_snapshot_is_refused_and_allocates_nothing(hybrid):
+    tokens = prompt(3 * P)
+    hybrid.serve(tokens)
+    cache = hybrid.cache
+    match = cache.match_prefix(tokens)
+    cache.backup(match)
+    cache.drain()
+    cache.evict_states(device=hybrid.sdev.units)
+    match = cache.match_prefix(tokens)
+    assert match.device_state is None and match.host_state is not None
+    free = cache.states.device.free_pages
+    with pytest.raises(InvalidArgument, match="load_back"):
+        cache.fork_state(match)
+    assert cache.states.device.free_pages == free
+    cache.check()

@@ -309,6 +309,28 @@ class KVCache:
                 stream.wait(fence)
             return int(slots[0])
 
+    def fork_state(self, match: Match | Node, *, stream: Any = None) -> int:
+        """A new slot of the caller's (as from :meth:`allocate_state`) holding a copy of the snapshot at the end of
+        ``match``, copied on ``stream`` (default: the caller's current stream, so compute queued after it sees the
+        copy). A request continues from the copy: its state changes every step, and the tree's snapshot must not.
+        The snapshot must be on the device (``load_back`` a host one first)."""
+        with self._lock:
+            self._check_open()
+            states = self._need_states("fork_state")
+            node = self._own(match)
+            if node.device_state is None:
+                where = "on the host only: load_back(match) first" if node.host_state is not None else "gone"
+                raise InvalidArgument(f"fork_state: the snapshot at the end of {node} is {where}")
+            slot = self.allocate_state()
+            try:
+                copied = states.engine.copy([node.device_state], [slot], stream=stream)
+            except BaseException:
+                states.give_back(slot)
+                raise
+            node.state_written = [*(node.state_written or []), copied.finished]
+            self.metrics.add("states", 1, "forked")
+            return slot
+
     def free_state(self, slot: int, *, after: Any = CURRENT) -> None:
         """Give back a slot from ``allocate_state`` that was not inserted; whoever gets it next waits for ``after``."""
         with self._lock:

@@ -92,6 +92,36 @@ class FamilyEngine:
             unit, dev, host = self._units(device_units, host_units, unit, H2D)
             return self._submit(H2D, unit, dev, host, self._layers(layers), after, per_layer=bool(per_layer))
 
+    def copy(self, src_units: Any, dst_units: Any, *, unit: str | None = None, stream: Any = None) -> Transfer:
+        """Device units → other device units of the same pool, every layer, on ``stream`` (default: the caller's
+        current stream, so the copy is ordered after what wrote the sources and before what reads the copies): a
+        hybrid cache forks a read-only state snapshot into a request's own slot this way."""
+        with self._lock:
+            self._check_open()
+            unit, dst, src = self._units(dst_units, src_units, unit, H2D, host_side=False)
+            if np.intersect1d(src, dst).size:
+                raise InvalidArgument(f"{unit}s {np.intersect1d(src, dst)[:4].tolist()} are both copied from and "
+                                      f"written: the result would depend on the order of the copies")
+            target = self.runtime.current_stream(self.device) if stream is None else self.runtime.as_stream(stream)
+            transfer = Transfer(self.runtime, self.runtime.create_event(self.device))
+            if src.size:
+                ring = self.rings[H2D]
+                indices, lease = ring.upload([self._index(src), self._index(dst)])
+                order_after(self.runtime, target, [ring.stream])
+                try:
+                    for part, device_side, _ in self._parts(unit):
+                        call = ChunkCopy(device_side, device_side, indices[0], indices[1], self.index_bytes, src.size,
+                                         0, len(part.layers), part.pieces, part.chunk_bytes, 1, len(part.layers))
+                        self.launcher.copy_chunks(call, device=self.device, stream=target,
+                                                  max_blocks=self.max_blocks, threads=self.threads)
+                finally:
+                    marker = self.runtime.create_event(self.device)
+                    marker.record(target)
+                    ring.stream.wait(marker)
+                    ring.fence(lease)
+            transfer.finished.record(target)
+            return transfer
+
     def capture_load(self, host_units: Any, device_units: Any, *, layer: int, unit: str | None = None
                      ) -> CapturedLoad:
         """A one-layer load captured as a graph (indices owned by the graph; host bytes read at each replay)."""
@@ -167,18 +197,21 @@ class FamilyEngine:
     def _parts(self, unit: str) -> list[tuple[Part, ChunkSide, ChunkSide]]:
         return [sides for sides in self._sides.values() if sides[0].unit == unit]
 
-    def _units(self, device_units: Any, host_units: Any, unit: str | None, direction: str
+    def _units(self, device_units: Any, host_units: Any, unit: str | None, direction: str, host_side: bool = True
                ) -> tuple[str, np.ndarray, np.ndarray]:
+        """Checked index arrays; ``host_side=False``: the second list names device units too (a device copy)."""
         unit = unit or self.default_unit
         if not self._parts(unit):
             kinds = sorted({part.unit for part, _, _ in self._sides.values()})
             raise InvalidArgument(f"{self.geometry.name} pools move {' or '.join(kinds)}s, not {unit}s")
-        dev, host = index_array(device_units, f"device {unit}s"), index_array(host_units, f"host {unit}s")
+        other = "host" if host_side else "source device"
+        dev, host = index_array(device_units, f"device {unit}s"), index_array(host_units, f"{other} {unit}s")
         if dev.size != host.size:
-            raise InvalidArgument(f"{dev.size} device {unit}s but {host.size} host {unit}s: index lists must match")
+            raise InvalidArgument(f"{dev.size} device {unit}s but {host.size} {other} {unit}s: index lists must match")
         per_page = self._parts(unit)[0][0].units_per_page
         self.device_pool.check_units(dev // per_page if unit == "token" else dev, f"device {unit}")
-        self.host_pool.check_units(host // per_page if unit == "token" else host, f"host {unit}")
+        (self.host_pool if host_side else self.device_pool).check_units(
+            host // per_page if unit == "token" else host, f"{other} {unit}")
         if unit == "token" and not getattr(self.geometry, "token_granular", True):
             pages = self.geometry.whole_pages(dev, host)
             if pages is None:
