@@ -25,7 +25,63 @@ ALIGNMENT = 16
 """Layer bases must allow the transfer kernel's 16-byte vector accesses."""
 
 
-class DevicePool:
+class DeviceMemory:
+    """The lifetime every device pool shares: the device buffers under its operands (one closed by someone else
+    closes the pool), the engines queued over it (closing waits for them), what it owns (freed on close) and what it
+    holds (engine tensors, dropped on close)."""
+
+    def _track(self, operands: Sequence[Any], owned: Sequence[DeviceBuffer] = (), keep: Sequence[Any] = ()) -> None:
+        self._owned, self._keep = list(owned), list(keep)
+        self._buffers = list({id(b): b for b in (_buffer_of(op) for op in operands) if b is not None}.values())
+        self._users = Users()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Closed itself, or any device buffer under its operands closed by someone else."""
+        return self._closed or any(buffer.closed for buffer in self._buffers)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise BufferClosed(f"{self!r} is closed")
+
+    def add_user(self, user: Drainable) -> None:
+        """``user`` (an engine) queues device work over this pool: :meth:`close` waits for it first."""
+        self.check_open()
+        self._users.add(user)
+        for buffer in self._buffers:
+            buffer.add_user(user)
+
+    def remove_user(self, user: Drainable) -> None:
+        self._users.discard(user)
+        for buffer in self._buffers:
+            buffer.remove_user(user)
+
+    def close(self) -> None:
+        """Wait for the transfers engines queued over the pool, then free owned memory and drop held tensors.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._users.drain()
+        finally:
+            for buffer in self._owned:
+                buffer.close()
+            self._owned, self._keep, self._buffers = [], [], []
+            self._dropped()
+
+    def _dropped(self) -> None:
+        """What a pool lets go of besides its buffers when it closes."""
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DevicePool(DeviceMemory):
     def __init__(self, geometry: KVGeometry, pages: int, device: int, runtime: Runtime, layers: list[list[Any]],
                  owned: Sequence[DeviceBuffer] = ()) -> None:
         """``layers[t][layer]``: an operand the resolver understands (a DeviceBuffer, a region, a CUDA tensor)."""
@@ -37,11 +93,7 @@ class DevicePool:
                 if not address.aligned(ALIGNMENT):
                     raise MisalignedAddress(f"tensor {tensor} layer {layer} starts at {address}, not {ALIGNMENT}-byte "
                                             f"aligned: the transfer kernels copy 16 bytes at a time")
-        self._owned = list(owned)
-        self._buffers = list({id(b): b for b in (_buffer_of(op) for row in layers for op in row) if b is not None}
-                             .values())
-        self._users = Users()
-        self._closed = False
+        self._track([op for row in layers for op in row], owned)
 
     @property
     def layer_bytes(self) -> int:
@@ -95,46 +147,8 @@ class DevicePool:
     def check_pages(self, pages: np.ndarray, what: str = "device page") -> None:
         check_range(pages, self.pages, what)
 
-    # -- lifetime --------------------------------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        """Closed itself, or any device buffer under its layers closed by someone else."""
-        return self._closed or any(buffer.closed for buffer in self._buffers)
-
-    def check_open(self) -> None:
-        if self.closed:
-            raise BufferClosed(f"{self!r} is closed")
-
-    def add_user(self, user: Drainable) -> None:
-        """``user`` (an engine) queues device work over this pool: :meth:`close` waits for it first."""
-        self.check_open()
-        self._users.add(user)
-        for buffer in self._buffers:
-            buffer.add_user(user)
-
-    def remove_user(self, user: Drainable) -> None:
-        self._users.discard(user)
-        for buffer in self._buffers:
-            buffer.remove_user(user)
-
-    def close(self) -> None:
-        """Wait for the transfers engines queued over the pool, then free owned memory and drop held tensors."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._users.drain()
-        finally:
-            for buffer in self._owned:
-                buffer.close()
-            self._owned.clear()
-            self.layers, self._buffers = [], []
-
-    def __enter__(self) -> DevicePool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _dropped(self) -> None:
+        self.layers = []
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.pages} pages"

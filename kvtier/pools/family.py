@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from kvtier.checks import integer
-from kvtier.errors import BufferClosed, InvalidArgument
+from kvtier.errors import InvalidArgument
 from kvtier.memory import DeviceAddress, DeviceBuffer, DeviceRegion, HostBuffer, HostKind, get_device_accessible_ptr
-from kvtier.memory.lifetime import Drainable, Users
-from kvtier.pools.device_pool import _buffer_of, check_range
+from kvtier.pools.device_pool import DeviceMemory, check_range
+from kvtier.pools.host_pool import HostMemory
 from kvtier.runtime import Runtime
 
 UNITS = ("slot", "page", "token")
@@ -78,7 +78,7 @@ def item_pieces(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> 
     return chunk, pieces, stride
 
 
-class FamilyDevicePool:
+class FamilyDevicePool(DeviceMemory):
     """Device arrays of a family pool: per part, a base per layer and a placement. Engines own their tensors; a pool
     made from tensors holds them until it is closed, so torch cannot hand their memory to others meanwhile."""
 
@@ -94,10 +94,7 @@ class FamilyDevicePool:
                        for name, (part, placement) in parts.items()}
         if operands is None:
             operands = [op for _, placement in parts.values() for op in placement.bases]
-        self._keep, self._owned = list(keep), list(owned)
-        self._buffers = list({id(b): b for b in (_buffer_of(op) for op in operands) if b is not None}.values())
-        self._users = Users()
-        self._closed = False
+        self._track(operands, owned, keep)
 
     def parts(self) -> list[tuple[Part, Placement]]:
         """Every part with its device placement (bases resolved for the pool's device at construction)."""
@@ -112,43 +109,6 @@ class FamilyDevicePool:
 
     def check_units(self, units: np.ndarray, what: str) -> None:
         check_range(units, self.units, what)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed or any(buffer.closed for buffer in self._buffers)
-
-    def check_open(self) -> None:
-        if self.closed:
-            raise BufferClosed(f"{self!r} is closed")
-
-    def add_user(self, user: Drainable) -> None:
-        self.check_open()
-        self._users.add(user)
-        for buffer in self._buffers:
-            buffer.add_user(user)
-
-    def remove_user(self, user: Drainable) -> None:
-        self._users.discard(user)
-        for buffer in self._buffers:
-            buffer.remove_user(user)
-
-    def close(self) -> None:
-        """Wait for the transfers queued over the pool, then free owned memory and drop held tensors. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._users.drain()
-        finally:
-            for buffer in self._owned:
-                buffer.close()
-            self._owned, self._keep, self._buffers = [], [], []
-
-    def __enter__(self) -> FamilyDevicePool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.units} units"
@@ -174,7 +134,7 @@ def allocate_parts(sizes: dict[str, list[int]], device: int, runtime: Runtime
     return made, owned
 
 
-class FamilyHostPool:
+class FamilyHostPool(HostMemory):
     """A family pool's host copy: one HostBuffer, every unit's items of every layer at offsets a layout decides.
 
     ``offsets[name]`` maps a part to (base of layer position i, page stride, unit stride): layout functions of each
@@ -210,28 +170,6 @@ class FamilyHostPool:
 
     def check_units(self, units: np.ndarray, what: str) -> None:
         check_range(units, self.units, what)
-
-    @property
-    def closed(self) -> bool:
-        return self.buffer.closed
-
-    def check_open(self) -> None:
-        self.buffer.check_span(0, 0, "host pool")
-
-    def add_user(self, user: Drainable) -> None:
-        self.buffer.add_user(user)
-
-    def remove_user(self, user: Drainable) -> None:
-        self.buffer.remove_user(user)
-
-    def close(self) -> None:
-        self.buffer.close()
-
-    def __enter__(self) -> FamilyHostPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.geometry.name} {self.layout} {self.units} units, {self.buffer!r}>"

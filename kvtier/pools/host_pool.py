@@ -21,7 +21,37 @@ from kvtier.pools.geometry import HostLayout, KVGeometry, Strides, host_strides
 from kvtier.runtime import Runtime
 
 
-class HostPool:
+class HostMemory:
+    """The lifetime every host pool shares: it is its buffer's (closing waits for the engines queued over it)."""
+
+    buffer: HostBuffer
+
+    @property
+    def closed(self) -> bool:
+        return self.buffer.closed
+
+    def check_open(self) -> None:
+        self.buffer.check_span(0, 0, "host pool")
+
+    def add_user(self, user: Drainable) -> None:
+        """``user`` (an engine) queues device work over this pool: closing the pool or its buffer waits for it."""
+        self.buffer.add_user(user)
+
+    def remove_user(self, user: Drainable) -> None:
+        self.buffer.remove_user(user)
+
+    def close(self) -> None:
+        """Wait for the transfers engines queued over the pool, then release its buffer. Idempotent."""
+        self.buffer.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HostPool(HostMemory):
     def __init__(self, geometry: KVGeometry, layout: HostLayout, pages: int, buffer: HostBuffer) -> None:
         self.geometry, self.layout, self.pages, self.buffer = geometry, HostLayout(layout), pages, buffer
         self.strides: Strides = host_strides(geometry, self.layout, pages)
@@ -107,31 +137,6 @@ class HostPool:
         cpu, sizes_list = self.buffer.cpu_address, sizes.tolist()
         return [[(cpu + offset, size) for offset, size in zip(row, sizes_list, strict=True)]
                 for row in offsets.tolist()]
-
-    # -- lifetime --------------------------------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        return self.buffer.closed
-
-    def check_open(self) -> None:
-        self.buffer.check_span(0, 0, "host pool")
-
-    def add_user(self, user: Drainable) -> None:
-        """``user`` (an engine) queues device work over this pool: closing the pool or its buffer waits for it."""
-        self.buffer.add_user(user)
-
-    def remove_user(self, user: Drainable) -> None:
-        self.buffer.remove_user(user)
-
-    def close(self) -> None:
-        """Wait for the transfers engines queued over the pool, then release its buffer. Idempotent."""
-        self.buffer.close()
-
-    def __enter__(self) -> HostPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<HostPool {self.layout.value} {self.pages} pages, {self.buffer!r}>"
