@@ -830,3 +830,28 @@ def test_device_copy_moves_every_layer_of_each_slot_and_refuses_overlap(runtime)
         with pytest.raises(InvalidArgument, match="out of range"):
             eng.copy([0], [6])
         del view
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_device_copy_after_a_load_copies_the_loaded_bytes(seed):
+    """copy(after=load) waits for a load another engine queued (lazy emulator: streams run only when forced)."""
+    from kvtier.pools.state import StateDevicePool, StateGeometry, StateHostPool
+    from kvtier.runtime.emulated import EmulatedRuntime
+    from kvtier.transfer.family import FamilyEngine
+
+    runtime = EmulatedRuntime("split", schedule="lazy", seed=seed)
+    g = StateGeometry.compress_state(2, (4, 8))
+    with StateDevicePool.allocate(g, 3, 0, runtime=runtime) as dev, \
+            StateHostPool.allocate(g, "page_first", slots=3, runtime=runtime) as host, FamilyEngine(dev, host) as eng, \
+            FamilyEngine(dev, host) as loader:
+        view = host.buffer.as_tensor().numpy()
+        data = np.random.default_rng().integers(1, 256, view.size, dtype=np.uint8)
+        view[:] = data
+        stream = runtime.create_stream(0)
+        loaded = loader.load([1], [0], after=None)
+        eng.copy([0], [2], stream=stream, after=[loaded.finished])
+        stream.synchronize()
+        view[:] = 0xEE
+        eng.backup([2], [0], after=[stream]).wait()
+        np.testing.assert_array_equal(view[:g.slot_bytes], data[g.slot_bytes:2 * g.slot_bytes])
+        del view

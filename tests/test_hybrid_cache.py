@@ -494,3 +494,56 @@ def test_fork_state_of_a_host_only_snapshot_is_refused_and_allocates_nothing(hyb
         cache.fork_state(match)
     assert cache.states.device.free_pages == free
     cache.check()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fork_state_right_after_a_load_back_copies_the_loaded_snapshot(runtime, seed):
+    """The copy is ordered after the load that brings the snapshot: without that it copied whatever the slot held."""
+    if runtime.name.startswith("emulated"):
+        from kvtier.runtime.emulated import EmulatedRuntime
+
+        runtime = EmulatedRuntime(runtime.mode, schedule="lazy", seed=seed)
+    hybrid = Hybrid(runtime)
+    try:
+        tokens = prompt(3 * P)
+        hybrid.serve(tokens)
+        cache, model = hybrid.cache, hybrid.model
+        cache.backup(cache.match_prefix(tokens))
+        cache.drain()
+        cache.evict_states(device=hybrid.sdev.units)
+        model.poison_states()
+        match = cache.match_prefix(tokens, lock=True)
+        assert match.device_state is None and match.host_state is not None
+        load = cache.load_back(match, force=True)
+        assert load is not None
+        forked = cache.fork_state(match)
+        runtime.current_stream(0).synchronize()         # what reads the fork on this stream runs now
+        load.wait()
+        assert model.state_ok(tokens, forked), "the fork copied the slot before the snapshot landed"
+        cache.free_state(forked)
+        cache.unlock(match)
+    finally:
+        hybrid.close()
+
+
+def test_fork_state_orders_its_copy_after_the_load_in_flight(hybrid, monkeypatch):
+    """White-box: the GPU must not copy the snapshot slot before the load-back writing it lands; the emulator's
+    completion thread finishes loads too early for an end-to-end check to catch a missing wait."""
+    tokens = prompt(3 * P)
+    hybrid.serve(tokens)
+    cache = hybrid.cache
+    cache.backup(cache.match_prefix(tokens))
+    cache.drain()
+    cache.evict_states(device=hybrid.sdev.units)
+    match = cache.match_prefix(tokens, lock=True)
+    calls = []
+    engine = cache.states.engine
+    original = engine.copy
+    monkeypatch.setattr(engine, "copy", lambda *a, **k: (calls.append(k), original(*a, **k))[1])
+    load = cache.load_back(match, force=True)
+    assert load is not None and load.state_transfer is not None
+    forked = cache.fork_state(match)
+    assert calls and calls[0]["after"] is not None and load.state_transfer.finished in calls[0]["after"]
+    load.wait()
+    cache.free_state(forked)
+    cache.unlock(match)

@@ -312,8 +312,9 @@ class KVCache:
     def fork_state(self, match: Match | Node, *, stream: Any = None) -> int:
         """A new slot of the caller's (as from :meth:`allocate_state`) holding a copy of the snapshot at the end of
         ``match``, copied on ``stream`` (default: the caller's current stream, so compute queued after it sees the
-        copy). A request continues from the copy: its state changes every step, and the tree's snapshot must not.
-        The snapshot must be on the device (``load_back`` a host one first)."""
+        copy) after the load-back that brings the snapshot, if one is in flight. A request continues from the copy:
+        its state changes every step, and the tree's snapshot must not. The snapshot must be on the device
+        (``load_back`` a host one first)."""
         with self._lock:
             self._check_open()
             states = self._need_states("fork_state")
@@ -321,9 +322,11 @@ class KVCache:
             if node.device_state is None:
                 where = "on the host only: load_back(match) first" if node.host_state is not None else "gone"
                 raise InvalidArgument(f"fork_state: the snapshot at the end of {node} is {where}")
+            loading = node.loading.state_transfer if node.loading is not None else None
             slot = self.allocate_state()
             try:
-                copied = states.engine.copy([node.device_state], [slot], stream=stream)
+                copied = states.engine.copy([node.device_state], [slot], stream=stream,
+                                            after=[loading.finished] if loading is not None else None)
             except BaseException:
                 states.give_back(slot)
                 raise

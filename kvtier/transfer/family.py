@@ -92,10 +92,12 @@ class FamilyEngine:
             unit, dev, host = self._units(device_units, host_units, unit, H2D)
             return self._submit(H2D, unit, dev, host, self._layers(layers), after, per_layer=bool(per_layer))
 
-    def copy(self, src_units: Any, dst_units: Any, *, unit: str | None = None, stream: Any = None) -> Transfer:
+    def copy(self, src_units: Any, dst_units: Any, *, unit: str | None = None, stream: Any = None,
+             after: Any = None) -> Transfer:
         """Device units → other device units of the same pool, every layer, on ``stream`` (default: the caller's
-        current stream, so the copy is ordered after what wrote the sources and before what reads the copies): a
-        hybrid cache forks a read-only state snapshot into a request's own slot this way."""
+        current stream, so the copy is ordered after what wrote the sources and before what reads the copies), after
+        ``after`` too (events or streams, e.g. the load that brings the sources): a hybrid cache forks a read-only
+        state snapshot into a request's own slot this way."""
         with self._lock:
             self._check_open()
             unit, dst, src = self._units(dst_units, src_units, unit, H2D, host_side=False)
@@ -103,6 +105,7 @@ class FamilyEngine:
                 raise InvalidArgument(f"{unit}s {np.intersect1d(src, dst)[:4].tolist()} are both copied from and "
                                       f"written: the result would depend on the order of the copies")
             target = self.runtime.current_stream(self.device) if stream is None else self.runtime.as_stream(stream)
+            order_after(self.runtime, target, after)
             transfer = Transfer(self.runtime, self.runtime.create_event(self.device))
             if src.size:
                 ring = self.rings[H2D]
