@@ -558,3 +558,23 @@ def test_swap_in_with_torch_operands_in_a_cuda_graph(cuda):
             expected = s.expect(0, [1, 0], top, seqs)
             np.testing.assert_array_equal(out.cpu().numpy(), expected)
             s.check_memory()
+
+
+def test_assign_queues_the_reset_without_synchronizing_the_device(runtime, monkeypatch):
+    """A new request joining must not stall the others' decode steps: assign() allocates nothing and never waits for
+    the device; its reset is ordered on the stream before the request's next swap-in."""
+    with setup(runtime, "mla", "page_first", requests=2) as s:
+        s.hb.assign(1, s.host_locs[1])
+        for _ in range(2):
+            top = s.random_topk(0, 0, s.N + 6)
+            out = s.hb.swap_in(0, [0], np.array([top], np.int32), [s.N + 6])
+            s.check(out, s.expect(0, [0], [top], [s.N + 6]))
+        calls = []
+        for name in ("synchronize", "device_alloc", "host_alloc", "host_register"):
+            original = getattr(runtime, name)
+            monkeypatch.setattr(runtime, name, lambda *a, _n=name, _o=original, **k: (calls.append(_n), _o(*a, **k))[1])
+        s.hb.assign(0, s.host_locs[0])
+        assert calls == []
+        monkeypatch.undo()
+        s.lru[(0, 0)] = Lru(s.N)
+        s.check_memory()

@@ -24,7 +24,7 @@ import numpy as np
 from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument
 from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher, SwapIn
-from kvtier.memory import DeviceBuffer, HostKind
+from kvtier.memory import DeviceBuffer, HostBuffer, HostKind
 from kvtier.memory.lifetime import Owned
 from kvtier.pools import DevicePool, HostPool, build_pointer_table, device_strides
 from kvtier.runtime import Stream
@@ -75,6 +75,9 @@ class HotBuffer:
             self.state = {name: owned.own(DeviceBuffer(sizes[name], self.device, runtime=self.runtime))
                           for name in STATE}
             self.out = owned.own(DeviceBuffer(r * k * 8, self.device, runtime=self.runtime))
+            reset = sum(-(-size // r // 16) * 16 for name, size in sizes.items() if name not in
+                        ("lru_next", "flags", "miss_src", "miss_dst"))
+            self._staging = owned.own(HostBuffer.allocate(reset, HostKind.PINNED, runtime=self.runtime))
             self.d2h = owned.own(self.runtime.create_stream(self.device))
             self._ring = owned.own(IndexRing(self.runtime, self.device, self.d2h, 4 * r * 8))
             self._inputs: dict[Any, IndexRing] = {}
@@ -86,15 +89,18 @@ class HotBuffer:
         self.device_side = ChunkSide(device_table, dev.page, 0, 0, 1)
         self.host_side = ChunkSide(host_table, host_pool.strides.page, host_pool.strides.slot, 0, h.page_size)
         self.state["flags"].upload(np.zeros(r * n, np.int32))
+        self._staged: Any = None
         for request in range(r):
             self._reset(request)
         device_pool.add_user(self)
         host_pool.add_user(self)
 
     # -- set-up ------------------------------------------------------------------------------------------------------
-    def assign(self, request: int, host_tokens: Any, device_rows: Any = None) -> None:
+    def assign(self, request: int, host_tokens: Any, device_rows: Any = None, *, stream: Any = None) -> None:
         """Give ``request`` its tokens' host units (token ids 0..len-1 → host token units, page * page_size + slot)
-        and, optionally, its ``slots + 1`` device rows; resets its LRU state (token t in row t)."""
+        and, optionally, its ``slots + 1`` device rows; resets its LRU state (token t in row t). The reset is queued
+        on ``stream`` (default: the caller's current stream, where its swap-ins run) without synchronizing the
+        device: a new request must not stall the others' decode steps."""
         with self._lock:
             self._check_open()
             request = integer(request, "request", low=0, high=self.requests)
@@ -107,24 +113,42 @@ class HotBuffer:
             if rows.size != self.slots + 1 or np.unique(rows).size != rows.size:
                 raise InvalidArgument(f"a request needs {self.slots + 1} distinct device rows, got {rows.size}")
             self.device_pool.check_pages(rows, "device row")
-            self.synchronize()
+            target = self.runtime.current_stream(self.device) if stream is None else self.runtime.as_stream(stream)
             self._host_locs[request] = -1
             self._host_locs[request, :host.size] = host
             self._device_locs[request] = rows
-            self._reset(request)
+            self._reset(request, target)
 
-    def _reset(self, request: int) -> None:
+    def _reset_arrays(self, request: int) -> list[tuple[str, np.ndarray]]:
+        """(state buffer, the request's contiguous bytes there) of a fresh LRU state: token t in row t."""
         n, t, layers = self.slots, self.max_tokens, self.geometry.layers
-        tokens = np.concatenate([np.arange(n, dtype=np.int32), [-1]]).astype(np.int32)
-        token_slot = np.full(t, -1, np.int32)
-        token_slot[:n] = np.arange(n, dtype=np.int32)
-        for layer in range(layers):
-            row = request * layers + layer
-            self.state["slot_tokens"].upload(tokens, row * (n + 1) * 4)
-            self.state["lru"].upload(np.arange(n, dtype=np.int32), row * n * 4)
-            self.state["token_slot"].upload(token_slot, row * t * 4)
-        self.state["host_locs"].upload(self._host_locs[request], request * t * 8)
-        self.state["device_locs"].upload(self._device_locs[request], request * (n + 1) * 8)
+        tokens = np.tile(np.concatenate([np.arange(n), [-1]]).astype(np.int32), layers)
+        token_slot = np.full((layers, t), -1, np.int32)
+        token_slot[:, :n] = np.arange(n, dtype=np.int32)
+        return [("slot_tokens", tokens), ("lru", np.tile(np.arange(n, dtype=np.int32), layers)),
+                ("token_slot", token_slot.reshape(-1)), ("host_locs", self._host_locs[request]),
+                ("device_locs", self._device_locs[request])]
+
+    def _reset(self, request: int, stream: Stream | None = None) -> None:
+        """Write the request's fresh state: synchronously (construction), or queued on ``stream`` from a pinned
+        staging area whose previous contents are rewritten only once their copies have run."""
+        arrays = self._reset_arrays(request)
+        if stream is None:
+            for name, array in arrays:
+                self.state[name].upload(array, request * array.nbytes)
+            return
+        if self._staged is not None:
+            self._staged.synchronize()
+        view = self._staging.as_tensor().numpy()
+        offset = 0
+        for name, array in arrays:
+            view[offset:offset + array.nbytes] = array.view(np.uint8)
+            self.runtime.memcpy_async(self.state[name].address + request * array.nbytes,
+                                      self._staging.cpu_address + offset, array.nbytes, stream=stream)
+            offset += -(-array.nbytes // 16) * 16
+        del view
+        self._staged = self.runtime.create_event(self.device)
+        self._staged.record(stream)
 
     # -- the step ---------------------------------------------------------------------------------------------------
     def swap_in(self, layer: int, requests: Any, topk: Any, seq_lens: Any, *, out: Any = None,
