@@ -86,6 +86,9 @@ class KVCache:
         attention layers); ``layer_map``: which model layer is which (default
         :func:`~kvtier.cache.state_tier.interleaved_layers`), for per-layer waits on load-backs."""
         settings = settings or CacheSettings()
+        if state is None and layer_map is not None:
+            raise InvalidArgument("layer_map maps a hybrid model's layers: it needs state=(StateDevicePool, "
+                                  "StateHostPool)")
         if state is not None and storage is not None:
             raise InvalidArgument("a hybrid cache (state=) has no storage tier yet: state snapshots are not stored")
         state_pools = self._check_state(state, device_pool)
@@ -136,6 +139,8 @@ class KVCache:
             raise
         self._controller = Controller(self._submit_backup, self._complete, self._set_depth,
                                       lambda: device_pool.runtime.set_device(device_pool.device))
+        if self.states is not None and settings.write_policy is WritePolicy.WRITE_THROUGH:
+            self.tiers.on_state_left = lambda nodes: self._controller.request_backup(nodes, None)
         self.storage = storage
         self._storage = StorageTier(storage, host_pool, self.tiers, self.metrics, self._lock, settings,
                                     self._decide_storage) if storage is not None else None
@@ -201,8 +206,9 @@ class KVCache:
                     self.metrics.add("hits", 1, tier)
                     self.metrics.add("hit_tokens", count, tier)
             if self.settings.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+                threshold = self.settings.write_through_threshold
                 hot = [n for n in match.last_device_node.path()
-                       if n.host is None and n.hits >= self.settings.write_through_threshold]
+                       if (n.host is None or Tiers.state_unsaved(n)) and n.hits >= threshold]
                 if hot:
                     self._controller.request_backup([hot[0]], self._markers(CURRENT))
             return match

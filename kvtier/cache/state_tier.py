@@ -50,14 +50,20 @@ def interleaved_layers(kv_layers: int, state_layers: int) -> LayerMap:
 
 def check_layer_map(layer_map: Sequence[tuple[str, int]], kv_layers: int, state_layers: int) -> LayerMap:
     """A layer map must name every KV layer and every state layer exactly once."""
-    layers = tuple((str(kind), int(index)) for kind, index in layer_map)
+    if isinstance(layer_map, (str, bytes, dict)) or not isinstance(layer_map, Sequence):
+        raise InvalidArgument(f"layer_map must be a sequence of ({KV!r} | {STATE!r}, index) pairs, got {layer_map!r}")
+    layers = []
+    for i, entry in enumerate(layer_map):
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2 or entry[0] not in (KV, STATE) or \
+                isinstance(entry[1], (bool, np.bool_)) or not isinstance(entry[1], (int, np.integer)):
+            raise InvalidArgument(f"layer_map[{i}] = {entry!r}: each model layer is ({KV!r} | {STATE!r}, an integer "
+                                  f"layer index)")
+        layers.append((str(entry[0]), int(entry[1])))
     for kind, count in ((KV, kv_layers), (STATE, state_layers)):
         got = sorted(index for k, index in layers if k == kind)
         if got != list(range(count)):
             raise InvalidArgument(f"layer_map must name each of the {count} {kind} layers once, got {got}")
-    if len(layers) != kv_layers + state_layers:
-        raise InvalidArgument(f"layer_map kinds must be {KV!r} or {STATE!r}, got {sorted({k for k, _ in layers})}")
-    return layers
+    return tuple(layers)
 
 
 class StateTier:

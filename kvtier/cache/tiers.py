@@ -51,6 +51,9 @@ class Tiers:
         self.held_host = 0
         """Host pages in use outside the tree: read into by a prefetch, or dropped from it while storage reads them."""
         self.on_backed_up: Callable[[list[Node]], None] | None = None
+        self.on_state_left: Callable[[list[Node]], None] | None = None
+        """Called (under the lock) with nodes a completed backup left with a device-only snapshot: adopted while
+        the backup of their KV ran, so no backup took them (write-through asks for another)."""
         """Called (under the lock) with the nodes of each backup that completes: write-through to storage."""
         self.states = states
 
@@ -102,7 +105,7 @@ class Tiers:
             if not victims:
                 break
             if tier == "device" and self.settings.write_policy is WritePolicy.WRITE_BACK:
-                self.backup_now([v for v in victims if v.host is None or self._state_unsaved(v)])
+                self.backup_now([v for v in victims if v.host is None or self.state_unsaved(v)])
             released: list[np.ndarray] = []
             dropped = 0
             for victim in victims:
@@ -153,7 +156,7 @@ class Tiers:
 
     def evict_device_states(self, need: int) -> int:
         if self.settings.write_policy is WritePolicy.WRITE_BACK and self.states is not None:
-            self.backup_now([n for n in self.states.lru("device", need) if self._state_unsaved(n)])
+            self.backup_now([n for n in self.states.lru("device", need) if self.state_unsaved(n)])
         return self.evict_states("device", need)
 
     def evict_states(self, tier: str, need: int) -> int:
@@ -232,12 +235,12 @@ class Tiers:
                 seen.add(node.id)
                 if node.host is None:
                     chain.append(node)
-                if self._state_unsaved(node) and node.writing is None:
+                if self.state_unsaved(node) and node.writing is None:
                     stated.append(node)
         return chain, stated
 
     @staticmethod
-    def _state_unsaved(node: Node) -> bool:
+    def state_unsaved(node: Node) -> bool:
         return node.device_state is not None and node.host_state is None
 
     def _host_room(self, pages: int, slots: int, nodes: int) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -313,6 +316,9 @@ class Tiers:
                         node.state_written = None
                 if self.on_backed_up is not None:
                     self.on_backed_up(nodes)
+                left = [n for n in nodes if n.alive and n.writing is None and self.state_unsaved(n)]
+                if left and self.on_state_left is not None:
+                    self.on_state_left(left)
             self.metrics.add("bytes", op.nbytes, op.kind)
             self.metrics.add("pages", len(op.device_pages), op.kind)
             if len(op.state_device):

@@ -70,11 +70,12 @@ def hot_swap_in(memory: Any, state: tuple[int, ...], host: tuple[int, ...], dev:
         result = _read(memory, out + 8 * b * k, k, np.int64)
         dloc = _read(memory, device_locs_p + 8 * req * (n_slots + 1), n_slots + 1, np.int64)
         valid = (top >= 0) & (top < seq)
-        if seq <= n_slots:
-            result[:] = np.where(valid, dloc[np.where(valid, top, 0)], -1)
-            continue
         row = req * state_layers + layer
         slot_tokens = _read(memory, slot_tokens_p + 4 * row * (n_slots + 1), n_slots + 1, np.int32)
+        if seq <= n_slots:
+            safe = np.where(valid, top, 0)
+            result[:] = np.where(valid & (slot_tokens[safe] == safe), dloc[safe], -1)
+            continue
         lru = _read(memory, lru_p + 4 * row * n_slots, n_slots, np.int32)
         token_slot = _read(memory, token_slot_p + 4 * row * max_tokens, max_tokens, np.int32)
         _read(memory, next_p + 4 * req * n_slots, n_slots, np.int32)

@@ -193,7 +193,7 @@ KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i32_w1, int, 1)
 // pool. Given a step's top-k token ids, hits keep their slot and move to the most-recent end of the LRU order, misses
 // take the least-recent slots no top-k token holds (in top-k order) and are copied host -> device, and `out` gets the
 // device row of every top-k entry (-1 for entries outside [0, seq_len)). A sequence no longer than n_slots is wholly
-// resident (token t in slot t): no copy, no state change. One block per request; state rows are request * layers +
+// resident (token t in slot t): no copy, no state change (-1 where a slot holds another token since). One block per request; state rows are request * layers +
 // layer; `flags` is all zero between launches.
 struct HotState {
     int* slot_tokens;        // [rows][n_slots + 1]
@@ -242,15 +242,15 @@ __device__ void hot_swap_in(HotState s, Side host, Side dev, const int* topk, co
     const int* top = topk + (i64)b * k;
     i64* result = out + (i64)b * k;
     const i64* dloc = s.device_locs + req * (n_slots + 1);
-    if (seq <= n_slots) {
+    const i64 row = req * state_layers + layer;
+    int* slot_tokens = s.slot_tokens + row * (n_slots + 1);
+    if (seq <= n_slots) {  // a row that no longer holds its token (swaps since, no assign) is never served
         for (int i = tid; i < k; i += threads) {
             const int t = top[i];
-            result[i] = (t >= 0 && t < seq) ? dloc[t] : -1;
+            result[i] = (t >= 0 && t < seq && slot_tokens[t] == t) ? dloc[t] : -1;
         }
         return;
     }
-    const i64 row = req * state_layers + layer;
-    int* slot_tokens = s.slot_tokens + row * (n_slots + 1);
     int* lru = s.lru + row * n_slots;
     int* next = s.lru_next + req * n_slots;
     int* token_slot = s.token_slot + row * max_tokens;

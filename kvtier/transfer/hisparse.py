@@ -64,6 +64,8 @@ class HotBuffer:
         self._closed = False
         self._host_locs = np.full((self.requests, self.max_tokens), -1, np.int64)
         self._device_locs = np.full((self.requests, self.slots + 1), -1, np.int64)
+        self._spilled = np.zeros(self.requests, dtype=bool)
+        self._assigned = np.zeros(self.requests, dtype=bool)
         if device_pool.pages >= self.requests * (self.slots + 1):  # the documented default rows, where they fit
             self._device_locs[:] = np.arange(self.requests * (self.slots + 1)).reshape(self.requests, -1)
         self._owned = Owned()
@@ -113,11 +115,31 @@ class HotBuffer:
             if rows.size != self.slots + 1 or np.unique(rows).size != rows.size:
                 raise InvalidArgument(f"a request needs {self.slots + 1} distinct device rows, got {rows.size}")
             self.device_pool.check_pages(rows, "device row")
+            others = np.arange(self.requests) != request
+            holders = np.flatnonzero(np.isin(self._device_locs, rows).any(axis=1) & others)
+            claimed = [int(h) for h in holders if self._assigned[h]]
+            if claimed:
+                raise InvalidArgument(f"device rows {np.intersect1d(rows, self._device_locs[claimed[0]])[:4].tolist()} "
+                                      f"belong to request {claimed[0]}: two requests would overwrite each other's "
+                                      f"hot rows (release({claimed[0]}) first)")
+            self._device_locs[holders] = -1      # unassigned requests lose default rows another takes
             target = self.runtime.current_stream(self.device) if stream is None else self.runtime.as_stream(stream)
             self._host_locs[request] = -1
             self._host_locs[request, :host.size] = host
             self._device_locs[request] = rows
+            self._spilled[request] = False
+            self._assigned[request] = True
             self._reset(request, target)
+
+    def release(self, request: int) -> None:
+        """Take ``request``'s device rows and host units away (its rows may then go to another request); it cannot
+        swap in until assigned again."""
+        with self._lock:
+            self._check_open()
+            request = integer(request, "request", low=0, high=self.requests)
+            self._device_locs[request] = -1
+            self._host_locs[request] = -1
+            self._spilled[request] = self._assigned[request] = False
 
     def _reset_arrays(self, request: int) -> list[tuple[str, np.ndarray]]:
         """(state buffer, the request's contiguous bytes there) of a fresh LRU state: token t in row t."""
@@ -206,6 +228,11 @@ class HotBuffer:
         for req, seq in zip(reqs.tolist(), seqs.tolist(), strict=True):
             if seq > self.slots and (self._host_locs[req, :seq - 1] < 0).any():
                 raise InvalidArgument(f"request {req} has {seq} tokens but host units for fewer: assign() them")
+            if seq <= self.slots and self._spilled[req]:
+                raise InvalidArgument(f"request {req} is back to {seq} tokens after swap-ins moved other tokens into "
+                                      f"its rows (a rollback): assign() it again so token t is in row t")
+        self._spilled[reqs[seqs > self.slots]] = True
+        top = np.where((top < -(1 << 31)) | (top >= 1 << 31), -1, top)   # out of [0, seq_len) as int32 too
         # one ring per native stream: wrappers of the same stream (torch's current stream, the legacy stream: handle
         # 0) are new objects at every call, so their id would allocate a ring per step
         key = (stream.device, stream.handle)
@@ -228,6 +255,11 @@ class HotBuffer:
             reqs, seqs = index_array(requests, "requests"), index_array(seq_lens, "seq_lens")
             if reqs.size != seqs.size or (reqs.size and (reqs.min() < 0 or reqs.max() >= self.requests)):
                 raise InvalidArgument("requests and seq_lens must match and name assigned requests")
+            if np.unique(reqs).size != reqs.size:
+                raise InvalidArgument("a request appears twice in one backup_newest: its newest row would be copied "
+                                      "over an older token's host KV")
+            if (self._device_locs[reqs] < 0).any():
+                raise InvalidArgument("backup_newest of a request with no device rows: assign() it first")
             if seqs.size and (seqs.min() <= self.slots or seqs.max() > self.max_tokens):
                 raise InvalidArgument(f"only sequences longer than the {self.slots} slots have a newest-token row")
             host = self._host_locs[reqs, seqs - 1]
