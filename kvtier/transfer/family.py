@@ -269,9 +269,7 @@ class FamilyEngine:
         part and run of consecutive layers."""
         parts = self._parts(unit)
         position = [{layer: i for i, layer in enumerate(part.layers)} for part, _, _ in parts]
-        groups = [[(layer, 1)] for layer in layers] if per_layer else [[(layers[0], len(layers))]] if layers else []
-        if not per_layer:
-            groups = [layer_spans(layers, False)]
+        groups = [[(layer, 1)] for layer in layers] if per_layer else [layer_spans(layers, False)]
         for group in groups:
             for (part, device_side, host_side), where in zip(parts, position, strict=True):
                 spans = [(where[layer], 1) for begin, n in group for layer in range(begin, begin + n) if layer in where]
