@@ -183,7 +183,7 @@ def swap_in_latency(runtime, small: bool, steps: int) -> list[dict]:
                             "median_us": statistics.median(times), "p90_us": float(np.percentile(times, 90)),
                             "missing_rows": int(k * fraction) if seq == t else 0,
                             "call_us": statistics.median(calls)})
-            stream.close()
+        stream.close()
     return out
 
 

@@ -578,3 +578,16 @@ def test_assign_queues_the_reset_without_synchronizing_the_device(runtime, monke
         monkeypatch.undo()
         s.lru[(0, 0)] = Lru(s.N)
         s.check_memory()
+
+
+def test_closing_after_the_callers_stream_is_gone(runtime):
+    """The buffer keeps an input ring per caller stream; closing it must not touch a stream the caller destroyed
+    (the H200 segfaulted in cudaStreamSynchronize on the destroyed handle)."""
+    with setup(runtime, "mla", "page_first", requests=1) as s:
+        stream = runtime.create_stream(0)
+        top = s.random_topk(0, 0, s.N + 3)
+        out = s.hb.swap_in(0, [0], np.array([top], np.int32), [s.N + 3], stream=stream)
+        stream.synchronize()
+        s.check(out, s.expect(0, [0], [top], [s.N + 3]))
+        stream.close()
+        s.hb.close()

@@ -167,7 +167,11 @@ class EmulatedStream(Stream):
         return EmulatedGraph(self.device, ops)
 
     def synchronize(self) -> None:
+        """A destroyed stream's handle is invalid (CUDA may crash on it; the H200 segfaulted): raise instead."""
         with self.scheduler.lock:
+            if self.closed:
+                raise RuntimeCallError("cudaStreamSynchronize", "cudaErrorInvalidResourceHandle",
+                                       f"stream {self.handle} on emulated device {self.device} is destroyed")
             self.scheduler.run_until(lambda: not self.pending, self, "cudaStreamSynchronize")
 
     def wait(self, event: Event) -> None:

@@ -297,9 +297,7 @@ class HotBuffer:
         if self._closed:
             return
         self.d2h.synchronize()
-        for ring in self._inputs.values():
-            ring.stream.synchronize()
-        self.runtime.synchronize(self.device)
+        self.runtime.synchronize(self.device)   # not the callers' streams: they may be destroyed by now
 
     def _check_open(self) -> None:
         if self._closed:
