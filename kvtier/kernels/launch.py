@@ -244,29 +244,43 @@ class KernelLauncher:
         """One launch per (first layer, layer count) span, ``after_each(begin, count)`` after each (a per-layer load
         records its layer events there). Shapes are checked and operands resolved once for all spans: a per-layer
         load of 61 layers is 61 launches that differ only in two integers."""
+        launch = self.prepare(call, spans, device=device, max_blocks=max_blocks, threads=threads)
+        for begin, count in spans:
+            launch(begin, count, stream)
+            if after_each is not None:
+                after_each(begin, count)
+
+    def prepare(self, call: ChunkCopy, spans: Sequence[tuple[int, int]], *, device: int, max_blocks: int = 2,
+                threads: int = MAX_THREADS) -> Callable[[int, int, Stream], None]:
+        """Check ``call`` for every span and resolve its operands once; returns ``launch(begin, count, stream)``,
+        which starts the copy of layers [begin, +count) — one of ``spans`` — at the cost of packing two integers.
+        Engines that interleave several copies per layer (a state's tensors, a row's regions) prepare each once."""
         for begin, count in spans:
             replace(call, layer_begin=begin, n_layers=count).validate()
         if max_blocks < 1 or threads < 32 or threads > self.max_threads or threads % 32:
             raise KvtierError(f"launch of {max_blocks} blocks x {threads} threads: need >=1 block and 32..1024 "
                               f"threads in whole warps")
+        allowed = set(spans)
         if call.n_units == 0 or not spans:
-            return
+            return lambda begin, count, stream: None
         call = replace(call, n_layers=max(count for _, count in spans)).in_pieces()
         width = min(call.width, *(self._entry_width(side.table) for side in (call.src, call.dst)))
         group = self._group(call.chunk_bytes, width)
         sides = [self._side(side, device) for side in (call.src, call.dst)]
         indices = [self.resolve(index, device, call.index_bytes) for index in (call.src_index, call.dst_index)]
         program, name = self.runtime.load_program(self.spec, device), copy_kernel(call.index_bytes, width)
-        for begin, count in spans:
-            if count:
-                rows = call.table_layers or begin + count
-                args: list[KernelArg] = [*sides, *indices, i64(call.n_units), i32(begin), i32(count),
-                                         i32(call.n_tensors), i32(rows), i32(call.n_pieces), i64(call.chunk_bytes),
-                                         i32(group)]
-                self.runtime.launch(program, name, grid=max_blocks, block=threads, args=args, stream=stream)
-            if after_each is not None:
-                after_each(begin, count)
+        head: list[KernelArg] = [*sides, *indices, i64(call.n_units)]
+        shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(group))
 
+        def launch(begin: int, count: int, stream: Stream) -> None:
+            if (begin, count) not in allowed:
+                raise KvtierError(f"layers [{begin}, +{count}) were not among the spans this copy was prepared for")
+            if count:
+                rows = i32(call.table_layers or begin + count)
+                args: list[KernelArg] = [*head, i32(begin), i32(count), shape[0], rows, *shape[1:]]
+                self.runtime.launch(program, name, grid=max_blocks, block=threads, args=args, stream=stream)
+
+        return launch
 
     def _group(self, chunk_bytes: int, width: int) -> int:
         group = chunk_group(chunk_bytes // width, self.unroll)

@@ -266,21 +266,27 @@ class FamilyEngine:
     def _launch(self, direction: str, unit: str, indices: list[Any], count: int, layers: list[int], per_layer: bool,
                 stream: Stream, marks: dict[int, Any] | None = None) -> None:
         """Per-layer: for each model layer, every part that has it, then the layer's event. Otherwise one launch per
-        part and run of consecutive layers."""
-        parts = self._parts(unit)
-        position = [{layer: i for i, layer in enumerate(part.layers)} for part, _, _ in parts]
+        part and run of consecutive layers. Each part's copy is checked and resolved once (``prepare``); a layer
+        costs its launches only."""
         groups = [[(layer, 1)] for layer in layers] if per_layer else [layer_spans(layers, False)]
+        chosen = set(layers)
+        launches = []
+        for part, device_side, host_side in self._parts(unit):
+            where = {layer: i for i, layer in enumerate(part.layers)}
+            spans = layer_spans([where[layer] for layer in layers if layer in where], per_layer)
+            src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
+            call = ChunkCopy(src, dst, indices[0], indices[1], self.index_bytes, count, 0, len(part.layers),
+                             part.pieces, part.chunk_bytes, 1, len(part.layers))
+            launch = self.launcher.prepare(call, spans, device=self.device, max_blocks=self.max_blocks,
+                                           threads=self.threads)
+            launches.append((launch, where, dict(spans)))
         for group in groups:
-            for (part, device_side, host_side), where in zip(parts, position, strict=True):
-                spans = [(where[layer], 1) for begin, n in group for layer in range(begin, begin + n) if layer in where]
-                if not spans:
-                    continue
-                spans = layer_spans([s for s, _ in spans], per_layer)
-                src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
-                call = ChunkCopy(src, dst, indices[0], indices[1], self.index_bytes, count, 0, len(part.layers),
-                                 part.pieces, part.chunk_bytes, 1, len(part.layers))
-                self.launcher.copy_layer_spans(call, spans, device=self.device, stream=stream,
-                                               max_blocks=self.max_blocks, threads=self.threads)
+            for launch, where, starts in launches:
+                positions = [where[layer] for begin, n in group for layer in range(begin, begin + n)
+                             if layer in where and layer in chosen]
+                for position in positions:
+                    if position in starts:
+                        launch(position, starts[position], stream)
             if marks is not None:
                 for begin, n in group:
                     for layer in range(begin, begin + n):
