@@ -298,9 +298,28 @@ class Runtime:
             raise InvalidArgument("memcpy_runs_async: offsets and sizes must be non-negative")
         self._memcpy_runs(dst, arrays[0], src, arrays[1], arrays[2], stream, batched)
 
+    def segments(self, base: Address, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray | None:
+        """Per copy, which host registration (or allocation) of ``base``'s span it lies in, when ``base`` is a CPU
+        address over several: one strided copy may not cross from one to the next (cudaMemcpy2DAsync refuses it
+        with cudaErrorInvalidValue, as a single copy would). None when there is nothing to cross."""
+        if not isinstance(base, CpuAddress) or not offsets.size:
+            return None
+        lo, hi = int(offsets.min()), int((offsets + sizes).max())
+        with self._lock:
+            edges = self._host.edges(base.value + lo, base.value + hi)
+        if not edges:
+            return None
+        return np.searchsorted(np.asarray(edges, dtype=np.int64) - base.value, offsets, side="right")
+
+    def groups(self, dst: Address, dst_offsets: np.ndarray, src: Address, src_offsets: np.ndarray,
+               sizes: np.ndarray) -> np.ndarray:
+        """:func:`strided_groups` that never cross a host registration boundary on either side."""
+        return strided_groups(dst_offsets, src_offsets, sizes, self.segments(dst, dst_offsets, sizes),
+                              self.segments(src, src_offsets, sizes))
+
     def _memcpy_runs(self, dst: Address, dst_offsets: np.ndarray, src: Address, src_offsets: np.ndarray,
                      sizes: np.ndarray, stream: Stream, batched: bool) -> None:
-        for first, count, dst_pitch, src_pitch in strided_groups(dst_offsets, src_offsets, sizes).tolist():
+        for first, count, dst_pitch, src_pitch in self.groups(dst, dst_offsets, src, src_offsets, sizes).tolist():
             width = int(sizes[first])
             if count == 1:
                 self.memcpy_async(dst + int(dst_offsets[first]), src + int(src_offsets[first]), width, stream=stream)
@@ -422,16 +441,21 @@ class Runtime:
         return f"<{type(self).__name__} {self.name}>"
 
 
-def strided_groups(dst_offsets: np.ndarray, src_offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+def strided_groups(dst_offsets: np.ndarray, src_offsets: np.ndarray, sizes: np.ndarray,
+                   dst_segments: np.ndarray | None = None, src_segments: np.ndarray | None = None) -> np.ndarray:
     """Consecutive copies that form one strided copy: rows ``(first, count, dst_pitch, src_pitch)``. A group's copies
     have one size and are evenly spaced, forwards, at least a size apart, on both sides (what a 2D copy can express);
     a copy that fits no group is a group of one. Vectorised (a load of 2,048 pages × 64 layer tensors is one pass):
-    a group ends where the next copy does not link, or where the spacing changes after a link."""
+    a group ends where the next copy does not link, or where the spacing changes after a link. ``*_segments`` (one id
+    per copy) keep a group within one segment: a registration a strided copy may not leave."""
     n = sizes.size
     if n < 2:
         return np.array([[0, n, 0, 0]] if n else [], dtype=np.int64).reshape(-1, 4)
     dst_step, src_step = np.diff(dst_offsets), np.diff(src_offsets)
     links = (sizes[1:] == sizes[:-1]) & (sizes[:-1] > 0) & (dst_step >= sizes[:-1]) & (src_step >= sizes[:-1])
+    for segment in (dst_segments, src_segments):
+        if segment is not None:
+            links &= segment[1:] == segment[:-1]
     breaks = ~links
     breaks[1:] |= links[:-1] & ((dst_step[1:] != dst_step[:-1]) | (src_step[1:] != src_step[:-1]))
     first = np.concatenate(([0], np.flatnonzero(breaks) + 1))

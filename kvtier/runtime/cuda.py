@@ -26,7 +26,6 @@ from kvtier.runtime.base import (
     PointerAttributes,
     Runtime,
     Stream,
-    strided_groups,
 )
 from kvtier.runtime.program import KernelArg, Program, ProgramSpec, pack_parameters
 
@@ -280,7 +279,7 @@ class CudaRuntime(Runtime):
                 check((status,), "cudaMemcpyBatchAsync")
             else:
                 return
-        groups = strided_groups(dst_offsets, src_offsets, sizes)
+        groups = self.groups(dst, dst_offsets, src, src_offsets, sizes)
         first = groups[:, 0]
         kind, native = self._memcpy_default, stream.native
         for d, s, n, count, dst_pitch, src_pitch in zip((dst.value + dst_offsets[first]).tolist(),

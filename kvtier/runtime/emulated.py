@@ -290,6 +290,14 @@ class EmulatedRuntime(Runtime):
             if self._pageable(dst):
                 queue.synchronize()
 
+    def _memcpy_2d_async(self, dst: Address, dst_pitch: int, src: Address, src_pitch: int, width: int, height: int,
+                         stream: Stream) -> None:
+        """As cudaMemcpy2DAsync: the whole extent of each side (first row to the end of the last) must lie in one
+        registration, not only each row (the H200 refused a 2D copy across two with cudaErrorInvalidValue)."""
+        for address, pitch in ((dst, dst_pitch), (src, src_pitch)):
+            self._locate(address, (height - 1) * pitch + width, "cudaMemcpy2DAsync")
+        super()._memcpy_2d_async(dst, dst_pitch, src, src_pitch, width, height, stream)
+
     # -- streams and events ----------------------------------------------------------------------------------------
     def create_stream(self, device: int | None = None) -> EmulatedStream:
         device = self.current_device() if device is None else self.check_device(device)

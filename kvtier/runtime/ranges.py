@@ -59,6 +59,19 @@ class RangeIndex(Generic[T]):
         self._ranges.insert(i, entry)
         return entry
 
+    def edges(self, start: int, end: int) -> list[int]:
+        """Every range start and end strictly inside (start, end): where a copy spanning the interval would cross
+        from one range to another."""
+        i = bisect.bisect_right(self._starts, start)
+        out = [] if not i or self._ranges[i - 1].end >= end or self._ranges[i - 1].end <= start else \
+            [self._ranges[i - 1].end]
+        while i < len(self._ranges) and self._ranges[i].start < end:
+            out.append(self._ranges[i].start)
+            if self._ranges[i].end < end:
+                out.append(self._ranges[i].end)
+            i += 1
+        return sorted(set(out))
+
     def find(self, address: int, nbytes: int = 1) -> Range[T] | None:
         """The range holding all of [address, address + nbytes), or None."""
         i = bisect.bisect_right(self._starts, address)
