@@ -36,6 +36,9 @@ if want sanitizer; then
     KVTIER_KERNELS=aot compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
         -m gpu tests/test_transfer.py tests/test_kernels.py -k "cuda and (kernel and fp8 or odd_shapes)" 2>&1 \
         | tail -40 | tee "$OUT/sanitizer.log" || status=1
+    KVTIER_KERNELS=aot compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 python3 -m pytest -q \
+        -p no:cacheprovider -m gpu tests/test_families.py tests/test_hisparse.py -k cuda 2>&1 | tail -5 \
+        | tee -a "$OUT/sanitizer.log" || status=1
 fi
 if want spans; then
     python3 bench/registration_span.py --json "$OUT/registration_span.json" 2>&1 | tee "$OUT/registration_span.txt" \
