@@ -15,7 +15,6 @@ into a staging area, then large DMAs), ``direct`` (one memcpy per contiguous run
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +29,18 @@ from kvtier.pools import DevicePool, HostPool
 from kvtier.runtime import Graph, Stream
 from kvtier.transfer.dma import BatchBackend, DirectBackend
 from kvtier.transfer.indices import IndexRing, arena_bytes
-from kvtier.transfer.job import CURRENT, D2H, H2D, Backend, Context, Job, Transfer, checked_layers, order_after
+from kvtier.transfer.job import (
+    CURRENT,
+    D2H,
+    H2D,
+    Backend,
+    Context,
+    Job,
+    PoolUser,
+    Transfer,
+    checked_layers,
+    order_after,
+)
 from kvtier.transfer.kernel import KernelBackend
 from kvtier.transfer.plan import index_values, plan_for
 from kvtier.transfer.staged import StagedBackend
@@ -106,7 +116,7 @@ class CapturedLoad:
             self.stream.close()
 
 
-class TransferEngine:
+class TransferEngine(PoolUser):
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, backend: str = "kernel",
                  max_blocks: int = 2, threads: int = 1024, index_bytes: int = 8,
                  launcher: KernelLauncher | None = None, staging_bytes: int = 256 << 20,
@@ -121,8 +131,7 @@ class TransferEngine:
         self.runtime, self.device = device_pool.runtime, device_pool.device
         self.geometry, self.plan = device_pool.geometry, plan_for(device_pool.geometry, host_pool.strides)
         self.max_blocks, self.threads, self.index_bytes = settings.max_blocks, settings.threads, settings.index_bytes
-        self._lock = threading.RLock()
-        self._closed = False
+        self._start(device_pool, host_pool)
         self._captures: weakref.WeakSet[CapturedLoad] = weakref.WeakSet()
         self.streams = {D2H: self.runtime.create_stream(self.device), H2D: self.runtime.create_stream(self.device)}
         ring_bytes = settings.index_ring_bytes or arena_bytes(self.plan.units_per_page * device_pool.pages,
@@ -137,8 +146,7 @@ class TransferEngine:
             for stream in self.streams.values():
                 stream.close()
             raise
-        device_pool.add_user(self)
-        host_pool.add_user(self)
+        self._attach()
 
     # -- public operations ----------------------------------------------------------------------------------------
     def backup(self, device_pages: Any, host_pages: Any, *, after: Any = CURRENT) -> Transfer:
@@ -193,40 +201,14 @@ class TransferEngine:
             for captured in list(self._captures):
                 captured.drain()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        """Wait for queued transfers, then free the engine's tables, rings and streams. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            try:
-                self.drain()
-            finally:
-                self._closed = True
-                self.device_pool.remove_user(self)
-                self.host_pool.remove_user(self)
-                for captured in list(self._captures):
-                    captured.close()
-                self._backend.close()
-                for stream in self.streams.values():
-                    stream.close()
-
-    def __enter__(self) -> TransferEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _release(self) -> None:
+        for captured in list(self._captures):
+            captured.close()
+        self._backend.close()
+        for stream in self.streams.values():
+            stream.close()
 
     # -- internals --------------------------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosed("this TransferEngine is closed")
-        self.device_pool.check_open()
-        self.host_pool.check_open()
-
     def _pages(self, device_pages: Any, host_pages: Any, direction: str) -> tuple[np.ndarray, np.ndarray]:
         dev, host = index_array(device_pages, "device_pages"), index_array(host_pages, "host_pages")
         if dev.size != host.size:

@@ -8,7 +8,6 @@ stream unless ``after`` says otherwise; one lock around queuing, so threads may 
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.checks import index_array, integer
-from kvtier.errors import BufferClosed, InvalidArgument
+from kvtier.errors import InvalidArgument
 from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
 from kvtier.memory import HostKind
 from kvtier.memory.lifetime import Owned
@@ -25,11 +24,11 @@ from kvtier.pools.family import FamilyDevicePool, FamilyHostPool, Part
 from kvtier.runtime import Graph, Stream
 from kvtier.transfer.engine import CapturedLoad
 from kvtier.transfer.indices import IndexRing, arena_bytes
-from kvtier.transfer.job import CURRENT, D2H, H2D, Transfer, checked_layers, order_after
+from kvtier.transfer.job import CURRENT, D2H, H2D, PoolUser, Transfer, checked_layers, order_after
 from kvtier.transfer.plan import layer_spans
 
 
-class FamilyEngine:
+class FamilyEngine(PoolUser):
     def __init__(self, device_pool: FamilyDevicePool, host_pool: FamilyHostPool, *, max_blocks: int = 2,
                  threads: int = 1024, index_bytes: int = 8, launcher: KernelLauncher | None = None,
                  index_ring_bytes: int | None = None) -> None:
@@ -49,8 +48,7 @@ class FamilyEngine:
         self.device_pool, self.host_pool, self.index_bytes = device_pool, host_pool, index_bytes
         self.geometry, self.runtime, self.device = device_pool.geometry, device_pool.runtime, device_pool.device
         self.launcher = launcher or KernelLauncher(self.runtime)
-        self._lock = threading.RLock()
-        self._closed = False
+        self._start(device_pool, host_pool)
         self._captures: weakref.WeakSet[CapturedLoad] = weakref.WeakSet()
         self._owned = Owned()
         with self._owned.building() as owned:
@@ -68,8 +66,7 @@ class FamilyEngine:
                                                     part.units_per_page)
                                           for t, p in zip(tables, (placement, host), strict=True))
                 self._sides[part.name] = (part, device_side, host_side)
-        device_pool.add_user(self)
-        host_pool.add_user(self)
+        self._attach()
 
     @property
     def default_unit(self) -> str:
@@ -165,38 +162,12 @@ class FamilyEngine:
             for captured in list(self._captures):
                 captured.drain()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        """Wait for queued transfers, then free tables, rings and streams. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            try:
-                self.drain()
-            finally:
-                self._closed = True
-                self.device_pool.remove_user(self)
-                self.host_pool.remove_user(self)
-                for captured in list(self._captures):
-                    captured.close()
-                self._owned.close()
-
-    def __enter__(self) -> FamilyEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _release(self) -> None:
+        for captured in list(self._captures):
+            captured.close()
+        self._owned.close()
 
     # -- internals --------------------------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosed("this FamilyEngine is closed")
-        self.device_pool.check_open()
-        self.host_pool.check_open()
-
     def _parts(self, unit: str) -> list[tuple[Part, ChunkSide, ChunkSide]]:
         return [sides for sides in self._sides.values() if sides[0].unit == unit]
 

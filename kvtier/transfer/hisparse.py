@@ -16,26 +16,25 @@ token ids, -1 for padding; an entry outside [0, seq_len) gets row -1.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 
 from kvtier.checks import index_array, integer
-from kvtier.errors import BufferClosed, InvalidArgument
+from kvtier.errors import InvalidArgument
 from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher, SwapIn
 from kvtier.memory import DeviceBuffer, HostBuffer, HostKind
 from kvtier.memory.lifetime import Owned
 from kvtier.pools import DevicePool, HostPool, build_pointer_table, device_strides
 from kvtier.runtime import Stream
 from kvtier.transfer.indices import IndexRing
-from kvtier.transfer.job import CURRENT, Transfer, order_after
+from kvtier.transfer.job import CURRENT, PoolUser, Transfer, order_after
 from kvtier.transfer.plan import plan_for
 
 STATE = ("slot_tokens", "lru", "lru_next", "token_slot", "flags", "miss_src", "miss_dst", "host_locs", "device_locs")
 
 
-class HotBuffer:
+class HotBuffer(PoolUser):
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, requests: int, slots: int, top_k: int,
                  max_tokens: int, launcher: KernelLauncher | None = None, threads: int = 1024) -> None:
         """``device_pool``: rows (page size 1) of the same kind, layers and row as ``host_pool``; request r's rows
@@ -60,8 +59,7 @@ class HotBuffer:
         self.device_pool, self.host_pool, self.geometry = device_pool, host_pool, g
         self.runtime, self.device, self.threads = device_pool.runtime, device_pool.device, threads
         self.launcher = launcher or KernelLauncher(self.runtime)
-        self._lock = threading.RLock()
-        self._closed = False
+        self._start(device_pool, host_pool)
         self._host_locs = np.full((self.requests, self.max_tokens), -1, np.int64)
         self._device_locs = np.full((self.requests, self.slots + 1), -1, np.int64)
         self._spilled = np.zeros(self.requests, dtype=bool)
@@ -94,8 +92,7 @@ class HotBuffer:
         self._staged: Any = None
         for request in range(r):
             self._reset(request)
-        device_pool.add_user(self)
-        host_pool.add_user(self)
+        self._attach()
 
     # -- set-up ------------------------------------------------------------------------------------------------------
     def assign(self, request: int, host_tokens: Any, device_rows: Any = None, *, stream: Any = None) -> None:
@@ -299,30 +296,8 @@ class HotBuffer:
         self.d2h.synchronize()
         self.runtime.synchronize(self.device)   # not the callers' streams: they may be destroyed by now
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosed("this HotBuffer is closed")
-        self.device_pool.check_open()
-        self.host_pool.check_open()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            try:
-                self.drain()
-            finally:
-                self._closed = True
-                self.device_pool.remove_user(self)
-                self.host_pool.remove_user(self)
-                self._owned.close()
-
-    def __enter__(self) -> HotBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
+    def _release(self) -> None:
+        self._owned.close()
 
 def _is_device(operand: Any) -> bool:
     return isinstance(operand, DeviceBuffer) or getattr(getattr(operand, "device", None), "type", None) == "cuda"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.checks import index_array
-from kvtier.errors import InvalidArgument
+from kvtier.errors import BufferClosed, InvalidArgument
 from kvtier.kernels import KernelLauncher
 from kvtier.pools import DevicePool, HostPool
 from kvtier.pools.geometry import KVGeometry
@@ -154,3 +155,58 @@ class Backend:
 
     def close(self) -> None:
         """Free what the backend owns; the engine drained everything before."""
+
+
+class PoolUser:
+    """What every engine over a device pool and a host pool shares: it is their user (closing either waits for its
+    work), queues under one lock, and closes once — draining first, then letting go of the pools and freeing what it
+    owns (``_release``). Subclasses say how to drain."""
+
+    device_pool: Any
+    host_pool: Any
+
+    def _start(self, device_pool: Any, host_pool: Any) -> None:
+        """First thing in ``__init__``."""
+        self._lock = threading.RLock()
+        self._closed = False
+        self.device_pool, self.host_pool = device_pool, host_pool
+
+    def _attach(self) -> None:
+        """Last thing in ``__init__``, once nothing can fail: the pools now wait for this engine when they close."""
+        self.device_pool.add_user(self)
+        self.host_pool.add_user(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def drain(self) -> None:
+        raise NotImplementedError("need drain")
+
+    def _release(self) -> None:
+        """Free what the engine owns (tables, rings, streams); everything queued has finished."""
+
+    def close(self) -> None:
+        """Wait for queued work, then free what the engine owns. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self.drain()
+            finally:
+                self._closed = True
+                self.device_pool.remove_user(self)
+                self.host_pool.remove_user(self)
+                self._release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosed(f"this {type(self).__name__} is closed")
+        self.device_pool.check_open()
+        self.host_pool.check_open()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
