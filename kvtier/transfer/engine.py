@@ -187,19 +187,11 @@ class TransferEngine(PoolUser):
             self._captures.add(captured)
             return captured
 
-    def synchronize(self) -> None:
-        """Wait for every transfer queued so far (and every replay of a captured load)."""
-        self.drain()
-
     def drain(self) -> None:
         with self._lock:
-            if self._closed:
-                return
-            for stream in self.streams.values():
-                stream.synchronize()
-            self._backend.drain()
-            for captured in list(self._captures):
-                captured.drain()
+            if not self._closed:
+                self._drain_streams()
+                self._backend.drain()
 
     def _release(self) -> None:
         for captured in list(self._captures):

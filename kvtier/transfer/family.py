@@ -150,17 +150,10 @@ class FamilyEngine(PoolUser):
             self._captures.add(captured)
             return captured
 
-    def synchronize(self) -> None:
-        self.drain()
-
     def drain(self) -> None:
         with self._lock:
-            if self._closed:
-                return
-            for stream in self.streams.values():
-                stream.synchronize()
-            for captured in list(self._captures):
-                captured.drain()
+            if not self._closed:
+                self._drain_streams()
 
     def _release(self) -> None:
         for captured in list(self._captures):

@@ -287,9 +287,6 @@ class HotBuffer(PoolUser):
         return {"slot_tokens": tokens.copy(), "lru": lru.copy(), "device_rows": self._device_locs[request].copy()}
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
-    def synchronize(self) -> None:
-        self.drain()
-
     def drain(self) -> None:
         if self._closed:
             return

@@ -164,6 +164,8 @@ class PoolUser:
 
     device_pool: Any
     host_pool: Any
+    streams: dict[str, Stream]
+    _captures: Any
 
     def _start(self, device_pool: Any, host_pool: Any) -> None:
         """First thing in ``__init__``."""
@@ -180,8 +182,19 @@ class PoolUser:
     def closed(self) -> bool:
         return self._closed
 
+    def synchronize(self) -> None:
+        """Wait for everything queued so far (and every replay of a captured load)."""
+        self.drain()
+
     def drain(self) -> None:
         raise NotImplementedError("need drain")
+
+    def _drain_streams(self) -> None:
+        """Wait for the engine's own streams and captured loads (under the lock; nothing once closed)."""
+        for stream in self.streams.values():
+            stream.synchronize()
+        for captured in list(self._captures):
+            captured.drain()
 
     def _release(self) -> None:
         """Free what the engine owns (tables, rings, streams); everything queued has finished."""
