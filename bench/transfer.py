@@ -26,6 +26,8 @@ from rich.table import Table
 
 from kvtier.cli.doctor_probe import probe_bandwidth
 from kvtier.kernels import KernelLauncher
+from kvtier.kernels.launch import MAX_THREADS
+from kvtier.kernels.source import DEFAULT_UNROLL
 from kvtier.memory import HostBuffer, HostKind
 from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry
 from kvtier.runtime import ENV_VAR, get
@@ -212,8 +214,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="host layout, repeatable; default: all")
     parser.add_argument("--backend", action="append", choices=["kernel", "staged", "direct", "batch"],
                         help="io backend, repeatable; default: all")
-    parser.add_argument("--variants", default="", help="kernel specializations UNROLLxTHREADS to compare at 2 "
-                                                       "blocks on the first geometry, e.g. 4x1024,8x512,16x512")
+    parser.add_argument("--variants", default="", help="kernel specializations UNROLLxTHREADS[wWIDTH] to compare at "
+                                                       "2 blocks on the first geometry, e.g. 4x1024,8x512,8x1024w8 "
+                                                       "(WIDTH caps the bytes per access; the shipped 8x1024 runs "
+                                                       "the prebuilt kernels, others JIT)")
     parser.add_argument("--blocks", default="1,2,4,8,0", help="kernel SM budgets; 0 = one block per SM "
                                                               "(default: %(default)s)")
     parser.add_argument("--gib", type=float, help="GiB moved per measurement (default: 1; 1/64 on an emulated "
@@ -256,11 +260,14 @@ def run_layout(runtime, args, name, g, layout, backends, budgets, dev, pages, ce
             rows += measure(runtime, name, g, layout, backend, 0, dev, host, ceiling, pages, args.repeats,
                             console, slots_kind="contiguous")
     for variant in args.variants.split(",") if first and args.variants else []:
-        unroll, threads = (int(x) for x in variant.split("x"))
-        launcher = KernelLauncher(runtime, mode="jit", unroll=unroll, max_threads=threads)
+        shape, _, width = variant.partition("w")
+        unroll, threads = (int(x) for x in shape.split("x"))
+        shipped = (unroll, threads) == (DEFAULT_UNROLL, MAX_THREADS)
+        launcher = KernelLauncher(runtime, mode=None if shipped else "jit", unroll=unroll, max_threads=threads,
+                                  max_width=int(width or 16))
         for row in measure(runtime, name, g, layout, "kernel", 2, dev, host, ceiling, pages, args.repeats,
                            console, launcher=launcher, threads=threads):
-            row.backend = f"kernel u{unroll}x{threads}"
+            row.backend = f"kernel u{unroll}x{threads}" + (f"w{width}" if width else "")
             rows.append(row)
     if layout == "page_first_direct":
         extras["bidirectional"][name] = [bidirectional(runtime, g, dev, host, ceiling, pages, 2, backend)

@@ -49,6 +49,12 @@ def test_unknown_mode_and_specialized_aot_are_refused():
         kernel_image("sm_90", "aot", unroll=4)
 
 
+@pytest.mark.parametrize("max_width", [0, 3, 32])
+def test_an_access_width_the_kernels_lack_is_refused(split, max_width):
+    with pytest.raises(KvtierError, match=f"max_width={max_width}"):
+        KernelLauncher(split, max_width=max_width)
+
+
 def _call(split, **overrides):
     table = DeviceBuffer(16, 0, runtime=split)
     index = DeviceBuffer(64, 0, runtime=split)
@@ -142,9 +148,12 @@ def _side(runtime, rng, tensors, table_layers, units, pieces, chunk_bytes, per_p
     return memory, table, ChunkSide(table, page_stride, unit_stride, piece_stride, per_page), chosen, layer_bytes
 
 
+@pytest.mark.parametrize("unit_major, max_width", [(False, 16), (True, 16), (True, 4)],
+                         ids=["layer_major", "unit_major", "unit_major_w4"])
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=[f"shape{i}" for i in range(len(DECODE_SHAPES))])
-def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape):
-    """The kernel's chunk decode (units per page, pieces, tensors, a layer window, odd chunk sizes) against numpy."""
+def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape, unit_major, max_width):
+    """The kernel's chunk decode (units per page, pieces, tensors, a layer window, odd chunk sizes, both walk orders,
+    a capped access width) against numpy."""
     tensors, table_layers, first, layers, units, pieces, chunk, src_per_page, dst_per_page, index_bytes = shape
     rng = np.random.default_rng()
     src_mem, src_table, src, src_units, src_layer = _side(runtime, rng, tensors, table_layers, units, pieces, chunk,
@@ -162,9 +171,9 @@ def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape):
         buffer.upload(chosen.astype(dtype))
         indices.append(buffer)
     call = ChunkCopy(src, dst, indices[0], indices[1], index_bytes, units, first, layers, pieces, chunk, tensors,
-                     table_layers)
+                     table_layers, unit_major)
     stream = runtime.create_stream(0)
-    KernelLauncher(runtime).copy_chunks(call, device=0, stream=stream)
+    KernelLauncher(runtime, max_width=max_width).copy_chunks(call, device=0, stream=stream)
     stream.synchronize()
     expected = poison.copy()
     for row in [t * table_layers + first + layer for t in range(tensors) for layer in range(layers)]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import multiprocessing
 import os
@@ -123,6 +124,22 @@ def test_a_killed_owners_file_stays_until_the_sweep_removes_it(killed_owner):
     assert sweep_shm() == [path]
     assert not os.path.exists(path)
     assert sweep_shm() == []
+
+
+def test_a_sweep_that_cannot_open_a_file_says_why_instead_of_calling_it_live(killed_owner, monkeypatch):
+    path = killed_owner()
+    real_open = os.open
+
+    def out_of_descriptors(name, flags, *args, **kwargs):
+        if name == os.path.basename(path):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(name, flags, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr("kvtier.memory.shm.os.open", out_of_descriptors)
+        with pytest.raises(KvtierError, match=f"cannot check the shm file {os.path.basename(path)}.*Too many open"):
+            sweep_shm()
+    assert os.path.exists(path) and sweep_shm() == [path]
 
 
 def test_the_sweep_leaves_a_live_owners_file(shm_dir, split):

@@ -69,6 +69,9 @@ class ChunkCopy:
     chunk_bytes: int
     n_tensors: int = 1
     table_layers: int = 0
+    unit_major: bool = False
+    """Walk chunks (tensor, unit, layer, piece) instead of (tensor, layer, unit, piece): where the host keeps a unit's
+    layers adjacent, a many-layer copy then moves long contiguous host runs. Results are the same either way."""
 
     def validate(self) -> None:
         if self.chunk_bytes <= 0:
@@ -116,10 +119,8 @@ class ChunkCopy:
         if cuts == 1 or self.chunks * cuts > MAX_COUNT:
             return self
         piece = self.chunk_bytes // cuts
-        src, dst = (ChunkSide(s.table, s.page_stride, s.unit_stride, piece, s.units_per_page)
-                    for s in (self.src, self.dst))
-        return ChunkCopy(src, dst, self.src_index, self.dst_index, self.index_bytes, self.n_units, self.layer_begin,
-                         self.n_layers, cuts, piece, self.n_tensors, self.table_layers)
+        src, dst = (replace(s, piece_stride=piece) for s in (self.src, self.dst))
+        return replace(self, src=src, dst=dst, n_pieces=cuts, chunk_bytes=piece)
 
 
 def widest(values: Sequence[int]) -> int:
@@ -194,12 +195,15 @@ class KernelLauncher:
     Cheap to create: the runtime keeps one loaded program per build and device, shared by every launcher."""
 
     def __init__(self, runtime: Runtime, *, mode: str | None = None, unroll: int = DEFAULT_UNROLL,
-                 max_threads: int = MAX_THREADS) -> None:
+                 max_threads: int = MAX_THREADS, max_width: int = VECTOR_BYTES) -> None:
         """``unroll`` and ``max_threads`` specialize the kernel (JIT only): loads in flight per thread, and the block
-        size the register budget is fitted to."""
-        if unroll < 1 or not 32 <= max_threads <= MAX_THREADS or max_threads % 32:
-            raise KvtierError(f"bad kernel specialization: unroll={unroll}, max_threads={max_threads}")
+        size the register budget is fitted to. ``max_width`` caps the access width (bytes per load and store; a
+        launch otherwise takes the widest its addresses allow), for measuring narrower accesses."""
+        if unroll < 1 or not 32 <= max_threads <= MAX_THREADS or max_threads % 32 or max_width not in WIDTHS:
+            raise KvtierError(f"bad kernel specialization: unroll={unroll}, max_threads={max_threads}, "
+                              f"max_width={max_width} (one of {WIDTHS})")
         self.runtime, self.mode, self.unroll, self.max_threads = runtime, mode, unroll, max_threads
+        self.max_width = max_width
         self.spec = _transfer_program(mode, unroll, max_threads)
         self._widths: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._buffers: weakref.WeakKeyDictionary[DeviceBuffer, DeviceAddress] = weakref.WeakKeyDictionary()
@@ -264,13 +268,13 @@ class KernelLauncher:
         if call.n_units == 0 or not spans:
             return lambda begin, count, stream: None
         call = replace(call, n_layers=max(count for _, count in spans)).in_pieces()
-        width = min(call.width, *(self._entry_width(side.table) for side in (call.src, call.dst)))
+        width = min(call.width, self.max_width, *(self._entry_width(side.table) for side in (call.src, call.dst)))
         group = self._group(call.chunk_bytes, width)
         sides = [self._side(side, device) for side in (call.src, call.dst)]
         indices = [self.resolve(index, device, call.index_bytes) for index in (call.src_index, call.dst_index)]
         program, name = self.runtime.load_program(self.spec, device), copy_kernel(call.index_bytes, width)
         head: list[KernelArg] = [*sides, *indices, i64(call.n_units)]
-        shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(group))
+        shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(group), i32(call.unit_major))
 
         def launch(begin: int, count: int, stream: Stream) -> None:
             if (begin, count) not in allowed:

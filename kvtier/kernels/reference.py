@@ -23,9 +23,11 @@ def _read(memory: Any, address: int, count: int, dtype: Any) -> np.ndarray:
 
 def copy_chunks(memory: Any, src: tuple[int, ...], dst: tuple[int, ...], src_index: int, dst_index: int,
                 n_units: int, layer_begin: int, n_layers: int, n_tensors: int, table_layers: int, n_pieces: int,
-                chunk_bytes: int, group: int, *, index_bytes: int, width: int = VECTOR_BYTES) -> None:
+                chunk_bytes: int, group: int, unit_major: int = 0, *, index_bytes: int,
+                width: int = VECTOR_BYTES) -> None:
     """``src``/``dst`` are (table, page_stride, unit_stride, piece_stride, units_per_page), as the kernel's Side;
-    tables hold ``table_layers`` rows per tensor. ``group`` only shapes the CUDA kernel's warps."""
+    tables hold ``table_layers`` rows per tensor. ``group`` only shapes the CUDA kernel's warps; chunks are copied
+    in the kernel's order (layer-major, or unit-major)."""
     sides = []
     rows = [t * table_layers + layer_begin + layer for t in range(n_tensors) for layer in range(n_layers)]
     for table, page_stride, unit_stride, piece_stride, units_per_page in (src, dst):
@@ -33,20 +35,25 @@ def copy_chunks(memory: Any, src: tuple[int, ...], dst: tuple[int, ...], src_ind
         sides.append(([entries[r] for r in rows], page_stride, unit_stride, piece_stride, units_per_page))
     dtype = INDEX_DTYPES[index_bytes]
     units = [_read(memory, index, n_units, dtype).astype(object) for index in (src_index, dst_index)]
-    _copy(memory, sides, units, len(rows), n_units, n_pieces, chunk_bytes, width)
+    if unit_major:
+        order = [(t * n_layers + layer, i) for t in range(n_tensors) for i in range(n_units)
+                 for layer in range(n_layers)]
+    else:
+        order = [(plane, i) for plane in range(len(rows)) for i in range(n_units)]
+    _copy(memory, sides, units, order, n_pieces, chunk_bytes, width)
 
 
-def _copy(memory: Any, sides: list[Any], units: list[Any], planes: int, n_units: int, n_pieces: int,
+def _copy(memory: Any, sides: list[Any], units: list[Any], order: list[tuple[int, int]], n_pieces: int,
           chunk_bytes: int, width: int) -> None:
-    for layer in range(planes):
-        for i in range(n_units):
-            for piece in range(n_pieces):
-                addresses = []
-                for (bases, page_stride, unit_stride, piece_stride, per_page), unit in zip(sides, units, strict=True):
-                    page, slot = divmod(int(unit[i]), per_page)
-                    addresses.append(int(bases[layer]) + page * page_stride + slot * unit_stride + piece * piece_stride)
-                source = memory.view(addresses[0], chunk_bytes, align=width)
-                memory.view(addresses[1], chunk_bytes, align=width)[:] = source
+    """Copy chunk (plane, unit i, piece) for each (plane, i) of ``order``, pieces innermost."""
+    for plane, i in order:
+        for piece in range(n_pieces):
+            addresses = []
+            for (bases, page_stride, unit_stride, piece_stride, per_page), unit in zip(sides, units, strict=True):
+                page, slot = divmod(int(unit[i]), per_page)
+                addresses.append(int(bases[plane]) + page * page_stride + slot * unit_stride + piece * piece_stride)
+            source = memory.view(addresses[0], chunk_bytes, align=width)
+            memory.view(addresses[1], chunk_bytes, align=width)[:] = source
 
 
 def _side_bases(memory: Any, side: tuple[int, ...], rows: list[int], table_rows: int) -> tuple[Any, ...]:
@@ -117,4 +124,5 @@ def hot_swap_in(memory: Any, state: tuple[int, ...], host: tuple[int, ...], dev:
             rows = [t * table_layers + layer for t in range(n_tensors)]
             sides = [_side_bases(memory, side, rows, n_tensors * table_layers) for side in (host, dev)]
             units = [miss_src[:len(misses)].astype(object), miss_dst[:len(misses)].astype(object)]
-            _copy(memory, sides, units, n_tensors, len(misses), 1, row_bytes, width)
+            order = [(t, i) for t in range(n_tensors) for i in range(len(misses))]
+            _copy(memory, sides, units, order, 1, row_bytes, width)

@@ -6,6 +6,9 @@
 //                  + (unit % units_per_page) * unit_stride + piece * piece_stride
 // where `unit` comes from that side's index array. Host-side pointer math (layouts, strides) stays in Python; the
 // kernel only walks chunks. Tables hold device-accessible addresses for the device that runs the kernel.
+// Chunks are walked layer-major, or unit-major (a unit's layers one after another) when the caller says the host
+// keeps a unit's layers adjacent (page_first, page_first_direct): a many-layer copy then reads or writes the host in
+// long contiguous runs instead of one row per layer and unit.
 //
 // Copy loop: 16-byte vectors, UNROLL independent loads in flight per thread before any store (a warp keeps several
 // rows in flight: latency, not bandwidth, limits scattered PCIe reads), streaming cache hints, and a grid that is
@@ -116,7 +119,7 @@ template <typename Index, int W>
 __device__ void copy_body(const Side& src, const Side& dst, const Index* __restrict__ src_index,
                           const Index* __restrict__ dst_index, i64 n_units, int layer_begin, int n_layers,
                           int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int group,
-                          unsigned worker, unsigned workers) {
+                          int unit_major, unsigned worker, unsigned workers) {
     typedef typename Vector<W>::T V;
     __shared__ char* pointers[2][32][KVTIER_MAX_GROUP];
     const int lane = threadIdx.x & 31;
@@ -136,10 +139,19 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
             unsigned c = first + i;
             unsigned rest = quotient(by_pieces, c);
             int piece = (int)(c - rest * (unsigned)n_pieces);
-            unsigned plane = quotient(by_units, rest);
-            unsigned unit = rest - plane * (unsigned)n_units;
-            unsigned tensor = quotient(by_layers, plane);
-            int row = (int)tensor * table_layers + layer_begin + (int)(plane - tensor * (unsigned)n_layers);
+            unsigned unit, layer, tensor;
+            if (unit_major) {  // (tensor, unit, layer, piece): a unit's layers are adjacent on a page-major host
+                unsigned outer = quotient(by_layers, rest);
+                layer = rest - outer * (unsigned)n_layers;
+                tensor = quotient(by_units, outer);
+                unit = outer - tensor * (unsigned)n_units;
+            } else {           // (tensor, layer, unit, piece)
+                unsigned plane = quotient(by_units, rest);
+                unit = rest - plane * (unsigned)n_units;
+                tensor = quotient(by_layers, plane);
+                layer = plane - tensor * (unsigned)n_layers;
+            }
+            int row = (int)tensor * table_layers + layer_begin + (int)layer;
             src_ptr[i] = chunk_address(src, src_per_page, row, src_index[unit], piece);
             dst_ptr[i] = chunk_address(dst, dst_per_page, row, dst_index[unit], piece);
         }
@@ -171,9 +183,10 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
 #define KVTIER_COPY_CHUNKS(NAME, INDEX, W)                                                                        \
     extern "C" __global__ void __launch_bounds__(KVTIER_MAX_THREADS)                                              \
         NAME(Side src, Side dst, const INDEX* src_index, const INDEX* dst_index, i64 n_units, int layer_begin,     \
-             int n_layers, int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int group) {           \
+             int n_layers, int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int group,            \
+             int unit_major) {                                                                                      \
         copy_body<INDEX, W>(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors,             \
-                            table_layers, n_pieces, chunk_bytes, group,                                            \
+                            table_layers, n_pieces, chunk_bytes, group, unit_major,                                \
                             blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), gridDim.x * (blockDim.x >> 5));   \
     }
 
@@ -316,7 +329,7 @@ __device__ void hot_swap_in(HotState s, Side host, Side dev, const int* topk, co
         if (result[i] == -3) result[i] = dloc[token_slot[top[i]]];
     }
     copy_body<i64, W>(host, dev, miss_src, miss_dst, misses, layer, 1, n_tensors, table_layers, 1, chunk_bytes, group,
-                      tid >> 5, threads >> 5);
+                      0, tid >> 5, threads >> 5);
 }
 
 #define KVTIER_HOT_SWAP_IN(NAME, W)                                                                               \

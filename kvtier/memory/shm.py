@@ -178,8 +178,10 @@ def _sweep_one(dir_fd: int, name: str, now: float, dry_run: bool) -> bool:
         return False
     try:
         fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:  # gone meanwhile, or another user's file
+    except (FileNotFoundError, PermissionError):  # gone meanwhile, or another user's file
         return False
+    except OSError as exc:  # e.g. out of descriptors: taking the file for a live owner's would hide the real cause
+        raise KvtierError(f"cannot check the shm file {name} in {shm_dir()} for a live owner: {exc}") from exc
     try:
         if not _lock_if_unowned(fd) or not _same_file(os.fstat(fd), name, dir_fd):
             return False  # a live owner, or the name now points at a newer file than the one locked

@@ -35,7 +35,7 @@ def launch_copy(context: Context, direction: str, indices: list[Any], units: int
     device_side, host_side = plan.device_side(device_table), plan.host_side(host_table)
     src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
     call = ChunkCopy(src, dst, indices[0], indices[1], context.index_bytes, units, 0, g.layers, plan.pieces,
-                     plan.chunk_bytes, g.tensors, g.layers)
+                     plan.chunk_bytes, g.tensors, g.layers, plan.unit_major)
     context.launcher.copy_layer_spans(call, spans, device=context.device, stream=stream,
                                       max_blocks=blocks or context.max_blocks, threads=context.threads,
                                       after_each=after_each)

@@ -29,6 +29,13 @@ class ChunkPlan:
     pieces: int
 
     @property
+    def unit_major(self) -> bool:
+        """Whether a unit's layers lie closer together on the host than its units (``page_first``,
+        ``page_first_direct``): then a many-layer copy walks unit by unit and moves contiguous host runs."""
+        unit_stride = self.host.page if self.unit == "page" else self.host.slot
+        return 0 < self.host.layer < unit_stride
+
+    @property
     def units_per_page(self) -> int:
         return 1 if self.unit == "page" else self.geometry.page_size
 
