@@ -70,8 +70,12 @@ class ChunkCopy:
     n_tensors: int = 1
     table_layers: int = 0
     unit_major: bool = False
-    """Walk chunks (tensor, unit, layer, piece) instead of (tensor, layer, unit, piece): where the host keeps a unit's
+    """Walk chunks (tensor, unit, layer, piece) instead of (layer, tensor, unit, piece): where the host keeps a unit's
     layers adjacent, a many-layer copy then moves long contiguous host runs. Results are the same either way."""
+    layer_done: Any = None
+    """A device buffer of one uint64 counter per table layer: each layer's counter grows by the layer's chunk count
+    (:attr:`PreparedCopy.chunks_per_layer`) as its chunks land, so a stream can wait for one layer of a many-layer
+    launch (``Stream.wait_value``). Layer-major walks only."""
 
     def validate(self) -> None:
         if self.chunk_bytes <= 0:
@@ -90,6 +94,14 @@ class ChunkCopy:
         if chunks > MAX_COUNT or max(self.src.units_per_page, self.dst.units_per_page) > MAX_COUNT:
             raise KvtierError(f"{chunks} chunks in one launch (units_per_page {self.src.units_per_page}/"
                               f"{self.dst.units_per_page}): the kernel counts in 31 bits; split the transfer")
+        if self.layer_done is not None:
+            if self.unit_major:
+                raise KvtierError("layer counters need the layer-major walk: a unit-major copy finishes every layer "
+                                  "at the end")
+            nbytes = getattr(self.layer_done, "nbytes", None)
+            if nbytes is not None and nbytes < 8 * self.rows_per_tensor:
+                raise KvtierError(f"a layer counter buffer of {nbytes} bytes cannot hold {self.rows_per_tensor} "
+                                  f"8-byte counters")
         for side in (self.src, self.dst):
             entries = getattr(side.table, "entries", None)
             if entries is not None and len(entries) != self.n_tensors * self.rows_per_tensor:
@@ -189,6 +201,28 @@ def chunk_group(vectors: int, unroll: int) -> int:
     return good[0] if good else max(range(smallest, MAX_GROUP + 1), key=fill)
 
 
+class PreparedCopy:
+    """A checked copy with its operands resolved: ``prepared(begin, count, stream)`` launches layers [begin, +count),
+    one of the spans it was prepared for. ``chunks_per_layer`` is what each layer's counter grows by (0: nothing to
+    copy, nothing launched)."""
+
+    def __init__(self, program: Any, name: str, head: list[KernelArg], shape: tuple[KernelArg, ...], blocks: int,
+                 threads: int, allowed: set[tuple[int, int]], table_layers: int, chunks_per_layer: int,
+                 runtime: Runtime | None = None) -> None:
+        self.program, self.name, self.head, self.shape = program, name, head, shape
+        self.blocks, self.threads, self.allowed, self.table_layers = blocks, threads, allowed, table_layers
+        self.chunks_per_layer, self.runtime = chunks_per_layer, runtime
+
+    def __call__(self, begin: int, count: int, stream: Stream) -> None:
+        if (begin, count) not in self.allowed:
+            raise KvtierError(f"layers [{begin}, +{count}) were not among the spans this copy was prepared for")
+        if count and self.runtime is not None:
+            rows = i32(self.table_layers or begin + count)
+            args: list[KernelArg] = [*self.head, i32(begin), i32(count), self.shape[0], rows, *self.shape[1:]]
+            self.runtime.launch(self.program, self.name, grid=self.blocks, block=self.threads, args=args,
+                                stream=stream)
+
+
 class KernelLauncher:
     """Resolves, checks and launches the transfer kernels (AOT or JIT images, or the Python reference).
 
@@ -237,14 +271,14 @@ class KernelLauncher:
         return width
 
     def copy_chunks(self, call: ChunkCopy, *, device: int, stream: Stream, max_blocks: int = 2,
-                    threads: int = MAX_THREADS) -> None:
+                    threads: int = MAX_THREADS) -> PreparedCopy:
         """One launch: every tensor of layers [call.layer_begin, +call.n_layers)."""
-        self.copy_layer_spans(call, [(call.layer_begin, call.n_layers)], device=device, stream=stream,
-                              max_blocks=max_blocks, threads=threads)
+        return self.copy_layer_spans(call, [(call.layer_begin, call.n_layers)], device=device, stream=stream,
+                                     max_blocks=max_blocks, threads=threads)
 
     def copy_layer_spans(self, call: ChunkCopy, spans: Sequence[tuple[int, int]], *, device: int, stream: Stream,
                          max_blocks: int = 2, threads: int = MAX_THREADS,
-                         after_each: Callable[[int, int], None] | None = None) -> None:
+                         after_each: Callable[[int, int], None] | None = None) -> PreparedCopy:
         """One launch per (first layer, layer count) span, ``after_each(begin, count)`` after each (a per-layer load
         records its layer events there). Shapes are checked and operands resolved once for all spans: a per-layer
         load of 61 layers is 61 launches that differ only in two integers."""
@@ -253,38 +287,34 @@ class KernelLauncher:
             launch(begin, count, stream)
             if after_each is not None:
                 after_each(begin, count)
+        return launch
 
     def prepare(self, call: ChunkCopy, spans: Sequence[tuple[int, int]], *, device: int, max_blocks: int = 2,
-                threads: int = MAX_THREADS) -> Callable[[int, int, Stream], None]:
-        """Check ``call`` for every span and resolve its operands once; returns ``launch(begin, count, stream)``,
-        which starts the copy of layers [begin, +count) — one of ``spans`` — at the cost of packing two integers.
-        Engines that interleave several copies per layer (a state's tensors, a row's regions) prepare each once."""
+                threads: int = MAX_THREADS) -> PreparedCopy:
+        """Check ``call`` for every span and resolve its operands once; returns a :class:`PreparedCopy`, whose
+        ``(begin, count, stream)`` call starts the copy of layers [begin, +count) — one of ``spans`` — at the cost of
+        packing two integers. Engines that interleave several copies per layer (a state's tensors, a row's regions)
+        prepare each once."""
         for begin, count in spans:
             replace(call, layer_begin=begin, n_layers=count).validate()
         if max_blocks < 1 or threads < 32 or threads > self.max_threads or threads % 32:
             raise KvtierError(f"launch of {max_blocks} blocks x {threads} threads: need >=1 block and 32..1024 "
                               f"threads in whole warps")
-        allowed = set(spans)
         if call.n_units == 0 or not spans:
-            return lambda begin, count, stream: None
+            return PreparedCopy(None, "", [], (), max_blocks, threads, set(spans), 0, 0)
         call = replace(call, n_layers=max(count for _, count in spans)).in_pieces()
         width = min(call.width, self.max_width, *(self._entry_width(side.table) for side in (call.src, call.dst)))
         group = self._group(call.chunk_bytes, width)
         sides = [self._side(side, device) for side in (call.src, call.dst)]
         indices = [self.resolve(index, device, call.index_bytes) for index in (call.src_index, call.dst_index)]
+        counters = (DeviceAddress(0, device) if call.layer_done is None
+                    else self.resolve(call.layer_done, device, 8))
         program, name = self.runtime.load_program(self.spec, device), copy_kernel(call.index_bytes, width)
         head: list[KernelArg] = [*sides, *indices, i64(call.n_units)]
-        shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(group), i32(call.unit_major))
-
-        def launch(begin: int, count: int, stream: Stream) -> None:
-            if (begin, count) not in allowed:
-                raise KvtierError(f"layers [{begin}, +{count}) were not among the spans this copy was prepared for")
-            if count:
-                rows = i32(call.table_layers or begin + count)
-                args: list[KernelArg] = [*head, i32(begin), i32(count), shape[0], rows, *shape[1:]]
-                self.runtime.launch(program, name, grid=max_blocks, block=threads, args=args, stream=stream)
-
-        return launch
+        shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(group), i32(call.unit_major),
+                 counters)
+        return PreparedCopy(program, name, head, shape, max_blocks, threads, set(spans), call.table_layers,
+                            call.n_tensors * call.n_units * call.n_pieces, self.runtime)
 
     def _group(self, chunk_bytes: int, width: int) -> int:
         group = chunk_group(chunk_bytes // width, self.unroll)

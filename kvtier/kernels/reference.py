@@ -23,11 +23,12 @@ def _read(memory: Any, address: int, count: int, dtype: Any) -> np.ndarray:
 
 def copy_chunks(memory: Any, src: tuple[int, ...], dst: tuple[int, ...], src_index: int, dst_index: int,
                 n_units: int, layer_begin: int, n_layers: int, n_tensors: int, table_layers: int, n_pieces: int,
-                chunk_bytes: int, group: int, unit_major: int = 0, *, index_bytes: int,
+                chunk_bytes: int, group: int, unit_major: int = 0, layer_done: int = 0, *, index_bytes: int,
                 width: int = VECTOR_BYTES) -> None:
     """``src``/``dst`` are (table, page_stride, unit_stride, piece_stride, units_per_page), as the kernel's Side;
     tables hold ``table_layers`` rows per tensor. ``group`` only shapes the CUDA kernel's warps; chunks are copied
-    in the kernel's order (layer-major, or unit-major)."""
+    in the kernel's order (layer-major, or unit-major), and with ``layer_done`` each layer's counter then grows by the
+    layer's chunk count, as the kernel's warps add it up."""
     sides = []
     rows = [t * table_layers + layer_begin + layer for t in range(n_tensors) for layer in range(n_layers)]
     for table, page_stride, unit_stride, piece_stride, units_per_page in (src, dst):
@@ -39,8 +40,12 @@ def copy_chunks(memory: Any, src: tuple[int, ...], dst: tuple[int, ...], src_ind
         order = [(t * n_layers + layer, i) for t in range(n_tensors) for i in range(n_units)
                  for layer in range(n_layers)]
     else:
-        order = [(plane, i) for plane in range(len(rows)) for i in range(n_units)]
+        order = [(t * n_layers + layer, i) for layer in range(n_layers) for t in range(n_tensors)
+                 for i in range(n_units)]
     _copy(memory, sides, units, order, n_pieces, chunk_bytes, width)
+    if layer_done and n_units:
+        counters = _read(memory, layer_done + 8 * layer_begin, n_layers, np.uint64)
+        counters += np.uint64(n_tensors * n_units * n_pieces)
 
 
 def _copy(memory: Any, sides: list[Any], units: list[Any], order: list[tuple[int, int]], n_pieces: int,

@@ -114,42 +114,60 @@ __device__ __forceinline__ char* chunk_address(const Side& s, const Divisor& per
     return (char*)(s.table[row]) + page * s.page_stride + slot * s.unit_stride + piece * s.piece_stride;
 }
 
-// The copy loop shared by every kernel here: warp `worker` of `workers` walks chunks in groups of `group`.
+// Add a warp's finished chunks of one layer to that layer's counter. Every lane fences its own stores first and the
+// warp converges before lane 0 adds, so whoever sees the counter reach its target sees every byte of those chunks
+// (cuStreamWaitValue on the counter, then the layer's event, then the consumer's kernels).
+__device__ __forceinline__ void signal_layer(u64* layer_done, int layer, unsigned chunks) {
+    __threadfence();
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) atomicAdd(layer_done + layer, (u64)chunks);
+}
+
+// The copy loop shared by every kernel here: warp `worker` of `workers` walks chunks in groups of `group`, in one of
+// two orders: layer-major (layer, tensor, unit, piece), or unit-major (tensor, unit, layer, piece) where the caller
+// says the host keeps a unit's layers adjacent. With `layer_done` (layer-major only), each warp adds the chunks it
+// finished of layer l to layer_done[layer_begin + l] as soon as it has no more of them: one launch then serves a
+// per-layer load, each layer signalled as it lands, instead of one launch (and one launch tail) per layer.
 template <typename Index, int W>
 __device__ void copy_body(const Side& src, const Side& dst, const Index* __restrict__ src_index,
                           const Index* __restrict__ dst_index, i64 n_units, int layer_begin, int n_layers,
                           int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int group,
-                          int unit_major, unsigned worker, unsigned workers) {
+                          int unit_major, u64* layer_done, unsigned worker, unsigned workers) {
     typedef typename Vector<W>::T V;
     __shared__ char* pointers[2][32][KVTIER_MAX_GROUP];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     if (n_units <= 0 || n_layers <= 0) return;
     const unsigned vectors = (unsigned)(chunk_bytes / W);
-    const unsigned total = (unsigned)((i64)n_tensors * n_layers * n_units * n_pieces);
+    const unsigned per_layer = (unsigned)((i64)n_tensors * n_units * n_pieces);
+    const unsigned total = per_layer * (unsigned)n_layers;
     const Divisor by_vectors = make_divisor(vectors), by_pieces = make_divisor((unsigned)n_pieces),
                   by_units = make_divisor((unsigned)n_units), by_layers = make_divisor((unsigned)n_layers),
+                  by_tensors = make_divisor((unsigned)n_tensors), by_layer_chunks = make_divisor(per_layer),
                   src_per_page = make_divisor((unsigned)src.units_per_page),
                   dst_per_page = make_divisor((unsigned)dst.units_per_page);
     char** src_ptr = pointers[0][warp];
     char** dst_ptr = pointers[1][warp];
-    for (unsigned first = worker * (unsigned)group; first < total; first += workers * (unsigned)group) {
+    const unsigned stride = workers * (unsigned)group;
+    int pending_layer = -1;
+    unsigned pending = 0;
+    for (unsigned first = worker * (unsigned)group; first < total; first += stride) {
         const unsigned count = total - first < (unsigned)group ? total - first : (unsigned)group;
         for (unsigned i = lane; i < count; i += 32) {
             unsigned c = first + i;
             unsigned rest = quotient(by_pieces, c);
             int piece = (int)(c - rest * (unsigned)n_pieces);
             unsigned unit, layer, tensor;
-            if (unit_major) {  // (tensor, unit, layer, piece): a unit's layers are adjacent on a page-major host
+            if (unit_major) {
                 unsigned outer = quotient(by_layers, rest);
                 layer = rest - outer * (unsigned)n_layers;
                 tensor = quotient(by_units, outer);
                 unit = outer - tensor * (unsigned)n_units;
-            } else {           // (tensor, layer, unit, piece)
+            } else {
                 unsigned plane = quotient(by_units, rest);
                 unit = rest - plane * (unsigned)n_units;
-                tensor = quotient(by_layers, plane);
-                layer = plane - tensor * (unsigned)n_layers;
+                layer = quotient(by_tensors, plane);
+                tensor = plane - layer * (unsigned)n_tensors;
             }
             int row = (int)tensor * table_layers + layer_begin + (int)layer;
             src_ptr[i] = chunk_address(src, src_per_page, row, src_index[unit], piece);
@@ -177,6 +195,24 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
             }
         }
         __syncwarp();
+        if (layer_done) {  // warp-uniform: first, count and stride are the same in every lane
+            for (unsigned c = first; c < first + count;) {
+                const int layer = (int)quotient(by_layer_chunks, c);
+                const unsigned end = min(first + count, (unsigned)(layer + 1) * per_layer);
+                if (layer != pending_layer) {
+                    if (pending) signal_layer(layer_done, layer_begin + pending_layer, pending);
+                    pending_layer = layer;
+                    pending = 0;
+                }
+                pending += end - c;
+                c = end;
+            }
+            const unsigned next = first + stride;
+            if (pending && (next >= total || (int)quotient(by_layer_chunks, next) != pending_layer)) {
+                signal_layer(layer_done, layer_begin + pending_layer, pending);
+                pending = 0;
+            }
+        }
     }
 }
 
@@ -184,9 +220,9 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
     extern "C" __global__ void __launch_bounds__(KVTIER_MAX_THREADS)                                              \
         NAME(Side src, Side dst, const INDEX* src_index, const INDEX* dst_index, i64 n_units, int layer_begin,     \
              int n_layers, int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int group,            \
-             int unit_major) {                                                                                      \
+             int unit_major, u64* layer_done) {                                                                     \
         copy_body<INDEX, W>(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors,             \
-                            table_layers, n_pieces, chunk_bytes, group, unit_major,                                \
+                            table_layers, n_pieces, chunk_bytes, group, unit_major, layer_done,                    \
                             blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), gridDim.x * (blockDim.x >> 5));   \
     }
 
@@ -329,7 +365,7 @@ __device__ void hot_swap_in(HotState s, Side host, Side dev, const int* topk, co
         if (result[i] == -3) result[i] = dloc[token_slot[top[i]]];
     }
     copy_body<i64, W>(host, dev, miss_src, miss_dst, misses, layer, 1, n_tensors, table_layers, 1, chunk_bytes, group,
-                      0, tid >> 5, threads >> 5);
+                      0, nullptr, tid >> 5, threads >> 5);
 }
 
 #define KVTIER_HOT_SWAP_IN(NAME, W)                                                                               \

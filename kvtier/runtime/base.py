@@ -401,6 +401,28 @@ class Runtime:
                 self._programs[key] = self._load_program(spec, device)
             return self._programs[key]
 
+    def supports_wait_value(self, device: int) -> bool:
+        """Whether :meth:`wait_value` works on ``device`` (64-bit stream memory operations)."""
+        return False
+
+    def wait_value(self, stream: Stream, address: DeviceAddress, value: int) -> None:
+        """Make ``stream`` wait until the uint64 at ``address`` (device memory of the stream's device) reaches
+        ``value`` (cuStreamWaitValue64, GEQ). The writer must be queued before the wait, with everything it waits for:
+        the GPU does not see this dependency, so a wait queued ahead of its own writer deadlocks."""
+        if not isinstance(address, DeviceAddress) or address.device != stream.device:
+            raise AddressDomainError(f"wait_value: {address!r} is not a DeviceAddress of device {stream.device}")
+        if not address.aligned(8):
+            raise InvalidArgument(f"wait_value: {address} is not 8-byte aligned")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+            raise InvalidArgument(f"wait_value: value must be an int in [0, 2**63), got {value!r}")
+        if not self.supports_wait_value(stream.device):
+            raise InvalidArgument(f"{self.name} cannot make a stream wait on a memory value on device "
+                                  f"{stream.device}")
+        self._wait_value(stream, address, value)
+
+    def _wait_value(self, stream: Stream, address: DeviceAddress, value: int) -> None:
+        raise NotImplementedError("need _wait_value")
+
     def launch(self, program: Program, name: str, *, grid: int, block: int, args: Sequence[KernelArg],
                stream: Stream) -> None:
         """Queue kernel ``name`` of ``program`` on ``stream``; every pointer argument must be a DeviceAddress of the

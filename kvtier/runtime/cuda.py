@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.address import Address
+from kvtier.address import Address, DeviceAddress
 from kvtier.errors import KernelBuildError, RuntimeCallError, RuntimeUnavailable, WrongRuntime
 from kvtier.runtime.base import (
     DeviceAttributes,
@@ -185,6 +185,7 @@ class CudaRuntime(Runtime):
         self._count = count
         self._memcpy_default = cudart.cudaMemcpyKind.cudaMemcpyDefault
         self._batch_supported = hasattr(cudart, "cudaMemcpyBatchAsync")
+        self._wait_value_support: dict[int, bool] = {}
 
     def device_count(self) -> int:
         return self._count
@@ -328,6 +329,28 @@ class CudaRuntime(Runtime):
         with self.using_device(program.device):
             check_driver(_driver().cuLaunchKernel(program.functions[name], grid, 1, 1, block, 1, 1, 0, native,
                                                   ctypes.addressof(params), 0), "cuLaunchKernel")
+
+    def supports_wait_value(self, device: int) -> bool:
+        """64-bit stream memory operations: on by default since CUDA 12 (a driver module option before)."""
+        supported = self._wait_value_support.get(device)
+        if supported is None:
+            driver = _driver()
+            attr = driver.CUdevice_attribute
+            name = next((n for n in ("CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS",
+                                     "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V2") if hasattr(attr, n)), None)
+            handle = check_driver(driver.cuDeviceGet(self.check_device(device)), "cuDeviceGet")
+            supported = name is not None and bool(check_driver(driver.cuDeviceGetAttribute(getattr(attr, name),
+                                                                                            handle),
+                                                               "cuDeviceGetAttribute"))
+            self._wait_value_support[device] = supported
+        return supported
+
+    def _wait_value(self, stream: Stream, address: DeviceAddress, value: int) -> None:
+        driver = _driver()
+        geq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        with self.using_device(stream.device):
+            check_driver(driver.cuStreamWaitValue64(self.as_stream(stream).native, address.value, value, geq),
+                         "cuStreamWaitValue64")
 
     def wrap_stream(self, handle: int, device: int) -> CudaStream:
         """Borrow a stream someone else owns (``torch.cuda.Stream.cuda_stream``); closing it does not destroy it."""

@@ -37,6 +37,7 @@ from kvtier.runtime.emulated_device import (
     Mapping,
     MappingKind,
     Op,
+    WaitValueOp,
 )
 from kvtier.runtime.emulated_scheduler import SCHEDULES, Scheduler
 from kvtier.runtime.program import KernelArg, Program, ProgramSpec, argument_values
@@ -311,6 +312,17 @@ class EmulatedRuntime(Runtime):
         """Queue a long kernel: ``stream`` stays busy for ``steps`` scheduler steps while other streams run (what
         ``torch.cuda._sleep`` is on a GPU); code that forgets to wait for it races it here too."""
         self._stream(stream).enqueue(Busy(steps))
+
+    def supports_wait_value(self, device: int) -> bool:
+        self.check_device(device)
+        return True
+
+    def _wait_value(self, stream: Stream, address: DeviceAddress, value: int) -> None:
+        """The counter is read through the device's map when the scheduler considers the wait, so an address the
+        device cannot see faults then, as a GPU's would."""
+        memory = DeviceMemory(self._maps[stream.device])
+        self._stream(stream).enqueue(WaitValueOp(
+            lambda: int(memory.view(address.value, 8, align=8).view(np.uint64)[0]), value))
 
     def create_event(self, device: int | None = None) -> EmulatedEvent:
         return EmulatedEvent(self.scheduler, self.current_device() if device is None else self.check_device(device))

@@ -112,6 +112,22 @@ class WaitOp:
         pass
 
 
+class WaitValueOp:
+    """A stream's wait on a memory value (cuStreamWaitValue64, GEQ): the stream cannot run past it until the uint64
+    ``read()`` returns reaches ``value``. Nothing says which stream will write it, so a lazy schedule that meets one
+    runs any ready stream."""
+
+    def __init__(self, read: Callable[[], int], value: int) -> None:
+        self.read, self.value = read, value
+
+    @property
+    def ready(self) -> bool:
+        return self.read() >= self.value
+
+    def __call__(self) -> None:
+        pass
+
+
 class Busy:
     """A long kernel (``torch.cuda._sleep``): it holds its stream for ``steps`` scheduler steps, while other streams
     run."""

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 
 from kvtier.errors import IllegalAddress, InvalidArgument, RuntimeCallError
-from kvtier.runtime.emulated_device import Busy, EmulatedStream, WaitOp
+from kvtier.runtime.emulated_device import Busy, EmulatedStream, WaitOp, WaitValueOp
 
 SCHEDULES = ("eager", "lazy")
 RUN_AHEAD = 0.75
@@ -79,6 +79,8 @@ class Scheduler:
         if not stream.pending:
             return False
         head = stream.pending[0]
+        if isinstance(head, WaitValueOp):
+            return head.ready
         return not isinstance(head, WaitOp) or head.marker.done
 
     def _pick(self, target: EmulatedStream | None) -> EmulatedStream | None:
@@ -88,6 +90,8 @@ class Scheduler:
         stream = target
         while stream.pending and not self._runnable(stream):
             head = stream.pending[0]
+            if isinstance(head, WaitValueOp):
+                return next((s for s in self._streams if s is not stream and self._runnable(s)), None)
             if not isinstance(head, WaitOp):
                 break
             stream = head.marker.stream
@@ -130,8 +134,9 @@ class Scheduler:
             self.check_alive(stream.device)
             if not progressed and not condition():
                 raise RuntimeCallError(call, "cudaErrorLaunchFailure",
-                                       f"emulated {stream!r} waits on work that can never run (a stream of a faulted "
-                                       f"device, faults: {sorted(self._faults)})")
+                                       f"emulated {stream!r} waits on work that can never run (a wait on a memory "
+                                       f"value nothing writes, or a stream of a faulted device; faults: "
+                                       f"{sorted(self._faults)}); on a GPU this call would hang")
 
     def drain(self, device: int, call: str) -> None:
         """Run every queued operation of ``device``: what cudaDeviceSynchronize and cudaFree wait for."""

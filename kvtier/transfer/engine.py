@@ -59,6 +59,7 @@ class Settings:
     staging_bytes: int
     relayout_blocks: int | None
     index_ring_bytes: int | None
+    layer_signals: bool | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -73,6 +74,8 @@ class Settings:
             raise InvalidArgument(f"index_bytes must be 4 (int32) or 8 (int64), got {self.index_bytes!r}")
         if self.threads % 32:
             raise InvalidArgument(f"threads must be whole warps (a multiple of 32), got {self.threads}")
+        if self.layer_signals not in (None, True, False):
+            raise InvalidArgument(f"layer_signals must be None (automatic), True or False, got {self.layer_signals!r}")
 
 
 def _check_pools(device_pool: DevicePool, host_pool: HostPool) -> None:
@@ -120,12 +123,15 @@ class TransferEngine(PoolUser):
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, backend: str = "kernel",
                  max_blocks: int = 2, threads: int = 1024, index_bytes: int = 8,
                  launcher: KernelLauncher | None = None, staging_bytes: int = 256 << 20,
-                 relayout_blocks: int | None = None, index_ring_bytes: int | None = None) -> None:
+                 relayout_blocks: int | None = None, index_ring_bytes: int | None = None,
+                 layer_signals: bool | None = None) -> None:
         """``max_blocks`` is the SM budget of kernel copies; ``staging_bytes`` the device staging area of each
         direction (staged backend), whose relayout kernels use ``relayout_blocks`` (default: every SM);
-        ``index_ring_bytes`` the index arena of each stream (default: two transfers of the whole device pool)."""
+        ``index_ring_bytes`` the index arena of each stream (default: two transfers of the whole device pool).
+        ``layer_signals`` (kernel backend): per-layer loads as one launch whose layers are signalled from the device
+        (default: where the runtime supports it; False: one launch and one event per layer, as before)."""
         settings = Settings(backend, max_blocks, threads, index_bytes, staging_bytes, relayout_blocks,
-                            index_ring_bytes)
+                            index_ring_bytes, layer_signals)
         _check_pools(device_pool, host_pool)
         self.device_pool, self.host_pool, self.backend = device_pool, host_pool, backend
         self.runtime, self.device = device_pool.runtime, device_pool.device
@@ -141,7 +147,8 @@ class TransferEngine(PoolUser):
                           self.threads)
         try:
             self._backend = BACKENDS[backend](context, ring_bytes=ring_bytes, staging_bytes=settings.staging_bytes,
-                                              relayout_blocks=settings.relayout_blocks)
+                                              relayout_blocks=settings.relayout_blocks,
+                                              layer_signals=settings.layer_signals)
         except BaseException:
             for stream in self.streams.values():
                 stream.close()

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import InvalidArgument
-from kvtier.kernels import ChunkCopy
+from kvtier.kernels import ChunkCopy, PreparedCopy
 from kvtier.memory import HostKind
 from kvtier.memory.lifetime import Owned
 from kvtier.pools import PointerTable, build_pointer_table
@@ -17,6 +17,7 @@ from kvtier.runtime import Graph, Stream
 from kvtier.transfer.indices import IndexRing, arena_bytes
 from kvtier.transfer.job import D2H, H2D, Backend, Context, Job
 from kvtier.transfer.plan import layer_spans
+from kvtier.transfer.signals import LayerSignals
 
 
 def device_table(context: Context) -> PointerTable:
@@ -28,29 +29,38 @@ def device_table(context: Context) -> PointerTable:
 
 def launch_copy(context: Context, direction: str, indices: list[Any], units: int, spans: list[tuple[int, int]],
                 stream: Stream, host_table: Any, device_table: Any, blocks: int | None = None,
-                after_each: Callable[[int, int], None] | None = None) -> None:
+                after_each: Callable[[int, int], None] | None = None, layer_done: Any = None) -> PreparedCopy:
     """One launch per span of layers, every tensor in each; ``host_table`` may name a staging area laid out like the
-    host pool; ``after_each(begin, count)`` runs after each launch is queued."""
+    host pool; ``after_each(begin, count)`` runs after each launch is queued. With ``layer_done`` (a counter per
+    layer) the walk is layer-major and each layer's counter grows as it lands."""
     plan, g = context.plan, context.geometry
     device_side, host_side = plan.device_side(device_table), plan.host_side(host_table)
     src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
     call = ChunkCopy(src, dst, indices[0], indices[1], context.index_bytes, units, 0, g.layers, plan.pieces,
-                     plan.chunk_bytes, g.tensors, g.layers, plan.unit_major)
-    context.launcher.copy_layer_spans(call, spans, device=context.device, stream=stream,
-                                      max_blocks=blocks or context.max_blocks, threads=context.threads,
-                                      after_each=after_each)
+                     plan.chunk_bytes, g.tensors, g.layers, plan.unit_major and layer_done is None, layer_done)
+    return context.launcher.copy_layer_spans(call, spans, device=context.device, stream=stream,
+                                             max_blocks=blocks or context.max_blocks, threads=context.threads,
+                                             after_each=after_each)
 
 
 class KernelBackend(Backend):
     name = "kernel"
 
-    def __init__(self, context: Context, *, ring_bytes: int, **_: Any) -> None:
+    def __init__(self, context: Context, *, ring_bytes: int, layer_signals: bool | None = None, **_: Any) -> None:
+        """``layer_signals``: run per-layer loads as one launch with device-side layer counters (default: where the
+        runtime can wait on a memory value); False keeps one launch and one event per layer."""
         super().__init__(context)
         if context.host_pool.buffer.kind is HostKind.PAGEABLE:
             raise InvalidArgument("the kernel backend needs a device-accessible host pool, and this one is pageable: "
                                   "allocate it 'registered', 'pinned' or 'shm', or use backend='direct'")
+        available = LayerSignals.available(context.runtime, context.device)
+        if layer_signals and not available:
+            raise InvalidArgument(f"layer_signals=True: {context.runtime.name} cannot wait on a memory value on "
+                                  f"device {context.device}")
         self._owned = Owned()
         with self._owned.building() as owned:
+            self.signals = (owned.own(LayerSignals(context.runtime, context.device, context.geometry.layers))
+                            if available and layer_signals is not False else None)
             self.device_table = owned.own(device_table(context))
             host = context.host_pool
             self.host_table = owned.own(build_pointer_table(
@@ -64,9 +74,16 @@ class KernelBackend(Backend):
         ring = self.rings[job.direction]
         indices, lease = ring.upload([job.src_units, job.dst_units])
         try:
-            launch_copy(context, job.direction, indices, job.src_units.size, layer_spans(job.layers, job.per_layer),
-                        job.stream, self.host_table, self.device_table,
-                        after_each=lambda begin, _: job.mark(context.runtime, context.device, begin, job.stream))
+            if job.per_layer and self.signals is not None:
+                spans = layer_spans(job.layers, False)
+                self.signals.begin(job.stream)
+                prepared = launch_copy(context, job.direction, indices, job.src_units.size, spans, job.stream,
+                                       self.host_table, self.device_table, layer_done=self.signals.counters)
+                self.signals.arm(spans, prepared.chunks_per_layer, job.transfer)
+            else:
+                launch_copy(context, job.direction, indices, job.src_units.size,
+                            layer_spans(job.layers, job.per_layer), job.stream, self.host_table, self.device_table,
+                            after_each=lambda begin, _: job.mark(context.runtime, context.device, begin, job.stream))
         finally:
             ring.fence(lease)
 
@@ -89,6 +106,10 @@ class KernelBackend(Backend):
             ring.close()
             raise
         return graph, ring
+
+    def drain(self) -> None:
+        if self.signals is not None:
+            self.signals.drain()
 
     def close(self) -> None:
         self._owned.close()

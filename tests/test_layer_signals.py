@@ -1,0 +1,227 @@
+"""Per-layer loads as one launch: the kernel advances a device counter per layer, a signal stream turns each counter
+reaching its target into that layer's event.
+
+The ordering tests run on the eager emulator over many seeds: streams run in a seeded random order, so a layer event
+that fired before its layer landed (a wrong target, a counter that another load already advanced) shows up as stale
+bytes read by the consumer for some seed. The negative control proves the check can fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.errors import AddressDomainError, InvalidArgument, KvtierError
+from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
+from kvtier.memory import DeviceBuffer, HostBuffer, HostKind
+from kvtier.pools import KVGeometry, build_pointer_table
+from kvtier.runtime.emulated import EmulatedRuntime
+from kvtier.transfer.signals import LayerSignals
+from pool_helpers import engine_on, fill_host
+
+G = KVGeometry.mha(4, kv_heads=2, head_dim=32, itemsize=2, page_size=16)
+SEEDS = range(10)
+
+
+def _host_page(host, snapshot, tensor, layer, slot):
+    """Host slot ``slot`` of (tensor, layer) as the device page it loads into: its token rows, wherever the layout
+    puts them."""
+    start = tensor * host.tensor_bytes + slot * host.strides.page + layer * host.strides.layer
+    return np.concatenate([snapshot[start + t * host.strides.slot:start + t * host.strides.slot + G.row_bytes]
+                           for t in range(G.page_size)])
+
+
+def _stale_layer_reads(seed: int, layout: str) -> int:
+    """Two loads into the same pages, the second behind a busy model stream; a consumer stream waits for each layer
+    event of the second and reads that layer at once. Returns how many (tensor, layer, page) reads were stale."""
+    runtime = EmulatedRuntime("split", seed=seed)
+    pages, first_slots, second_slots = np.array([3, 0]), np.array([1, 4]), np.array([5, 2])
+    with engine_on(runtime, G, layout, device_pages=6, host_pages=6) as (dev, host, engine), \
+            HostBuffer.allocate(G.bytes_per_page * 2, HostKind.PINNED, runtime=runtime) as out:
+        assert isinstance(engine._backend.signals, LayerSignals)
+        snapshot = fill_host(host)
+        engine.load(first_slots, pages)
+        model = runtime.create_stream(0)
+        runtime.busy(model, 40)
+        second = engine.load(second_slots, pages, after=model)
+        consumer = runtime.create_stream(0)
+        view, offset, expected = out.as_tensor().numpy(), 0, []
+        for layer in range(G.layers):
+            second.stream_wait(consumer, layer=layer)
+            for tensor in range(G.tensors):
+                base = dev.layer_device_addresses(tensor)[layer]
+                for page, slot in zip(pages.tolist(), second_slots.tolist(), strict=True):
+                    runtime.memcpy_async(out.cpu_address + offset, base + page * G.page_bytes, G.page_bytes,
+                                         stream=consumer)
+                    expected.append((offset, _host_page(host, snapshot, tensor, layer, slot)))
+                    offset += G.page_bytes
+        consumer.synchronize()
+        stale = sum(not np.array_equal(view[at:at + G.page_bytes], want) for at, want in expected)
+        del view
+        second.wait()
+        return stale
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_each_layer_event_fires_after_its_layer_landed(layout):
+    stale = {seed: _stale_layer_reads(seed, layout) for seed in SEEDS}
+    assert not any(stale.values()), f"stale reads per seed: {stale}"
+
+
+def test_the_check_fails_when_targets_forget_earlier_loads(monkeypatch):
+    """Negative control: targets that restart from zero let the second load's events fire on the first's counts."""
+    def forgetful(self, spans, chunks_per_layer, transfer):
+        self.targets = [0] * len(self.targets)
+        original(self, spans, chunks_per_layer, transfer)
+
+    original = LayerSignals.arm
+    monkeypatch.setattr(LayerSignals, "arm", forgetful)
+    assert any(_stale_layer_reads(seed, "layer_first") for seed in SEEDS)
+
+
+def _launches(runtime, monkeypatch) -> list[str]:
+    names: list[str] = []
+    launch = runtime.launch
+
+    def counted(program, name, **kwargs):
+        names.append(name)
+        return launch(program, name, **kwargs)
+
+    monkeypatch.setattr(runtime, "launch", counted)
+    return names
+
+
+@pytest.mark.parametrize("signals", [None, False])
+def test_a_per_layer_load_is_one_launch_with_signals_and_one_per_layer_without(runtime, monkeypatch, signals):
+    with engine_on(runtime, G, "page_first_direct", device_pages=4, host_pages=4, layer_signals=signals) as (
+            dev, host, engine):
+        fill_host(host)
+        names = _launches(runtime, monkeypatch)
+        transfer = engine.load([1, 3], [0, 2])
+        transfer.wait()
+        assert len(names) == (1 if signals is None else G.layers)
+        assert sorted(transfer.layer_events) == list(range(G.layers))
+        names.clear()
+        engine.load([1, 3], [0, 2], layers=[3, 0, 1]).wait()  # runs of consecutive layers: [3], [0, 1]
+        assert len(names) == (2 if signals is None else 3)
+
+
+def test_layer_signals_need_a_runtime_that_waits_on_memory(split, monkeypatch):
+    monkeypatch.setattr(split, "supports_wait_value", lambda device: False)
+    with pytest.raises(InvalidArgument, match="cannot wait on a memory value"):
+        with engine_on(split, G, "layer_first", layer_signals=True):
+            pass
+    with engine_on(split, G, "layer_first") as (_, _, engine):
+        assert engine._backend.signals is None  # automatic: falls back to a launch and an event per layer
+    with pytest.raises(InvalidArgument, match="layer_signals must be"):
+        with engine_on(split, G, "layer_first", layer_signals="yes"):
+            pass
+
+
+def test_wait_value_refuses_what_a_gpu_would_not_take(split):
+    stream = split.create_stream(0)
+    with DeviceBuffer(64, 0, runtime=split) as counter, HostBuffer.allocate(64, HostKind.PINNED,
+                                                                            runtime=split) as host:
+        with pytest.raises(AddressDomainError, match="not a DeviceAddress"):
+            split.wait_value(stream, host.cpu_address, 1)
+        with pytest.raises(InvalidArgument, match="8-byte aligned"):
+            split.wait_value(stream, counter.address + 4, 1)
+        for value in (-1, 1 << 63, 1.5, True):
+            with pytest.raises(InvalidArgument, match="value must be"):
+                split.wait_value(stream, counter.address, value)
+    stream.close()
+
+
+def test_wait_value_holds_a_stream_until_another_writes_the_value(runtime):
+    waiter, writer = runtime.create_stream(0), runtime.create_stream(0)
+    with DeviceBuffer(8, 0, runtime=runtime) as counter, HostBuffer.allocate(16, HostKind.PINNED,
+                                                                             runtime=runtime) as host:
+        counter.upload(np.array([3], np.uint64))
+        view = host.as_tensor().numpy().view(np.uint64)
+        view[:] = [9, 0]
+        runtime.wait_value(waiter, counter.address, 9)
+        runtime.memcpy_async(host.cpu_address + 8, counter.address, 8, stream=waiter)  # reads the counter after
+        runtime.memcpy_async(counter.address, host.cpu_address, 8, stream=writer)      # the write of 9
+        waiter.synchronize()
+        assert int(view[1]) == 9
+        del view
+    waiter.close(), writer.close()
+
+
+def test_a_wait_nothing_will_satisfy_is_reported_not_hung():
+    runtime = EmulatedRuntime("split", seed=0)
+    stream = runtime.create_stream(0)
+    with DeviceBuffer(8, 0, runtime=runtime) as counter:
+        counter.upload(np.array([0], np.uint64))
+        runtime.wait_value(stream, counter.address, 1)
+        with pytest.raises(KvtierError, match="memory value nothing writes"):
+            stream.synchronize()
+        counter.upload(np.array([1], np.uint64))
+        stream.synchronize()
+
+
+# (tensors, table layers, first layer, layers, units, pieces, chunk bytes)
+SHAPES = [(2, 5, 1, 3, 7, 1, 9216), (1, 4, 0, 4, 33, 3, 64), (2, 3, 2, 1, 5, 2, 48)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"shape{i}" for i in range(len(SHAPES))])
+def test_each_layer_counter_grows_by_the_layers_chunk_count(runtime, shape):
+    """The counters of the launched layers grow by ``chunks_per_layer`` (chunks after the 4 KiB cut), the others
+    not at all, and the bytes are copied as without counters."""
+    tensors, table_layers, first, layers, units, pieces, chunk = shape
+    rng = np.random.default_rng()
+    unit_bytes = pieces * chunk
+    layer_bytes = units * unit_bytes
+    memories = [DeviceBuffer(tensors * table_layers * layer_bytes, 0, runtime=runtime) for _ in range(2)]
+    tables = [build_pointer_table(runtime, 0, [m.address + r * layer_bytes for r in range(tensors * table_layers)])
+              for m in memories]
+    source = rng.integers(1, 256, memories[0].nbytes, dtype=np.uint8)
+    memories[0].upload(source)
+    memories[1].upload(np.zeros(memories[1].nbytes, np.uint8))
+    order = rng.permutation(units)
+    index = DeviceBuffer(8 * units, 0, runtime=runtime)
+    index.upload(order.astype(np.int64))
+    start = rng.integers(0, 1 << 40, table_layers).astype(np.uint64)
+    counters = DeviceBuffer(8 * table_layers, 0, runtime=runtime)
+    counters.upload(start)
+    sides = [ChunkSide(t, 0, unit_bytes, chunk, 1 << 20) for t in tables]
+    call = ChunkCopy(sides[0], sides[1], index, index, 8, units, first, layers, pieces, chunk, tensors, table_layers,
+                     layer_done=counters)
+    stream = runtime.create_stream(0)
+    prepared = KernelLauncher(runtime).copy_chunks(call, device=0, stream=stream)
+    stream.synchronize()
+    expected = start.copy()
+    expected[first:first + layers] += np.uint64(prepared.chunks_per_layer)
+    np.testing.assert_array_equal(np.frombuffer(counters.download(), np.uint64), expected)
+    assert prepared.chunks_per_layer >= tensors * units * pieces
+    got, want = np.frombuffer(memories[1].download(), np.uint8), np.zeros(memories[1].nbytes, np.uint8)
+    for row in [t * table_layers + first + layer for t in range(tensors) for layer in range(layers)]:
+        base = row * layer_bytes
+        for unit in order.tolist():
+            want[base + unit * unit_bytes:base + (unit + 1) * unit_bytes] = \
+                source[base + unit * unit_bytes:base + (unit + 1) * unit_bytes]
+    np.testing.assert_array_equal(got, want)
+    stream.close()
+    for handle in (index, counters, *tables, *memories):
+        handle.close()
+
+
+def test_layer_counters_are_refused_where_they_cannot_work(split):
+    with DeviceBuffer(64, 0, runtime=split) as table, DeviceBuffer(8, 0, runtime=split) as small:
+        side = ChunkSide(table, 1024, 0)
+        base = dict(src=side, dst=side, src_index=table, dst_index=table, index_bytes=8, n_units=1, layer_begin=0,
+                    n_layers=2, n_pieces=1, chunk_bytes=1024)
+        with pytest.raises(KvtierError, match="layer-major"):
+            ChunkCopy(**base, unit_major=True, layer_done=small).validate()
+        with pytest.raises(KvtierError, match="cannot hold 2"):
+            ChunkCopy(**base, layer_done=small).validate()
+
+
+def test_engines_close_with_layer_events_still_queued(runtime):
+    """Closing drains the signal stream too: no event is left recorded on a destroyed stream."""
+    with engine_on(runtime, G, "layer_first", device_pages=4, host_pages=4) as (dev, host, engine):
+        fill_host(host)
+        transfers = [engine.load([0, 1], [2, 3]) for _ in range(3)]
+    for transfer in transfers:
+        assert transfer.done()
+        transfer.wait_layer(G.layers - 1)
