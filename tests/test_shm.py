@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import multiprocessing
 import os
@@ -91,6 +92,26 @@ def shm_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     assert not leftovers, f"a test left shm files behind: {leftovers}"
 
 
+def _wait_until_unlocked(path: str, seconds: float = 30.0) -> None:
+    """Wait for the kernel to drop a dead owner's lock. It may do so only after the process is reaped: on the H200
+    machine, with a CUDA context busy in the test process, /proc/locks still listed a killed owner's lock (its pid
+    gone) when the next call ran. The tests below check what kvtier does once the owner is gone for the kernel."""
+    deadline = time.monotonic() + seconds
+    while True:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                with open("/proc/locks") as locks:
+                    raise AssertionError(f"a killed owner's lock on {path} was still held after {seconds} s; "
+                                         f"/proc/locks:\n{locks.read()}") from None
+        finally:
+            os.close(fd)
+        time.sleep(0.02)
+
+
 @pytest.fixture
 def killed_owner(shm_dir: Path) -> Iterator[Callable[[], str]]:
     """Makes shm owners that die by SIGKILL (no finalizer runs) and returns their file's path."""
@@ -100,6 +121,7 @@ def killed_owner(shm_dir: Path) -> Iterator[Callable[[], str]]:
         out = subprocess.run([sys.executable, "-c", KILLED_OWNER], capture_output=True, text=True, timeout=120)
         assert out.returncode == -signal.SIGKILL, out.stderr
         paths.append(out.stdout.strip())
+        _wait_until_unlocked(paths[-1])
         return paths[-1]
 
     yield make

@@ -115,7 +115,8 @@ def _publish(temporary: str, path: str, name: str) -> None:
     try:
         os.link(temporary, path)
     except FileExistsError as exc:
-        raise KvtierError(f"shm {path} already exists: attach to it with HostBuffer.attach_shm({name!r})") from exc
+        raise KvtierError(f"shm {path} already exists and its owner holds it (or died an instant ago and the kernel "
+                          f"has not dropped its lock yet): attach to it with HostBuffer.attach_shm({name!r})") from exc
     except OSError as exc:
         raise KvtierError(f"cannot name the shm file {path} ({exc}): its filesystem must support hard links") from exc
 
