@@ -214,10 +214,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="host layout, repeatable; default: all")
     parser.add_argument("--backend", action="append", choices=["kernel", "staged", "direct", "batch"],
                         help="io backend, repeatable; default: all")
-    parser.add_argument("--variants", default="", help="kernel specializations UNROLLxTHREADS[wWIDTH] to compare at "
-                                                       "2 blocks on the first geometry, e.g. 4x1024,8x512,8x1024w8 "
-                                                       "(WIDTH caps the bytes per access; the shipped 8x1024 runs "
-                                                       "the prebuilt kernels, others JIT)")
+    parser.add_argument("--variants", default="", help="kernel specializations UNROLLxTHREADS[wWIDTH][+cached] to "
+                                                       "compare at 2 blocks on the first geometry, e.g. "
+                                                       "4x1024,8x512,8x1024w8,8x1024+cached (WIDTH caps the bytes per "
+                                                       "access, +cached drops the streaming cache hints; the shipped "
+                                                       "8x1024 runs the prebuilt kernels, others JIT)")
     parser.add_argument("--blocks", default="1,2,4,8,0", help="kernel SM budgets; 0 = one block per SM "
                                                               "(default: %(default)s)")
     parser.add_argument("--gib", type=float, help="GiB moved per measurement (default: 1; 1/64 on an emulated "
@@ -260,14 +261,16 @@ def run_layout(runtime, args, name, g, layout, backends, budgets, dev, pages, ce
             rows += measure(runtime, name, g, layout, backend, 0, dev, host, ceiling, pages, args.repeats,
                             console, slots_kind="contiguous")
     for variant in args.variants.split(",") if first and args.variants else []:
-        shape, _, width = variant.partition("w")
+        spec, _, flag = variant.partition("+")
+        shape, _, width = spec.partition("w")
         unroll, threads = (int(x) for x in shape.split("x"))
-        shipped = (unroll, threads) == (DEFAULT_UNROLL, MAX_THREADS)
+        streaming = flag != "cached"
+        shipped = (unroll, threads, streaming) == (DEFAULT_UNROLL, MAX_THREADS, True)
         launcher = KernelLauncher(runtime, mode=None if shipped else "jit", unroll=unroll, max_threads=threads,
-                                  max_width=int(width or 16))
+                                  max_width=int(width or 16), streaming=streaming)
         for row in measure(runtime, name, g, layout, "kernel", 2, dev, host, ceiling, pages, args.repeats,
                            console, launcher=launcher, threads=threads):
-            row.backend = f"kernel u{unroll}x{threads}" + (f"w{width}" if width else "")
+            row.backend = f"kernel {variant}"
             rows.append(row)
     if layout == "page_first_direct":
         extras["bidirectional"][name] = [bidirectional(runtime, g, dev, host, ceiling, pages, 2, backend)

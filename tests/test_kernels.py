@@ -47,6 +47,8 @@ def test_unknown_mode_and_specialized_aot_are_refused():
         kernel_image("sm_90", "fast")
     with pytest.raises(KernelBuildError, match="only JIT"):
         kernel_image("sm_90", "aot", unroll=4)
+    with pytest.raises(KernelBuildError, match="streaming False"):
+        kernel_image("sm_90", "aot", streaming=False)
 
 
 @pytest.mark.parametrize("max_width", [0, 3, 32])

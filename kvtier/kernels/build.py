@@ -57,12 +57,12 @@ def build_aot(out_dir: Path | None = None, archs: tuple[str, ...] = AOT_ARCHS, n
     return fatbin
 
 
-def compile_jit(arch: str, unroll: int = DEFAULT_UNROLL, max_threads: int = 1024) -> bytes:
+def compile_jit(arch: str, unroll: int = DEFAULT_UNROLL, max_threads: int = 1024, streaming: bool = True) -> bytes:
     """A cubin for ``arch`` (e.g. ``sm_90``) from NVRTC, through the on-disk cache."""
     from kvtier.runtime.cuda import nvrtc_compile, nvrtc_version
 
     options = [f"--gpu-architecture={arch}", "-std=c++17", f"-DKVTIER_UNROLL={unroll}",
-               f"-DKVTIER_MAX_THREADS={max_threads}"]
+               f"-DKVTIER_MAX_THREADS={max_threads}", f"-DKVTIER_STREAMING={int(streaming)}"]
     key = hashlib.sha256(repr((source_hash(), options, nvrtc_version())).encode()).hexdigest()[:24]
     cached = cache_dir() / f"transfer-{arch}-{key}.cubin"
     if cached.exists():

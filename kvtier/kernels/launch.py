@@ -229,16 +229,17 @@ class KernelLauncher:
     Cheap to create: the runtime keeps one loaded program per build and device, shared by every launcher."""
 
     def __init__(self, runtime: Runtime, *, mode: str | None = None, unroll: int = DEFAULT_UNROLL,
-                 max_threads: int = MAX_THREADS, max_width: int = VECTOR_BYTES) -> None:
+                 max_threads: int = MAX_THREADS, max_width: int = VECTOR_BYTES, streaming: bool = True) -> None:
         """``unroll`` and ``max_threads`` specialize the kernel (JIT only): loads in flight per thread, and the block
-        size the register budget is fitted to. ``max_width`` caps the access width (bytes per load and store; a
-        launch otherwise takes the widest its addresses allow), for measuring narrower accesses."""
+        size the register budget is fitted to; ``streaming=False`` (JIT only) drops the evict-first cache hints.
+        ``max_width`` caps the access width (bytes per load and store; a launch otherwise takes the widest its
+        addresses allow). The last two exist for measuring."""
         if unroll < 1 or not 32 <= max_threads <= MAX_THREADS or max_threads % 32 or max_width not in WIDTHS:
             raise KvtierError(f"bad kernel specialization: unroll={unroll}, max_threads={max_threads}, "
                               f"max_width={max_width} (one of {WIDTHS})")
         self.runtime, self.mode, self.unroll, self.max_threads = runtime, mode, unroll, max_threads
         self.max_width = max_width
-        self.spec = _transfer_program(mode, unroll, max_threads)
+        self.spec = _transfer_program(mode, unroll, max_threads, bool(streaming))
         self._widths: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._buffers: weakref.WeakKeyDictionary[DeviceBuffer, DeviceAddress] = weakref.WeakKeyDictionary()
 
@@ -358,17 +359,17 @@ def _check_aligned(address: DeviceAddress, align: int, what: str) -> None:
 
 
 @functools.cache
-def _transfer_program(mode: str | None, unroll: int, max_threads: int) -> ProgramSpec:
+def _transfer_program(mode: str | None, unroll: int, max_threads: int, streaming: bool = True) -> ProgramSpec:
     """The transfer kernels as a program: images built AOT or JIT for the device's compute capability, and the
     Python reference for the emulator. One spec per specialization, so the runtime's cache key is stable."""
 
     def image(capability: tuple[int, int]) -> tuple[bytes, str]:
-        return kernel_image(f"sm_{capability[0]}{capability[1]}", mode, unroll, max_threads)
+        return kernel_image(f"sm_{capability[0]}{capability[1]}", mode, unroll, max_threads, streaming)
 
     references: dict[str, Callable[..., None]] = {
         copy_kernel(size, width): functools.partial(reference.copy_chunks, index_bytes=size, width=width)
         for size in INDEX_TYPES for width in WIDTHS}
     references.update({swap_kernel(width): functools.partial(reference.hot_swap_in, width=width)
                        for width in SWAP_WIDTHS})
-    key = f"transfer-{source_hash()}-{mode or 'auto'}-u{unroll}-t{max_threads}"
+    key = f"transfer-{source_hash()}-{mode or 'auto'}-u{unroll}-t{max_threads}" + ("" if streaming else "-cached")
     return ProgramSpec(key, KERNEL_NAMES, image, references)

@@ -32,12 +32,12 @@ def _aot_image(arch: str) -> tuple[bytes | None, str]:
 
 
 def kernel_image(arch: str, mode: str | None = None, unroll: int = DEFAULT_UNROLL,
-                 max_threads: int = 1024) -> tuple[bytes, str]:
+                 max_threads: int = 1024, streaming: bool = True) -> tuple[bytes, str]:
     """(image, origin) for a device of ``arch`` (``sm_90``)."""
     mode = (mode or os.environ.get("KVTIER_KERNELS") or "auto").lower()
     if mode not in MODES:
         raise KernelBuildError(f"KVTIER_KERNELS must be one of {MODES}, got {mode!r}")
-    specialized = unroll != DEFAULT_UNROLL or max_threads != 1024
+    specialized = unroll != DEFAULT_UNROLL or max_threads != 1024 or not streaming
     if mode != "jit" and not specialized:
         image, origin = _aot_image(arch)
         if image is not None:
@@ -46,7 +46,8 @@ def kernel_image(arch: str, mode: str | None = None, unroll: int = DEFAULT_UNROL
             raise KernelBuildError(f"KVTIER_KERNELS=aot: {origin}")
     elif mode == "aot":
         raise KernelBuildError(f"KVTIER_KERNELS=aot: prebuilt kernels are not specialized (unroll {unroll}, "
-                               f"max_threads {max_threads}): only JIT builds those")
+                               f"max_threads {max_threads}, streaming {streaming}): only JIT builds those")
     from kvtier.kernels.build import compile_jit
 
-    return compile_jit(arch, unroll, max_threads), f"jit:{arch}:unroll{unroll}:threads{max_threads}"
+    return (compile_jit(arch, unroll, max_threads, streaming),
+            f"jit:{arch}:unroll{unroll}:threads{max_threads}" + ("" if streaming else ":cached"))

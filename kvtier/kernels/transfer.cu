@@ -23,6 +23,9 @@
 #ifndef KVTIER_MAX_GROUP
 #define KVTIER_MAX_GROUP 64
 #endif
+#ifndef KVTIER_STREAMING
+#define KVTIER_STREAMING 1  // streaming (.cs, evict-first) loads and stores; 0: default caching, for measurement
+#endif
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -46,7 +49,7 @@ template <> struct Vector<1> { typedef unsigned char T; };
 
 template <typename T>
 __device__ __forceinline__ T load_stream(const T* p) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && KVTIER_STREAMING
     return __ldcs(p);
 #else
     return *p;
@@ -55,7 +58,7 @@ __device__ __forceinline__ T load_stream(const T* p) {
 
 template <typename T>
 __device__ __forceinline__ void store_stream(T* p, T v) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && KVTIER_STREAMING
     __stcs(p, v);
 #else
     *p = v;
@@ -66,8 +69,13 @@ template <>
 __device__ __forceinline__ uint4 load_stream<uint4>(const uint4* p) {
 #if defined(__CUDA_ARCH__)
     uint4 v;
+#if KVTIER_STREAMING
     asm volatile("ld.global.cs.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#else
+    asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
     return v;
 #else
     return *p;
@@ -77,8 +85,13 @@ __device__ __forceinline__ uint4 load_stream<uint4>(const uint4* p) {
 template <>
 __device__ __forceinline__ void store_stream<uint4>(uint4* p, uint4 v) {
 #if defined(__CUDA_ARCH__)
+#if KVTIER_STREAMING
     asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};"
                  :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#else
+    asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};"
+                 :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#endif
 #else
     *p = v;
 #endif
