@@ -162,7 +162,7 @@ def swap_in_latency(runtime, small: bool, steps: int) -> list[dict]:
                     hot.swap_in(0, requests, topk, seq_lens, stream=stream)
                 finally:
                     graph = stream.end_capture()
-                events = [runtime.create_event(0) for _ in range(steps + 1)]
+                events = [runtime.create_event(0, timing=True) for _ in range(steps + 1)]
                 events[0].record(stream)
                 for step in range(steps):
                     runtime.memcpy_async(topk.address, plan.cpu_address + step * k * 4, k * 4, stream=stream)

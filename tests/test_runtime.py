@@ -40,8 +40,8 @@ def round_trip_buffers(runtime, n):
 def test_async_copies_complete_in_stream_order(runtime):
     n = 1 << 20
     with round_trip_buffers(runtime, n) as (host, dev, second_half, data):
-        stream, done = runtime.create_stream(0), runtime.create_event(0)
-        start = runtime.create_event(0)
+        stream, done = runtime.create_stream(0), runtime.create_event(0, timing=True)
+        start, untimed = runtime.create_event(0, timing=True), runtime.create_event(0)
         start.record(stream)
         runtime.memcpy_async(dev, host, n, stream=stream)
         runtime.memcpy_async(host + n, dev, n, stream=stream)
@@ -49,8 +49,12 @@ def test_async_copies_complete_in_stream_order(runtime):
         done.synchronize()
         assert done.query()
         assert start.elapsed_ms(done) >= 0
+        untimed.record(stream)
+        untimed.synchronize()
+        with pytest.raises(RuntimeCallError, match="cudaEventElapsedTime"):
+            start.elapsed_ms(untimed)  # events only order unless made with timing=True (cheaper on CUDA)
         np.testing.assert_array_equal(second_half(), data)
-        for handle in (stream, done, start):
+        for handle in (stream, done, start, untimed):
             handle.close()
 
 

@@ -57,8 +57,8 @@ Copy = tuple[CpuAddress | DeviceAddress, CpuAddress | DeviceAddress]
 def _timed_copies(runtime: Runtime, copies: list[Copy], nbytes: int, repeats: int) -> float:
     """Median GB/s of running ``copies`` (dst, src) concurrently, one stream each."""
     streams = [runtime.create_stream(0) for _ in copies]
-    start, stop = runtime.create_event(0), runtime.create_event(0)
-    ends = [runtime.create_event(0) for _ in copies]
+    start, stop = runtime.create_event(0, timing=True), runtime.create_event(0, timing=True)
+    ends = [runtime.create_event(0, timing=True) for _ in copies]
     rates = []
     for _ in range(repeats + 1):
         start.record(streams[0])

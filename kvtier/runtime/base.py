@@ -354,7 +354,9 @@ class Runtime:
     def create_stream(self, device: int | None = None) -> Stream:
         raise NotImplementedError("need create_stream")
 
-    def create_event(self, device: int | None = None) -> Event:
+    def create_event(self, device: int | None = None, *, timing: bool = False) -> Event:
+        """An event of ``device`` (default: the current one). Events only order and signal unless ``timing`` asks
+        for timestamps (``elapsed_ms``): CUDA records and waits on untimed events faster."""
         raise NotImplementedError("need create_event")
 
     def current_stream(self, device: int | None = None) -> Stream:

@@ -131,15 +131,20 @@ def _destroy_graph(cudart: Any, graph: Any, executable: Any) -> None:
 
 
 class CudaEvent(Event):
-    def __init__(self, cudart: Any, device: int, borrowed: Any = None) -> None:
-        """A new event, or (``borrowed``) a handle someone else owns, such as a torch event's."""
+    def __init__(self, cudart: Any, device: int, borrowed: Any = None, timing: bool = False) -> None:
+        """A new event (untimed unless ``timing``), or (``borrowed``) a handle someone else owns, such as a torch
+        event's."""
         self._cudart, self.device = cudart, device
         self._finalizer: Any
         if borrowed is not None:
             self.native = borrowed
             self._finalizer = weakref.finalize(self, lambda: None)
             return
-        self.native = check(cudart.cudaEventCreate(), "cudaEventCreate")
+        if timing:
+            self.native = check(cudart.cudaEventCreate(), "cudaEventCreate")
+        else:
+            self.native = check(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming),
+                                "cudaEventCreateWithFlags")
         self._finalizer = weakref.finalize(self, _destroy, cudart.cudaEventDestroy, self.native)
 
     def record(self, stream: Stream) -> None:
@@ -383,10 +388,10 @@ class CudaRuntime(Runtime):
     def legacy_stream(self, device: int) -> CudaStream:
         return self.wrap_stream(0, device)
 
-    def create_event(self, device: int | None = None) -> CudaEvent:
+    def create_event(self, device: int | None = None, *, timing: bool = False) -> CudaEvent:
         device = self.current_device() if device is None else device
         with self.using_device(device):
-            return CudaEvent(self._cudart, device)
+            return CudaEvent(self._cudart, device, timing=timing)
 
 
 class CudaProgram(Program):

@@ -324,8 +324,9 @@ class EmulatedRuntime(Runtime):
         self._stream(stream).enqueue(WaitValueOp(
             lambda: int(memory.view(address.value, 8, align=8).view(np.uint64)[0]), value))
 
-    def create_event(self, device: int | None = None) -> EmulatedEvent:
-        return EmulatedEvent(self.scheduler, self.current_device() if device is None else self.check_device(device))
+    def create_event(self, device: int | None = None, *, timing: bool = False) -> EmulatedEvent:
+        return EmulatedEvent(self.scheduler, self.current_device() if device is None else self.check_device(device),
+                             timing=timing)
 
     def default_stream(self, device: int | None = None) -> EmulatedStream:
         return self._default_streams[self.current_device() if device is None else self.check_device(device)]

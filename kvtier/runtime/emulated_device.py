@@ -222,8 +222,8 @@ class EmulatedGraph(Graph):
 
 
 class EmulatedEvent(Event):
-    def __init__(self, scheduler: Scheduler, device: int) -> None:
-        self.scheduler, self.device = scheduler, device
+    def __init__(self, scheduler: Scheduler, device: int, timing: bool = False) -> None:
+        self.scheduler, self.device, self.timing = scheduler, device, timing
         self.marker: Marker | None = None
 
     def record(self, stream: Stream) -> None:
@@ -255,6 +255,9 @@ class EmulatedEvent(Event):
     def elapsed_ms(self, end: Event) -> float:
         if not isinstance(end, EmulatedEvent):
             raise WrongRuntime("elapsed_ms needs two emulated events")
+        if not (self.timing and end.timing):
+            raise RuntimeCallError("cudaEventElapsedTime", "cudaErrorInvalidResourceHandle",
+                                   "both events must be created with timing=True")
         self.synchronize()
         end.synchronize()
         if self.marker is None or end.marker is None or self.marker.timestamp is None or end.marker.timestamp is None:
