@@ -855,3 +855,83 @@ def test_device_copy_after_a_load_copies_the_loaded_bytes(seed):
         eng.backup([2], [0], after=[stream]).wait()
         np.testing.assert_array_equal(view[:g.slot_bytes], data[g.slot_bytes:2 * g.slot_bytes])
         del view
+
+
+def _stale_family_layer_reads(seed: int, layer_signals: Any) -> int:
+    """Two state loads into the same slots, the second behind a busy model stream; a consumer stream waits for each
+    layer event of the second and reads that layer's items (every tensor) at once. Returns the stale item count."""
+    from kvtier.memory import HostBuffer
+    from kvtier.runtime.emulated import EmulatedRuntime
+
+    runtime = EmulatedRuntime("split", seed=seed)
+    g = STATES["fp16-bf16"](4)
+    with state_pools(runtime, g, pad=3, layout="page_first", layer_signals=layer_signals) as (
+            dev, host, engine, model):
+        image = DeviceImage(runtime, model.device_spans(dev))
+        poisoned = image.poison()
+        data = fill_host(host)
+        slots, first, second = [4, 1], [0, 6], [5, 2]
+        engine.load(first, slots)
+        busy = runtime.create_stream(0)
+        runtime.busy(busy, 40)
+        launch = runtime.launch
+
+        def slow_launch(program: Any, name: str, **kwargs: Any) -> None:  # each part's copy takes a while
+            runtime.busy(kwargs["stream"], 30)
+            launch(program, name, **kwargs)
+
+        runtime.launch = slow_launch  # type: ignore[method-assign]
+        transfer = engine.load(second, slots, after=busy)
+        runtime.launch = launch  # type: ignore[method-assign]
+        expected = state_load_expected(model, poisoned, data, second, slots)
+        consumer = runtime.create_stream(0)
+        total = sum(nbytes for _, nbytes in image.spans.values())
+        with HostBuffer.allocate(total, HostKind.PINNED, runtime=runtime) as out:
+            offsets, at = {}, 0
+            for layer in range(g.layers):
+                transfer.stream_wait(consumer, layer=layer)
+                for key, (address, nbytes) in image.spans.items():
+                    if key[1] == layer:
+                        runtime.memcpy_async(out.cpu_address + at, address, nbytes, stream=consumer)
+                        offsets[key], at = at, at + nbytes
+            consumer.synchronize()
+            view = out.as_tensor().numpy()
+            stale = sum(not np.array_equal(view[offsets[key]:offsets[key] + expected[key].size], expected[key])
+                        for key in offsets)
+            del view
+        transfer.wait()
+        return stale
+
+
+def test_family_layer_events_fire_after_every_part_of_the_layer_landed():
+    """One launch per part, counters per part: a layer's event must wait for every tensor of that layer."""
+    stale = {seed: _stale_family_layer_reads(seed, None) for seed in range(8)}
+    assert not any(stale.values()), f"stale items per seed: {stale}"
+
+
+def test_family_layer_ordering_check_can_fail(monkeypatch):
+    """Negative control: a layer event that waits on the first part only lets stale items of the other through."""
+    from kvtier.transfer.signals import LayerSignals
+
+    original = LayerSignals.arm
+
+    def first_part_only(self, layers, transfer):
+        original(self, [(layer, adds[:1]) for layer, adds in layers], transfer)
+
+    monkeypatch.setattr(LayerSignals, "arm", first_part_only)
+    assert any(_stale_family_layer_reads(seed, None) for seed in range(8))
+
+
+@pytest.mark.parametrize("layer_signals", [None, False])
+def test_family_per_layer_loads_with_and_without_layer_signals_move_the_same_bytes(runtime, layer_signals):
+    g = rows("dsv4_c4_kv", layers=5, stored=(0, 2, 3))
+    with row_pools(runtime, g, pad=8, layer_signals=layer_signals) as (dev, host, engine, model):
+        assert (engine.signals is None) == (layer_signals is False)
+        image = DeviceImage(runtime, model.device_spans(dev))
+        poisoned = image.poison()
+        data = fill_host(host)
+        transfer = engine.load([3, 0, 4], [5, 1, 2], layers=[3, 1, 0, 2])
+        for layer in (3, 1, 0, 2):
+            transfer.wait_layer(layer)
+        assert sorted(transfer.layer_events) == [0, 1, 2, 3]
+        assert_image(image.read(), model.load(poisoned, data, [3, 0, 4], [5, 1, 2], "page", layers=[3, 0, 2]))

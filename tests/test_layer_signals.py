@@ -70,9 +70,9 @@ def test_each_layer_event_fires_after_its_layer_landed(layout):
 
 def test_the_check_fails_when_targets_forget_earlier_loads(monkeypatch):
     """Negative control: targets that restart from zero let the second load's events fire on the first's counts."""
-    def forgetful(self, spans, chunks_per_layer, transfer):
+    def forgetful(self, layers, transfer):
         self.targets = [0] * len(self.targets)
-        original(self, spans, chunks_per_layer, transfer)
+        original(self, layers, transfer)
 
     original = LayerSignals.arm
     monkeypatch.setattr(LayerSignals, "arm", forgetful)

@@ -1,9 +1,11 @@
 """The transfer engine of model-family pools (state, page rows): the same contract as ``TransferEngine``.
 
-Backups run all layers on the D2H stream; loads run layer by layer on the H2D stream and record one event per model
-layer (a layer without rows in this pool gets its event at once, so a model waits on every layer alike). Each part is
-an SM copy through the launch boundary (``kernel`` backend, ``max_blocks`` SMs), ordered after the caller's current
-stream unless ``after`` says otherwise; one lock around queuing, so threads may share an engine; closing drains.
+Backups run all layers on the D2H stream; loads run on the H2D stream and give one event per model layer (a layer
+without rows in this pool gets its event at once, so a model waits on every layer alike): one launch per part, each
+layer signalled from the device (``LayerSignals``), or a launch per part and layer where the runtime cannot. Each
+part is an SM copy through the launch boundary (``kernel`` backend, ``max_blocks`` SMs), ordered after the caller's
+current stream unless ``after`` says otherwise; one lock around queuing, so threads may share an engine; closing
+drains.
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ from kvtier.transfer.engine import CapturedLoad
 from kvtier.transfer.indices import IndexRing, arena_bytes
 from kvtier.transfer.job import CURRENT, D2H, H2D, PoolUser, Transfer, checked_layers, order_after
 from kvtier.transfer.plan import layer_spans
+from kvtier.transfer.signals import LayerSignals
 
 
 class FamilyEngine(PoolUser):
     def __init__(self, device_pool: FamilyDevicePool, host_pool: FamilyHostPool, *, max_blocks: int = 2,
                  threads: int = 1024, index_bytes: int = 8, launcher: KernelLauncher | None = None,
-                 index_ring_bytes: int | None = None) -> None:
+                 index_ring_bytes: int | None = None, layer_signals: bool | None = None) -> None:
+        """``layer_signals``: per-layer loads as one launch per part whose layers are signalled from the device
+        (default: where the runtime can wait on a memory value; False: a launch per part and layer, as before)."""
         device_pool.check_open()
         host_pool.check_open()
         if device_pool.geometry != host_pool.geometry:
@@ -45,6 +50,12 @@ class FamilyEngine(PoolUser):
         self.threads = integer(threads, "threads", low=32, high=1025)
         if self.threads % 32 or index_bytes not in (4, 8):
             raise InvalidArgument(f"threads must be whole warps and index_bytes 4 or 8, got {threads}, {index_bytes}")
+        if layer_signals not in (None, True, False):
+            raise InvalidArgument(f"layer_signals must be None (automatic), True or False, got {layer_signals!r}")
+        signalled = LayerSignals.available(device_pool.runtime, device_pool.device)
+        if layer_signals and not signalled:
+            raise InvalidArgument(f"layer_signals=True: {device_pool.runtime.name} cannot wait on a memory value on "
+                                  f"device {device_pool.device}")
         self.device_pool, self.host_pool, self.index_bytes = device_pool, host_pool, index_bytes
         self.geometry, self.runtime, self.device = device_pool.geometry, device_pool.runtime, device_pool.device
         self.launcher = launcher or KernelLauncher(self.runtime)
@@ -66,6 +77,10 @@ class FamilyEngine(PoolUser):
                                                     part.units_per_page)
                                           for t, p in zip(tables, (placement, host), strict=True))
                 self._sides[part.name] = (part, device_side, host_side)
+            self._blocks = {name: i for i, name in enumerate(self._sides)}
+            self.signals = (owned.own(LayerSignals(self.runtime, self.device,
+                                                   [len(part.layers) for part, _, _ in self._sides.values()]))
+                            if signalled and layer_signals is not False else None)
         self._attach()
 
     @property
@@ -154,6 +169,8 @@ class FamilyEngine(PoolUser):
         with self._lock:
             if not self._closed:
                 self._drain_streams()
+                if self.signals is not None:
+                    self.signals.drain()
 
     def _release(self) -> None:
         for captured in list(self._captures):
@@ -213,7 +230,10 @@ class FamilyEngine(PoolUser):
             src, dst = (dev, host) if direction == D2H else (host, dev)
             indices, lease = ring.upload([self._index(src), self._index(dst)])
             try:
-                self._launch(direction, unit, indices, dev.size, layers, per_layer, stream, marks)
+                if per_layer and direction == H2D and self.signals is not None:
+                    self._launch_signalled(unit, indices, dev.size, layers, stream, transfer)
+                else:
+                    self._launch(direction, unit, indices, dev.size, layers, per_layer, stream, marks)
             finally:
                 ring.fence(lease)
         elif marks is not None:
@@ -226,6 +246,31 @@ class FamilyEngine(PoolUser):
         event = self.runtime.create_event(self.device)
         event.record(stream)
         return event
+
+    def _launch_signalled(self, unit: str, indices: list[Any], count: int, layers: list[int], stream: Stream,
+                          transfer: Transfer) -> None:
+        """A per-layer load as one launch per part and run of the part's layers; each part advances its own
+        counters, and a model layer's event waits for every part that stores it."""
+        signals = self.signals
+        assert signals is not None
+        signals.begin(stream)
+        adds: dict[int, list[tuple[int, int, int]]] = {layer: [] for layer in layers}
+        for part, device_side, host_side in self._parts(unit):
+            block = self._blocks[part.name]
+            where = {layer: i for i, layer in enumerate(part.layers)}
+            spans = layer_spans([where[layer] for layer in layers if layer in where], False)
+            call = ChunkCopy(host_side, device_side, indices[0], indices[1], self.index_bytes, count, 0,
+                             len(part.layers), part.pieces, part.chunk_bytes, 1, len(part.layers),
+                             layer_done=signals.block(block))
+            launch = self.launcher.prepare(call, spans, device=self.device, max_blocks=self.max_blocks,
+                                           threads=self.threads)
+            for begin, n in spans:
+                launch(begin, n, stream)
+            if launch.chunks_per_layer:
+                for layer in layers:
+                    if layer in where:
+                        adds[layer].append((block, where[layer], launch.chunks_per_layer))
+        signals.arm([(layer, adds[layer]) for layer in layers], transfer)
 
     def _launch(self, direction: str, unit: str, indices: list[Any], count: int, layers: list[int], per_layer: bool,
                 stream: Stream, marks: dict[int, Any] | None = None) -> None:

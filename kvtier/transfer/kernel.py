@@ -59,7 +59,7 @@ class KernelBackend(Backend):
                                   f"device {context.device}")
         self._owned = Owned()
         with self._owned.building() as owned:
-            self.signals = (owned.own(LayerSignals(context.runtime, context.device, context.geometry.layers))
+            self.signals = (owned.own(LayerSignals(context.runtime, context.device, [context.geometry.layers]))
                             if available and layer_signals is not False else None)
             self.device_table = owned.own(device_table(context))
             host = context.host_pool
@@ -78,8 +78,10 @@ class KernelBackend(Backend):
                 spans = layer_spans(job.layers, False)
                 self.signals.begin(job.stream)
                 prepared = launch_copy(context, job.direction, indices, job.src_units.size, spans, job.stream,
-                                       self.host_table, self.device_table, layer_done=self.signals.counters)
-                self.signals.arm(spans, prepared.chunks_per_layer, job.transfer)
+                                       self.host_table, self.device_table, layer_done=self.signals.block(0))
+                chunks = prepared.chunks_per_layer
+                self.signals.arm([(layer, [(0, layer, chunks)]) for begin, count in spans
+                                  for layer in range(begin, begin + count)], job.transfer)
             else:
                 launch_copy(context, job.direction, indices, job.src_units.size,
                             layer_spans(job.layers, job.per_layer), job.stream, self.host_table, self.device_table,

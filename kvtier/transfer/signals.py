@@ -13,26 +13,34 @@ the GPU can see, as CUDA asks of stream memory waits).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from kvtier.memory import DeviceBuffer
+from kvtier.memory.device_buffer import DeviceRegion
 from kvtier.memory.lifetime import Owned
 from kvtier.runtime import Runtime, Stream
 from kvtier.transfer.job import Transfer
 
 
 class LayerSignals:
-    """A counter per layer in device memory, the targets queued so far, and the stream that turns them into events."""
+    """Counters in device memory, the targets queued so far, and the stream that turns them into layer events.
 
-    def __init__(self, runtime: Runtime, device: int, layers: int) -> None:
+    Counters come in blocks, one per copy that signals (a KV pool has one, indexed by layer; a family pool one per
+    part, indexed by the part's own layers), so a model layer's event can wait for every part that stores it."""
+
+    def __init__(self, runtime: Runtime, device: int, blocks: Sequence[int]) -> None:
         self.runtime, self.device = runtime, device
-        self.targets = [0] * layers
+        self.offsets = [0]
+        for size in blocks:
+            self.offsets.append(self.offsets[-1] + int(size))
+        total = max(1, self.offsets[-1])
+        self.targets = [0] * total
         self._owned = Owned()
         with self._owned.building() as owned:
-            self.counters = owned.own(DeviceBuffer(8 * layers, device, runtime=runtime))
-            self.counters.upload(np.zeros(layers, np.uint64))
+            self.counters = owned.own(DeviceBuffer(8 * total, device, runtime=runtime))
+            self.counters.upload(np.zeros(total, np.uint64))
             self.stream = owned.own(runtime.create_stream(device))
             self._start = owned.own(runtime.create_event(device))
 
@@ -40,22 +48,29 @@ class LayerSignals:
     def available(runtime: Runtime, device: int) -> bool:
         return runtime.supports_wait_value(device)
 
+    def block(self, index: int) -> DeviceRegion:
+        """Block ``index``'s counters: the ``layer_done`` operand of that copy's launches."""
+        first, end = self.offsets[index], self.offsets[index + 1]
+        return self.counters.region(8 * first, 8 * (end - first))
+
     def begin(self, stream: Stream) -> None:
         """Call before queuing the load's launches on ``stream``: the signal stream follows it from here."""
         self._start.record(stream)
         self.stream.wait(self._start)
 
-    def arm(self, spans: Sequence[tuple[int, int]], chunks_per_layer: int, transfer: Transfer) -> None:
-        """After the launches of ``spans`` are queued: layer l's event fires once its counter has grown by
-        ``chunks_per_layer`` more than every earlier load asked of it."""
+    def arm(self, layers: Iterable[tuple[int, Sequence[tuple[int, int, int]]]], transfer: Transfer) -> None:
+        """After the launches are queued: for each (model layer, [(block, position, chunks), ...]), in order, the
+        layer's event fires once each named counter has grown by ``chunks`` more than every earlier load asked of
+        it (a layer with no counters gets its event at once, in order)."""
         runtime, base = self.runtime, self.counters.address
-        for begin, count in spans:
-            for layer in range(begin, begin + count):
-                self.targets[layer] += chunks_per_layer
-                runtime.wait_value(self.stream, base + 8 * layer, self.targets[layer])
-                event = runtime.create_event(self.device)
-                event.record(self.stream)
-                transfer.layer_events[layer] = event
+        for layer, adds in layers:
+            for block, position, chunks in adds:
+                at = self.offsets[block] + position
+                self.targets[at] += chunks
+                runtime.wait_value(self.stream, base + 8 * at, self.targets[at])
+            event = runtime.create_event(self.device)
+            event.record(self.stream)
+            transfer.layer_events[layer] = event
 
     def drain(self) -> None:
         self.stream.synchronize()
