@@ -31,19 +31,28 @@ def _host_page(host, snapshot, tensor, layer, slot):
                            for t in range(G.page_size)])
 
 
-def _stale_layer_reads(seed: int, layout: str) -> int:
+def _stale_layer_reads(seed: int, layout: str, backend: str = "kernel") -> int:
     """Two loads into the same pages, the second behind a busy model stream; a consumer stream waits for each layer
     event of the second and reads that layer at once. Returns how many (tensor, layer, page) reads were stale."""
     runtime = EmulatedRuntime("split", seed=seed)
     pages, first_slots, second_slots = np.array([3, 0]), np.array([1, 4]), np.array([5, 2])
-    with engine_on(runtime, G, layout, device_pages=6, host_pages=6) as (dev, host, engine), \
+    with engine_on(runtime, G, layout, device_pages=6, host_pages=6, backend=backend,
+                   staging_bytes=G.bytes_per_page) as (dev, host, engine), \
             HostBuffer.allocate(G.bytes_per_page * 2, HostKind.PINNED, runtime=runtime) as out:
         assert isinstance(engine._backend.signals, LayerSignals)
         snapshot = fill_host(host)
         engine.load(first_slots, pages)
         model = runtime.create_stream(0)
         runtime.busy(model, 40)
+        launch = runtime.launch
+
+        def slow_launch(program, name, **kwargs):  # each copy kernel takes a while to start
+            runtime.busy(kwargs["stream"], 20)
+            launch(program, name, **kwargs)
+
+        runtime.launch = slow_launch
         second = engine.load(second_slots, pages, after=model)
+        runtime.launch = launch
         consumer = runtime.create_stream(0)
         view, offset, expected = out.as_tensor().numpy(), 0, []
         for layer in range(G.layers):
@@ -62,9 +71,11 @@ def _stale_layer_reads(seed: int, layout: str) -> int:
         return stale
 
 
+@pytest.mark.parametrize("backend", ["kernel", "staged"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_each_layer_event_fires_after_its_layer_landed(layout):
-    stale = {seed: _stale_layer_reads(seed, layout) for seed in SEEDS}
+def test_each_layer_event_fires_after_its_layer_landed(layout, backend):
+    """staged: one page of staging, so the pages go in two batches and only the last one's relayout signals."""
+    stale = {seed: _stale_layer_reads(seed, layout, backend) for seed in SEEDS}
     assert not any(stale.values()), f"stale reads per seed: {stale}"
 
 
@@ -77,6 +88,7 @@ def test_the_check_fails_when_targets_forget_earlier_loads(monkeypatch):
     original = LayerSignals.arm
     monkeypatch.setattr(LayerSignals, "arm", forgetful)
     assert any(_stale_layer_reads(seed, "layer_first") for seed in SEEDS)
+    assert any(_stale_layer_reads(seed, "layer_first", "staged") for seed in SEEDS)
 
 
 def _launches(runtime, monkeypatch) -> list[str]:
@@ -91,10 +103,13 @@ def _launches(runtime, monkeypatch) -> list[str]:
     return names
 
 
+@pytest.mark.parametrize("backend", ["kernel", "staged"])
 @pytest.mark.parametrize("signals", [None, False])
-def test_a_per_layer_load_is_one_launch_with_signals_and_one_per_layer_without(runtime, monkeypatch, signals):
-    with engine_on(runtime, G, "page_first_direct", device_pages=4, host_pages=4, layer_signals=signals) as (
-            dev, host, engine):
+def test_a_per_layer_load_is_one_launch_with_signals_and_one_per_layer_without(runtime, monkeypatch, signals,
+                                                                              backend):
+    """(staged: the relayout of the one batch, the only launches.)"""
+    with engine_on(runtime, G, "page_first_direct", device_pages=4, host_pages=4, layer_signals=signals,
+                   backend=backend) as (dev, host, engine):
         fill_host(host)
         names = _launches(runtime, monkeypatch)
         transfer = engine.load([1, 3], [0, 2])

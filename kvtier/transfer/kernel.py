@@ -43,6 +43,18 @@ def launch_copy(context: Context, direction: str, indices: list[Any], units: int
                                              after_each=after_each)
 
 
+def signals_for(context: Context, layer_signals: bool | None, owned: Any) -> LayerSignals | None:
+    """The engine's layer counters (one per layer) when per-layer loads should be signalled from the device:
+    ``layer_signals`` None means where the runtime can wait on a memory value, True insists, False declines."""
+    available = LayerSignals.available(context.runtime, context.device)
+    if layer_signals and not available:
+        raise InvalidArgument(f"layer_signals=True: {context.runtime.name} cannot wait on a memory value on device "
+                              f"{context.device}")
+    if not available or layer_signals is False:
+        return None
+    return owned.own(LayerSignals(context.runtime, context.device, [context.geometry.layers]))
+
+
 class KernelBackend(Backend):
     name = "kernel"
 
@@ -53,14 +65,9 @@ class KernelBackend(Backend):
         if context.host_pool.buffer.kind is HostKind.PAGEABLE:
             raise InvalidArgument("the kernel backend needs a device-accessible host pool, and this one is pageable: "
                                   "allocate it 'registered', 'pinned' or 'shm', or use backend='direct'")
-        available = LayerSignals.available(context.runtime, context.device)
-        if layer_signals and not available:
-            raise InvalidArgument(f"layer_signals=True: {context.runtime.name} cannot wait on a memory value on "
-                                  f"device {context.device}")
         self._owned = Owned()
         with self._owned.building() as owned:
-            self.signals = (owned.own(LayerSignals(context.runtime, context.device, [context.geometry.layers]))
-                            if available and layer_signals is not False else None)
+            self.signals = signals_for(context, layer_signals, owned)
             self.device_table = owned.own(device_table(context))
             host = context.host_pool
             self.host_table = owned.own(build_pointer_table(
