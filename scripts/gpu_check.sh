@@ -4,11 +4,11 @@
 # probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py,
 # TESTS narrows the AOT suite (default: tests), ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane),
-# STORAGE_ARGS to bench/storage.py, FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark). The storage phase
+# STORAGE_ARGS to bench/storage.py, FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark). The storage phase
 # needs redis-server on PATH and redis-py importable.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
-PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench families enqueue demo cache limits storage e2e"}
+PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench families small enqueue demo cache limits storage e2e"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
@@ -29,7 +29,8 @@ if want tests; then
         || status=1
 fi
 if want jit; then
-    KVTIER_KERNELS=jit python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_transfer.py tests/test_kernels.py 2>&1 \
+    KVTIER_KERNELS=jit python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_transfer.py tests/test_kernels.py \
+        tests/test_layer_signals.py 2>&1 \
         | tee "$OUT/pytest-jit.log" || status=1
 fi
 if want sanitizer; then
@@ -37,7 +38,7 @@ if want sanitizer; then
         -m gpu tests/test_transfer.py tests/test_kernels.py -k "cuda and (kernel and fp8 or odd_shapes)" 2>&1 \
         | tail -40 | tee "$OUT/sanitizer.log" || status=1
     KVTIER_KERNELS=aot compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 python3 -m pytest -q \
-        -p no:cacheprovider -m gpu tests/test_families.py tests/test_hisparse.py -k cuda 2>&1 | tail -5 \
+        -p no:cacheprovider -m gpu tests/test_families.py tests/test_hisparse.py tests/test_layer_signals.py -k cuda 2>&1 | tail -5 \
         | tee -a "$OUT/sanitizer.log" || status=1
 fi
 if want spans; then
@@ -57,6 +58,10 @@ if want bench; then
 fi
 if want families; then
     python3 bench/families.py ${FAMILY_ARGS:-} --json "$OUT/families.json" 2>&1 | tee "$OUT/families.txt" || status=1
+fi
+if want small; then
+    python3 bench/small_loads.py ${SMALL_ARGS:-} --json "$OUT/small_loads.json" 2>&1 | tee "$OUT/small_loads.txt" \
+        || status=1
 fi
 if want enqueue; then
     python3 bench/enqueue.py ${ENQUEUE_ARGS:-} 2>&1 | tee "$OUT/enqueue.txt" || status=1
