@@ -144,6 +144,11 @@ def test_wait_value_refuses_what_a_gpu_would_not_take(split):
         for value in (-1, 1 << 63, 1.5, True):
             with pytest.raises(InvalidArgument, match="value must be"):
                 split.wait_value(stream, counter.address, value)
+        with pytest.raises(InvalidArgument, match="not a stream"):
+            split.wait_value(None, counter.address, 1)
+        counter.upload(np.array([7], np.uint64))
+        split.wait_value(stream, counter.address, np.uint64(7))  # numpy integers are integers
+        stream.synchronize()
     stream.close()
 
 
@@ -240,3 +245,15 @@ def test_engines_close_with_layer_events_still_queued(runtime):
     for transfer in transfers:
         assert transfer.done()
         transfer.wait_layer(G.layers - 1)
+
+
+def test_a_transfer_orders_a_later_one_and_layerless_transfers_say_so(split):
+    with engine_on(split, G, "layer_first", device_pages=4, host_pages=4) as (dev, host, engine):
+        fill_host(host)
+        backup = engine.backup([0, 1], [2, 3])
+        load = engine.load([2, 3], [1, 0], after=backup)   # a Transfer is a valid `after`
+        load.wait()
+        with pytest.raises(InvalidArgument, match="no layer events"):
+            backup.wait_layer(0)
+        with pytest.raises(InvalidArgument, match="no layer events"):
+            engine.load([2], [3], per_layer=False).stream_wait(layer=1)

@@ -234,9 +234,11 @@ class KernelLauncher:
         size the register budget is fitted to; ``streaming=False`` (JIT only) drops the evict-first cache hints.
         ``max_width`` caps the access width (bytes per load and store; a launch otherwise takes the widest its
         addresses allow). The last two exist for measuring."""
-        if unroll < 1 or not 32 <= max_threads <= MAX_THREADS or max_threads % 32 or max_width not in WIDTHS:
-            raise KvtierError(f"bad kernel specialization: unroll={unroll}, max_threads={max_threads}, "
-                              f"max_width={max_width} (one of {WIDTHS})")
+        numbers = (unroll, max_threads, max_width)
+        if (any(type(n) is not int for n in numbers) or unroll < 1 or not 32 <= max_threads <= MAX_THREADS
+                or max_threads % 32 or max_width not in WIDTHS):
+            raise KvtierError(f"bad kernel specialization: unroll={unroll!r}, max_threads={max_threads!r} (whole "
+                              f"warps up to {MAX_THREADS}), max_width={max_width!r} (an int, one of {WIDTHS})")
         self.runtime, self.mode, self.unroll, self.max_threads = runtime, mode, unroll, max_threads
         self.max_width = max_width
         self.spec = _transfer_program(mode, unroll, max_threads, bool(streaming))
@@ -298,9 +300,10 @@ class KernelLauncher:
         prepare each once."""
         for begin, count in spans:
             replace(call, layer_begin=begin, n_layers=count).validate()
-        if max_blocks < 1 or threads < 32 or threads > self.max_threads or threads % 32:
-            raise KvtierError(f"launch of {max_blocks} blocks x {threads} threads: need >=1 block and 32..1024 "
-                              f"threads in whole warps")
+        self.check_threads(threads, max_blocks)
+        if call.table_layers == 0 and len(set(spans)) > 1:
+            raise KvtierError("a copy prepared for several spans needs table_layers: without it each span would "
+                              "read the table as if it held a different number of layers per tensor")
         if call.n_units == 0 or not spans:
             return PreparedCopy(None, "", [], (), max_blocks, threads, set(spans), 0, 0)
         call = replace(call, n_layers=max(count for _, count in spans)).in_pieces()
@@ -317,6 +320,12 @@ class KernelLauncher:
         return PreparedCopy(program, name, head, shape, max_blocks, threads, set(spans), call.table_layers,
                             call.n_tensors * call.n_units * call.n_pieces, self.runtime)
 
+    def check_threads(self, threads: int, blocks: int = 1) -> None:
+        """Blocks of ``threads`` this launcher's kernels can run (its ``max_threads`` fits their registers)."""
+        if blocks < 1 or threads < 32 or threads > self.max_threads or threads % 32:
+            raise KvtierError(f"launch of {blocks} blocks x {threads} threads: this launcher needs >= 1 block and "
+                              f"32..{self.max_threads} threads in whole warps (its max_threads)")
+
     def _group(self, chunk_bytes: int, width: int) -> int:
         group = chunk_group(chunk_bytes // width, self.unroll)
         if group * chunk_bytes // width > MAX_COUNT:
@@ -331,14 +340,15 @@ class KernelLauncher:
     def swap_in(self, call: SwapIn, *, device: int, stream: Stream, threads: int = MAX_THREADS) -> None:
         """One HiSparse swap-in launch (one block per request of the batch); see ``transfer.cu``."""
         call.validate()
-        if threads < 32 or threads > self.max_threads or threads % 32:
-            raise KvtierError(f"a swap-in block of {threads} threads: need 32..1024 threads in whole warps")
+        self.check_threads(threads)
         if call.batch == 0:
             return
-        width = min(call.width, *(self._entry_width(side.table) for side in (call.host, call.device)))
+        width = min(call.width, self.max_width, *(self._entry_width(side.table) for side in (call.host, call.device)))
         width = next(w for w in SWAP_WIDTHS if width % w == 0) if width >= SWAP_WIDTHS[-1] else 0
         if not width:
-            raise MisalignedAddress(f"swap-in rows of {call.row_bytes} bytes need 4-byte aligned rows and bases")
+            raise MisalignedAddress(f"swap-in rows of {call.row_bytes} bytes need 4-byte aligned rows and bases, "
+                                    f"and a launcher whose max_width allows 4-byte accesses (it is "
+                                    f"{self.max_width})")
         state = tuple(self.resolve(op, device, 8 if i >= 5 else 4) for i, op in enumerate(call.state))
         args: list[KernelArg] = [state, self._side(call.host, device), self._side(call.device, device),
                                  *(self.resolve(op, device, size) for op, size in

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import numbers
+import operator
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -411,12 +412,19 @@ class Runtime:
         """Make ``stream`` wait until the uint64 at ``address`` (device memory of the stream's device) reaches
         ``value`` (cuStreamWaitValue64, GEQ). The writer must be queued before the wait, with everything it waits for:
         the GPU does not see this dependency, so a wait queued ahead of its own writer deadlocks."""
+        if not isinstance(stream, Stream):
+            raise InvalidArgument(f"wait_value: {stream!r} is not a stream")
         if not isinstance(address, DeviceAddress) or address.device != stream.device:
             raise AddressDomainError(f"wait_value: {address!r} is not a DeviceAddress of device {stream.device}")
         if not address.aligned(8):
             raise InvalidArgument(f"wait_value: {address} is not 8-byte aligned")
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
-            raise InvalidArgument(f"wait_value: value must be an int in [0, 2**63), got {value!r}")
+        try:
+            target = -1 if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            target = -1
+        if not 0 <= target < 1 << 63:
+            raise InvalidArgument(f"wait_value: value must be an integer in [0, 2**63), got {value!r}")
+        value = target
         if not self.supports_wait_value(stream.device):
             raise InvalidArgument(f"{self.name} cannot make a stream wait on a memory value on device "
                                   f"{stream.device}")

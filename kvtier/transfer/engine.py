@@ -76,6 +76,9 @@ class Settings:
             raise InvalidArgument(f"threads must be whole warps (a multiple of 32), got {self.threads}")
         if self.layer_signals not in (None, True, False):
             raise InvalidArgument(f"layer_signals must be None (automatic), True or False, got {self.layer_signals!r}")
+        if self.layer_signals and self.backend not in ("kernel", "staged"):
+            raise InvalidArgument(f"layer_signals=True: the {self.backend!r} backend marks layers with events; only "
+                                  f"'kernel' and 'staged' signal layers from the device")
 
 
 def _check_pools(device_pool: DevicePool, host_pool: HostPool) -> None:
@@ -132,6 +135,8 @@ class TransferEngine(PoolUser):
         (default: where the runtime supports it; False: one launch and one event per layer, as before)."""
         settings = Settings(backend, max_blocks, threads, index_bytes, staging_bytes, relayout_blocks,
                             index_ring_bytes, layer_signals)
+        if launcher is not None and backend in ("kernel", "staged"):
+            launcher.check_threads(settings.threads, settings.max_blocks)
         _check_pools(device_pool, host_pool)
         self.device_pool, self.host_pool, self.backend = device_pool, host_pool, backend
         self.runtime, self.device = device_pool.runtime, device_pool.device
@@ -142,9 +147,9 @@ class TransferEngine(PoolUser):
         self.streams = {D2H: self.runtime.create_stream(self.device), H2D: self.runtime.create_stream(self.device)}
         ring_bytes = settings.index_ring_bytes or arena_bytes(self.plan.units_per_page * device_pool.pages,
                                                               self.index_bytes)
-        context = Context(self.runtime, self.device, self.geometry, self.plan, device_pool, host_pool,
-                          launcher or KernelLauncher(self.runtime), self.streams, self.index_bytes, self.max_blocks,
-                          self.threads)
+        launcher = launcher or KernelLauncher(self.runtime)
+        context = Context(self.runtime, self.device, self.geometry, self.plan, device_pool, host_pool, launcher,
+                          self.streams, self.index_bytes, self.max_blocks, self.threads)
         try:
             self._backend = BACKENDS[backend](context, ring_bytes=ring_bytes, staging_bytes=settings.staging_bytes,
                                               relayout_blocks=settings.relayout_blocks,

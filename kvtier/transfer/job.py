@@ -39,8 +39,9 @@ def checked_layers(layers: Sequence[int] | None, count: int) -> list[int]:
 
 
 def order_after(runtime: Runtime, stream: Stream, after: Any) -> None:
-    """Make ``stream`` wait for ``after``: ``CURRENT`` (the caller's current stream of the stream's device), an event
-    or stream (kvtier's or torch's), a list of them, or None (no ordering). Every engine orders through here."""
+    """Make ``stream`` wait for ``after``: ``CURRENT`` (the caller's current stream of the stream's device), a
+    :class:`Transfer`, an event or stream (kvtier's or torch's), a list of them, or None (no ordering). Every engine
+    orders through here."""
     if after is None:
         return
     if isinstance(after, str):
@@ -48,6 +49,8 @@ def order_after(runtime: Runtime, stream: Stream, after: Any) -> None:
             raise InvalidArgument(f"after={after!r}: use {CURRENT!r}, an event, a stream, a list or None")
         after = runtime.current_stream(stream.device)
     for item in after if isinstance(after, (list, tuple)) else [after]:
+        if isinstance(item, Transfer):
+            item = item.finished
         if isinstance(item, Event) or hasattr(item, "cuda_event"):
             stream.wait(runtime.as_event(item))
             continue
@@ -62,7 +65,9 @@ def order_after(runtime: Runtime, stream: Stream, after: Any) -> None:
 @dataclass
 class Transfer:
     """A queued transfer: ``done()`` polls, ``wait()`` blocks the CPU, ``stream_wait()`` makes a stream wait on the
-    GPU (no CPU block: layer i's compute waits for layer i only); ``layer_events[i]`` marks layer i (loads)."""
+    GPU (no CPU block: layer i's compute waits for layer i only); ``layer_events[i]`` marks layer i (per-layer loads).
+    Layer events signalled from the device are recorded on the engine's signal stream, a moment after their layer
+    lands; ``done()`` and ``wait()`` cover the copy itself."""
 
     runtime: Runtime
     finished: Event
@@ -86,6 +91,9 @@ class Transfer:
 
     def _event(self, layer: int) -> Event:
         if layer not in self.layer_events:
+            if not self.layer_events:
+                raise InvalidArgument(f"this transfer has no layer events (a backup, or a load with per_layer=False): "
+                                      f"wait for the whole transfer instead of layer {layer}")
             raise InvalidArgument(f"layer {layer} is not part of this transfer (layers {sorted(self.layer_events)})")
         return self.layer_events[layer]
 
