@@ -257,3 +257,22 @@ def test_a_transfer_orders_a_later_one_and_layerless_transfers_say_so(split):
             backup.wait_layer(0)
         with pytest.raises(InvalidArgument, match="no layer events"):
             engine.load([2], [3], per_layer=False).stream_wait(layer=1)
+
+
+def test_the_check_fails_when_a_layer_waits_on_the_layer_before(monkeypatch):
+    """Negative control for mid-launch signals: the emulator runs a signalled copy a layer at a time, so an event
+    that waits on layer l-1's counter fires while layer l is still being copied (with all counters bumped at the
+    end of the launch, as the emulator did first, this bug went unseen)."""
+    def off_by_one(self, layers, transfer):
+        for layer, adds in layers:
+            for block, position, chunks in adds:
+                at = self.offsets[block] + position
+                self.targets[at] += chunks
+                seen = at - 1 if position else at           # the bug: the layer before's counter and target
+                self.runtime.wait_value(self.stream, self.counters.address + 8 * seen, self.targets[seen])
+            event = self.runtime.create_event(self.device)
+            event.record(self.stream)
+            transfer.layer_events[layer] = event
+
+    monkeypatch.setattr(LayerSignals, "arm", off_by_one)
+    assert any(_stale_layer_reads(seed, "layer_first") for seed in SEEDS)

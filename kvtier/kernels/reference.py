@@ -8,12 +8,15 @@ dereference with that width, faults here too.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 INDEX_DTYPES = {8: np.int64, 4: np.int32}
 VECTOR_BYTES = 16
+LAYER_STEPS = 6
+"""Scheduler steps a signalled copy spends on each layer before it lands (the emulator's stand-in for copy time)."""
 
 
 def _read(memory: Any, address: int, count: int, dtype: Any) -> np.ndarray:
@@ -24,7 +27,7 @@ def _read(memory: Any, address: int, count: int, dtype: Any) -> np.ndarray:
 def copy_chunks(memory: Any, src: tuple[int, ...], dst: tuple[int, ...], src_index: int, dst_index: int,
                 n_units: int, layer_begin: int, n_layers: int, n_tensors: int, table_layers: int, n_pieces: int,
                 chunk_bytes: int, group: int, unit_major: int = 0, layer_done: int = 0, *, index_bytes: int,
-                width: int = VECTOR_BYTES) -> None:
+                width: int = VECTOR_BYTES) -> Iterator[None] | None:
     """``src``/``dst`` are (table, page_stride, unit_stride, piece_stride, units_per_page), as the kernel's Side;
     tables hold ``table_layers`` rows per tensor. ``group`` only shapes the CUDA kernel's warps; chunks are copied
     in the kernel's order (layer-major, or unit-major), and with ``layer_done`` each layer's counter then grows by the
@@ -39,13 +42,27 @@ def copy_chunks(memory: Any, src: tuple[int, ...], dst: tuple[int, ...], src_ind
     if unit_major:
         order = [(t * n_layers + layer, i) for t in range(n_tensors) for i in range(n_units)
                  for layer in range(n_layers)]
-    else:
-        order = [(t * n_layers + layer, i) for layer in range(n_layers) for t in range(n_tensors)
-                 for i in range(n_units)]
-    _copy(memory, sides, units, order, n_pieces, chunk_bytes, width)
-    if layer_done and n_units:
-        counters = _read(memory, layer_done + 8 * layer_begin, n_layers, np.uint64)
-        counters += np.uint64(n_tensors * n_units * n_pieces)
+        _copy(memory, sides, units, order, n_pieces, chunk_bytes, width)
+        return None
+    layer_orders = [[(t * n_layers + layer, i) for t in range(n_tensors) for i in range(n_units)]
+                    for layer in range(n_layers)]
+    if not (layer_done and n_units):
+        _copy(memory, sides, units, [pair for layer in layer_orders for pair in layer], n_pieces, chunk_bytes, width)
+        return None
+    return _signalled(memory, sides, units, layer_orders, n_pieces, chunk_bytes, width,
+                      layer_done + 8 * layer_begin, n_tensors * n_units * n_pieces)
+
+
+def _signalled(memory: Any, sides: list[Any], units: list[Any], layer_orders: list[Any], n_pieces: int,
+               chunk_bytes: int, width: int, counters: int, per_layer: int) -> Iterator[None]:
+    """A layer at a time, each taking a few scheduler steps (the emulator runs a generator kernel in phases, other
+    streams in between): copy its chunks, then add its count to its counter. A consumer can so see layer l
+    signalled, and read it, while l + 1 is still on its way."""
+    for layer, order in enumerate(layer_orders):
+        for _ in range(LAYER_STEPS):
+            yield
+        _copy(memory, sides, units, order, n_pieces, chunk_bytes, width)
+        _read(memory, counters + 8 * layer, 1, np.uint64)[0] += np.uint64(per_layer)
 
 
 def _copy(memory: Any, sides: list[Any], units: list[Any], order: list[tuple[int, int]], n_pieces: int,

@@ -364,7 +364,7 @@ class EmulatedRuntime(Runtime):
         queue = self._stream(stream)
         values = [argument_values(arg, program.device) for arg in args]
         memory, kernel = DeviceMemory(self._maps[program.device]), program.spec.reference[name]
-        queue.enqueue(lambda: kernel(memory, *values))
+        queue.enqueue(lambda: kernel(memory, *values))  # a generator kernel runs in phases (``Running``)
 
 
 class EmulatedProgram(Program):

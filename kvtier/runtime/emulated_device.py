@@ -14,7 +14,7 @@ import collections
 import enum
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
@@ -134,6 +134,18 @@ class Busy:
 
     def __init__(self, steps: int) -> None:
         self.remaining = steps
+
+    def __call__(self) -> None:
+        pass
+
+
+class Running:
+    """A kernel that runs in phases (a Python generator, one phase per scheduler step): it holds its stream while
+    other streams run between its phases, so what it signals mid-kernel (a layer's counter) can be observed before
+    it ends, as on a GPU."""
+
+    def __init__(self, phases: Iterator[None]) -> None:
+        self.phases = phases
 
     def __call__(self) -> None:
         pass

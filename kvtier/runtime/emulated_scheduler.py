@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import random
 import threading
+import types
 from collections.abc import Callable
 
 from kvtier.errors import IllegalAddress, InvalidArgument, RuntimeCallError
-from kvtier.runtime.emulated_device import Busy, EmulatedStream, WaitOp, WaitValueOp
+from kvtier.runtime.emulated_device import Busy, EmulatedStream, Running, WaitOp, WaitValueOp
 
 SCHEDULES = ("eager", "lazy")
 RUN_AHEAD = 0.75
@@ -105,9 +106,19 @@ class Scheduler:
         if isinstance(head, Busy) and head.remaining > 0:
             head.remaining -= 1
             return True
+        if isinstance(head, Running):
+            try:
+                next(head.phases)
+            except StopIteration:
+                stream.pending.popleft()
+            except BaseException as error:
+                self._fault(stream, error)
+            return True
         op = stream.pending.popleft()
         try:
-            op()
+            result = op()
+            if isinstance(result, types.GeneratorType):
+                stream.pending.appendleft(Running(result))
         except BaseException as error:
             self._fault(stream, error)
         return True
