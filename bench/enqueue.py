@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                           "$KVTIER_RUNTIME, else cuda when a GPU is usable, else emulated:split)")
     parser.add_argument("--gib", type=float, default=1.0,
                         help="GiB of pages per load (default: %(default)s; use e.g. 0.01 on an emulated runtime)")
+    parser.add_argument("--primitives", action="store_true",
+                        help="first, the CPU cost of each runtime call a load makes (event create / record / wait, "
+                             "wait_value, a prepared kernel launch, an index upload, whole 1-page loads), µs per call")
     parser.add_argument("--profile", action="store_true",
                         help="after the table, profile the queuing of per-layer kernel loads (cProfile, top 25 by own "
                              "time): where the Python side of a launch goes")
@@ -51,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"runtime {runtime.name}, {args.gib:g} GiB per load", flush=True)
     if emulated:
         print(EMULATED_NOTE.format(name=runtime.name), flush=True)
+    if args.primitives:
+        primitives(runtime)
     size = int(args.gib * (1 << 30))
     seed = HostBuffer.allocate(min(64 << 20, max(1 << 20, size)), HostKind.PINNED, runtime=runtime)
     seed.as_tensor().numpy()[:] = np.random.default_rng().integers(1, 256, seed.nbytes, dtype=np.uint8)
@@ -73,6 +78,54 @@ def main(argv: list[str] | None = None) -> None:
     seed.close()
     if emulated:
         print(EMULATED_NOTE.format(name=runtime.name), flush=True)
+
+
+def per_call_us(call, settle, repeats: int = 100) -> float:
+    """Median µs of ``call()`` alone (the CPU side: nothing it queued is waited for), with ``settle()`` run untimed
+    after each call so a queue never fills."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+        settle()
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def primitives(runtime) -> None:
+    """What one load costs the CPU, call by call (Llama-3-8B geometry, 1 page, page_first_direct host)."""
+    from kvtier.memory import DeviceBuffer
+
+    g = GEOMETRIES["llama3-8b-p16"]
+    dev = DevicePool.allocate(g, 8, 0, runtime=runtime)
+    host = HostPool.allocate(g, "page_first_direct", pages=8, runtime=runtime)
+    stream, other = runtime.create_stream(0), runtime.create_stream(0)
+    counter = DeviceBuffer(8, 0, runtime=runtime)
+    counter.upload(np.zeros(1, np.uint64))
+    event = runtime.create_event(0)
+    rows = [("create_event (untimed)", lambda: runtime.create_event(0)),
+            ("create_event (timing)", lambda: runtime.create_event(0, timing=True)),
+            ("event.record", lambda: event.record(stream)),
+            ("stream.wait(event)", lambda: other.wait(event))]
+    if runtime.supports_wait_value(0):
+        rows.append(("wait_value (satisfied)", lambda: runtime.wait_value(other, counter.address, 0)))
+    engines = {mode: TransferEngine(dev, host, backend="kernel", layer_signals=mode) for mode in (None, False)}
+    for mode, engine in engines.items():
+        label = "signals" if mode is None else "event per layer"
+        rows += [(f"load 1 page, per layer ({label})", lambda e=engine: e.load([1], [3])),
+                 (f"load 1 page, one launch ({label})", lambda e=engine: e.load([1], [3], per_layer=False))]
+    rows.append(("backup 1 page", lambda: engines[None].backup([3], [1])))
+    def settle() -> None:
+        for engine in engines.values():
+            engine.synchronize()
+        stream.synchronize(), other.synchronize()
+
+    for name, call in rows:
+        print(f"{name:45s} {per_call_us(call, settle):9.1f} µs per call", flush=True)
+    for engine in engines.values():
+        engine.close()
+    for handle in (event, counter, stream, other, host, dev):
+        handle.close()
 
 
 def profile(engine, pages, src) -> None:
