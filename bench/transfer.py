@@ -107,10 +107,10 @@ def relayout_seconds(engine: TransferEngine, src: np.ndarray, repeats: int) -> f
 
 
 def measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages, repeats, console,
-            slots_kind="random", launcher=None, threads=1024) -> list[Row]:
+            slots_kind="random", launcher=None, threads=1024, **options) -> list[Row]:
     rng = np.random.default_rng(0)
     budget = {"max_blocks": blocks} if backend == "kernel" else {}  # the SM budget is the kernel backend's only
-    engine = TransferEngine(dev, host, backend=backend, launcher=launcher, threads=threads, **budget)
+    engine = TransferEngine(dev, host, backend=backend, launcher=launcher, threads=threads, **budget, **options)
     count = pages
     if backend in ("direct", "batch"):
         runs_per_page = g.tensors * g.layers * (1 if engine.plan.unit == "page" else g.page_size * engine.plan.pieces)
@@ -214,11 +214,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="host layout, repeatable; default: all")
     parser.add_argument("--backend", action="append", choices=["kernel", "staged", "direct", "batch"],
                         help="io backend, repeatable; default: all")
-    parser.add_argument("--variants", default="", help="kernel specializations UNROLLxTHREADS[wWIDTH][+cached] to "
-                                                       "compare at 2 blocks on the first geometry, e.g. "
-                                                       "4x1024,8x512,8x1024w8,8x1024+cached (WIDTH caps the bytes per "
-                                                       "access, +cached drops the streaming cache hints; the shipped "
-                                                       "8x1024 runs the prebuilt kernels, others JIT)")
+    parser.add_argument("--variants", default="",
+                        help="kernel specializations UNROLLxTHREADS[wWIDTH][+cached][+bulk] to compare at 2 blocks "
+                             "on the first geometry, e.g. 4x1024,8x1024w8,8x1024+cached,8x1024+bulk (WIDTH caps the "
+                             "bytes per access, +cached drops the streaming cache hints, +bulk copies through the "
+                             "TMA, sm_90+, per-layer loads without layer counters; the shipped 8x1024 runs the "
+                             "prebuilt kernels, others JIT)")
     parser.add_argument("--blocks", default="1,2,4,8,0", help="kernel SM budgets; 0 = one block per SM "
                                                               "(default: %(default)s)")
     parser.add_argument("--gib", type=float, help="GiB moved per measurement (default: 1; 1/64 on an emulated "
@@ -261,15 +262,16 @@ def run_layout(runtime, args, name, g, layout, backends, budgets, dev, pages, ce
             rows += measure(runtime, name, g, layout, backend, 0, dev, host, ceiling, pages, args.repeats,
                             console, slots_kind="contiguous")
     for variant in args.variants.split(",") if first and args.variants else []:
-        spec, _, flag = variant.partition("+")
+        spec, *flags = variant.split("+")
         shape, _, width = spec.partition("w")
         unroll, threads = (int(x) for x in shape.split("x"))
-        streaming = flag != "cached"
+        streaming = "cached" not in flags
         shipped = (unroll, threads, streaming) == (DEFAULT_UNROLL, MAX_THREADS, True)
         launcher = KernelLauncher(runtime, mode=None if shipped else "jit", unroll=unroll, max_threads=threads,
-                                  max_width=int(width or 16), streaming=streaming)
+                                  max_width=int(width or 16), streaming=streaming, bulk="bulk" in flags)
+        options = {"layer_signals": False} if "bulk" in flags else {}  # bulk copies do not count layers
         for row in measure(runtime, name, g, layout, "kernel", 2, dev, host, ceiling, pages, args.repeats,
-                           console, launcher=launcher, threads=threads):
+                           console, launcher=launcher, threads=threads, **options):
             row.backend = f"kernel {variant}"
             rows.append(row)
     if layout == "page_first_direct":

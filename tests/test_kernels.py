@@ -150,12 +150,13 @@ def _side(runtime, rng, tensors, table_layers, units, pieces, chunk_bytes, per_p
     return memory, table, ChunkSide(table, page_stride, unit_stride, piece_stride, per_page), chosen, layer_bytes
 
 
-@pytest.mark.parametrize("unit_major, max_width", [(False, 16), (True, 16), (True, 4)],
-                         ids=["layer_major", "unit_major", "unit_major_w4"])
+@pytest.mark.parametrize("unit_major, max_width, bulk", [(False, 16, False), (True, 16, False), (True, 4, False),
+                                                         (False, 16, True), (True, 16, True)],
+                         ids=["layer_major", "unit_major", "unit_major_w4", "bulk", "bulk_unit_major"])
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=[f"shape{i}" for i in range(len(DECODE_SHAPES))])
-def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape, unit_major, max_width):
+def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape, unit_major, max_width, bulk):
     """The kernel's chunk decode (units per page, pieces, tensors, a layer window, odd chunk sizes, both walk orders,
-    a capped access width) against numpy."""
+    a capped access width, the bulk-copy kernels where sizes allow) against numpy."""
     tensors, table_layers, first, layers, units, pieces, chunk, src_per_page, dst_per_page, index_bytes = shape
     rng = np.random.default_rng()
     src_mem, src_table, src, src_units, src_layer = _side(runtime, rng, tensors, table_layers, units, pieces, chunk,
@@ -175,7 +176,9 @@ def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape, unit_major, max
     call = ChunkCopy(src, dst, indices[0], indices[1], index_bytes, units, first, layers, pieces, chunk, tensors,
                      table_layers, unit_major)
     stream = runtime.create_stream(0)
-    KernelLauncher(runtime, max_width=max_width).copy_chunks(call, device=0, stream=stream)
+    prepared = KernelLauncher(runtime, max_width=max_width, bulk=bulk).copy_chunks(call, device=0, stream=stream)
+    assert prepared.name.startswith("kvtier_bulk_copy") == (bulk and chunk % 16 == 0 and src.unit_stride % 16 == 0
+                                                           and dst.unit_stride % 16 == 0)
     stream.synchronize()
     expected = poison.copy()
     for row in [t * table_layers + first + layer for t in range(tensors) for layer in range(layers)]:

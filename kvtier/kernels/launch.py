@@ -21,11 +21,13 @@ from kvtier.errors import AddressDomainError, KvtierError, MisalignedAddress
 from kvtier.kernels import reference
 from kvtier.kernels.loader import kernel_image
 from kvtier.kernels.source import (
+    BULK_STAGES,
     DEFAULT_UNROLL,
     INDEX_TYPES,
     KERNEL_NAMES,
     SWAP_WIDTHS,
     WIDTHS,
+    bulk_kernel,
     copy_kernel,
     source_hash,
     swap_kernel,
@@ -38,6 +40,9 @@ MAX_GROUP = 64
 MAX_COUNT = (1 << 31) - 1
 PIECE_BYTES = 4096
 VECTOR_BYTES = 16
+BULK_THREADS = 256
+BULK_STAGE_BYTES = 6144
+"""A bulk-copy block: 8 warps, each with BULK_STAGES stages of 6 KiB (~192 KiB of shared memory per SM)."""
 
 
 @dataclass(frozen=True)
@@ -208,10 +213,10 @@ class PreparedCopy:
 
     def __init__(self, program: Any, name: str, head: list[KernelArg], shape: tuple[KernelArg, ...], blocks: int,
                  threads: int, allowed: set[tuple[int, int]], table_layers: int, chunks_per_layer: int,
-                 runtime: Runtime | None = None) -> None:
+                 runtime: Runtime | None = None, shared_bytes: int = 0) -> None:
         self.program, self.name, self.head, self.shape = program, name, head, shape
         self.blocks, self.threads, self.allowed, self.table_layers = blocks, threads, allowed, table_layers
-        self.chunks_per_layer, self.runtime = chunks_per_layer, runtime
+        self.chunks_per_layer, self.runtime, self.shared_bytes = chunks_per_layer, runtime, shared_bytes
 
     def __call__(self, begin: int, count: int, stream: Stream) -> None:
         if (begin, count) not in self.allowed:
@@ -220,7 +225,7 @@ class PreparedCopy:
             rows = i32(self.table_layers or begin + count)
             args: list[KernelArg] = [*self.head, i32(begin), i32(count), self.shape[0], rows, *self.shape[1:]]
             self.runtime.launch(self.program, self.name, grid=self.blocks, block=self.threads, args=args,
-                                stream=stream)
+                                stream=stream, shared_bytes=self.shared_bytes)
 
 
 class KernelLauncher:
@@ -229,18 +234,22 @@ class KernelLauncher:
     Cheap to create: the runtime keeps one loaded program per build and device, shared by every launcher."""
 
     def __init__(self, runtime: Runtime, *, mode: str | None = None, unroll: int = DEFAULT_UNROLL,
-                 max_threads: int = MAX_THREADS, max_width: int = VECTOR_BYTES, streaming: bool = True) -> None:
+                 max_threads: int = MAX_THREADS, max_width: int = VECTOR_BYTES, streaming: bool = True,
+                 bulk: bool = False) -> None:
         """``unroll`` and ``max_threads`` specialize the kernel (JIT only): loads in flight per thread, and the block
         size the register budget is fitted to; ``streaming=False`` (JIT only) drops the evict-first cache hints.
         ``max_width`` caps the access width (bytes per load and store; a launch otherwise takes the widest its
-        addresses allow). The last two exist for measuring."""
+        addresses allow). ``bulk`` (experimental, sm_90+) moves 16-byte-aligned copies without layer counters
+        through the Tensor Memory Accelerator (``cp.async.bulk``), 256 threads a block. The last three exist for
+        measuring."""
         numbers = (unroll, max_threads, max_width)
         if (any(type(n) is not int for n in numbers) or unroll < 1 or not 32 <= max_threads <= MAX_THREADS
                 or max_threads % 32 or max_width not in WIDTHS):
             raise KvtierError(f"bad kernel specialization: unroll={unroll!r}, max_threads={max_threads!r} (whole "
                               f"warps up to {MAX_THREADS}), max_width={max_width!r} (an int, one of {WIDTHS})")
         self.runtime, self.mode, self.unroll, self.max_threads = runtime, mode, unroll, max_threads
-        self.max_width = max_width
+        self.max_width, self.bulk = max_width, bool(bulk)
+        self._bulk_devices: dict[int, bool] = {}
         self.spec = _transfer_program(mode, unroll, max_threads, bool(streaming))
         self._widths: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._buffers: weakref.WeakKeyDictionary[DeviceBuffer, DeviceAddress] = weakref.WeakKeyDictionary()
@@ -313,12 +322,28 @@ class KernelLauncher:
         indices = [self.resolve(index, device, call.index_bytes) for index in (call.src_index, call.dst_index)]
         counters = (DeviceAddress(0, device) if call.layer_done is None
                     else self.resolve(call.layer_done, device, 8))
-        program, name = self.runtime.load_program(self.spec, device), copy_kernel(call.index_bytes, width)
+        program = self.runtime.load_program(self.spec, device)
         head: list[KernelArg] = [*sides, *indices, i64(call.n_units)]
+        chunks = call.n_tensors * call.n_units * call.n_pieces
+        if (self.bulk and width == VECTOR_BYTES and call.layer_done is None and call.chunk_bytes <= BULK_STAGE_BYTES
+                and self._bulk_capable(device)):
+            shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(BULK_STAGE_BYTES),
+                     i32(call.unit_major))
+            warps = BULK_THREADS // 32
+            return PreparedCopy(program, bulk_kernel(call.index_bytes), head, shape, max_blocks, BULK_THREADS,
+                                set(spans), call.table_layers, chunks, self.runtime,
+                                warps * BULK_STAGES * (BULK_STAGE_BYTES + 8))
         shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(group), i32(call.unit_major),
                  counters)
-        return PreparedCopy(program, name, head, shape, max_blocks, threads, set(spans), call.table_layers,
-                            call.n_tensors * call.n_units * call.n_pieces, self.runtime)
+        return PreparedCopy(program, copy_kernel(call.index_bytes, width), head, shape, max_blocks, threads,
+                            set(spans), call.table_layers, chunks, self.runtime)
+
+    def _bulk_capable(self, device: int) -> bool:
+        capable = self._bulk_devices.get(device)
+        if capable is None:
+            capable = self._bulk_devices[device] = (self.runtime.name.startswith("emulated") or
+                                                    self.runtime.device_attributes(device).compute_capability >= (9, 0))
+        return capable
 
     def check_threads(self, threads: int, blocks: int = 1) -> None:
         """Blocks of ``threads`` this launcher's kernels can run (its ``max_threads`` fits their registers)."""
@@ -381,5 +406,7 @@ def _transfer_program(mode: str | None, unroll: int, max_threads: int, streaming
         for size in INDEX_TYPES for width in WIDTHS}
     references.update({swap_kernel(width): functools.partial(reference.hot_swap_in, width=width)
                        for width in SWAP_WIDTHS})
+    references.update({bulk_kernel(size): functools.partial(reference.copy_chunks, index_bytes=size)
+                       for size in INDEX_TYPES})
     key = f"transfer-{source_hash()}-{mode or 'auto'}-u{unroll}-t{max_threads}" + ("" if streaming else "-cached")
     return ProgramSpec(key, KERNEL_NAMES, image, references)

@@ -21,8 +21,14 @@ def swap_kernel(width: int) -> str:
     return "kvtier_hot_swap_in" + ("" if width == 16 else f"_w{width}")
 
 
-KERNEL_NAMES = tuple(copy_kernel(i, w) for i in INDEX_TYPES for w in WIDTHS) + tuple(swap_kernel(w)
-                                                                                      for w in SWAP_WIDTHS)
+def bulk_kernel(index_bytes: int) -> str:
+    return f"kvtier_bulk_copy_{INDEX_TYPES[index_bytes]}"
+
+
+KERNEL_NAMES = (tuple(copy_kernel(i, w) for i in INDEX_TYPES for w in WIDTHS)
+                + tuple(swap_kernel(w) for w in SWAP_WIDTHS) + tuple(bulk_kernel(i) for i in INDEX_TYPES))
+BULK_STAGES = 4
+"""Shared-memory stages per warp of the bulk copy kernels (KVTIER_BULK_STAGES in transfer.cu)."""
 DEFAULT_UNROLL = 8
 
 

@@ -250,6 +250,129 @@ KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i32_w2, int, 2)
 KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i64_w1, i64, 1)
 KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i32_w1, int, 1)
 
+// ---- Bulk copies (sm_90+, experimental) ----------------------------------------------------------------------------
+// The same chunks moved by the Tensor Memory Accelerator instead of the threads: per warp, KVTIER_BULK_STAGES shared
+// memory stages; a step brings up to 32 chunks (one per lane, at most `stage_bytes`) into a stage with
+// cp.async.bulk (completion counted on the stage's mbarrier), then writes them out with cp.async.bulk stores. The
+// SM's load/store units and registers are out of the path, so the bytes in flight are bounded by shared memory, not
+// by the threads' outstanding requests. 16-byte aligned chunks whose size is a multiple of 16 only; no layer counters.
+#ifndef KVTIER_BULK_STAGES
+#define KVTIER_BULK_STAGES 4
+#endif
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+template <typename Index>
+__device__ void bulk_body(const Side& src, const Side& dst, const Index* __restrict__ src_index,
+                          const Index* __restrict__ dst_index, i64 n_units, int layer_begin, int n_layers,
+                          int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int stage_bytes,
+                          int unit_major) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char bulk_shared[];
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const unsigned worker = blockIdx.x * warps + warp, workers = gridDim.x * warps;
+    if (n_units <= 0 || n_layers <= 0) return;
+    const unsigned chunk = (unsigned)chunk_bytes;
+    const unsigned per_layer = (unsigned)((i64)n_tensors * n_units * n_pieces);
+    const unsigned total = per_layer * (unsigned)n_layers;
+    unsigned per_step = (unsigned)stage_bytes / chunk;
+    per_step = per_step < 1 ? 1 : (per_step > 32 ? 32 : per_step);
+    const unsigned steps = (total + per_step - 1) / per_step;
+    const unsigned mine = steps > worker ? (steps - 1 - worker) / workers + 1 : 0;
+    const Divisor by_pieces = make_divisor((unsigned)n_pieces), by_units = make_divisor((unsigned)n_units),
+                  by_layers = make_divisor((unsigned)n_layers), by_tensors = make_divisor((unsigned)n_tensors),
+                  src_per_page = make_divisor((unsigned)src.units_per_page),
+                  dst_per_page = make_divisor((unsigned)dst.units_per_page);
+    unsigned char* stages = bulk_shared + (size_t)warp * KVTIER_BULK_STAGES * (unsigned)stage_bytes;
+    u64* bars = (u64*)(bulk_shared + (size_t)warps * KVTIER_BULK_STAGES * (unsigned)stage_bytes) +
+                warp * KVTIER_BULK_STAGES;
+    if (lane == 0) {
+        for (int s = 0; s < KVTIER_BULK_STAGES; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(shared_address(bars + s)));
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncwarp();
+
+    // chunk c -> (src, dst) addresses, in the walk order of copy_body
+    auto locate = [&](unsigned c, char** from, char** to) {
+        unsigned rest = quotient(by_pieces, c);
+        int piece = (int)(c - rest * (unsigned)n_pieces);
+        unsigned unit, layer, tensor;
+        if (unit_major) {
+            unsigned outer = quotient(by_layers, rest);
+            layer = rest - outer * (unsigned)n_layers;
+            tensor = quotient(by_units, outer);
+            unit = outer - tensor * (unsigned)n_units;
+        } else {
+            unsigned plane = quotient(by_units, rest);
+            unit = rest - plane * (unsigned)n_units;
+            layer = quotient(by_tensors, plane);
+            tensor = plane - layer * (unsigned)n_tensors;
+        }
+        int row = (int)tensor * table_layers + layer_begin + (int)layer;
+        *from = chunk_address(src, src_per_page, row, src_index[unit], piece);
+        *to = chunk_address(dst, dst_per_page, row, dst_index[unit], piece);
+    };
+    auto load_step = [&](unsigned t) {
+        const unsigned s = t % KVTIER_BULK_STAGES, first = (worker + t * workers) * per_step;
+        const unsigned n = total - first < per_step ? total - first : per_step;
+        const unsigned bar = shared_address(bars + s);
+        if (lane == 0)
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(n * chunk)
+                         : "memory");
+        __syncwarp();
+        if (lane < n) {
+            char *from, *to;
+            locate(first + lane, &from, &to);
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         :: "r"(shared_address(stages + (size_t)s * stage_bytes + lane * chunk)), "l"(from),
+                            "r"(chunk), "r"(bar) : "memory");
+        }
+    };
+    for (unsigned t = 0; t < mine && t < KVTIER_BULK_STAGES; ++t) load_step(t);
+    for (unsigned u = 0; u < mine; ++u) {
+        const unsigned s = u % KVTIER_BULK_STAGES, first = (worker + u * workers) * per_step;
+        const unsigned n = total - first < per_step ? total - first : per_step;
+        const unsigned bar = shared_address(bars + s), parity = (u / KVTIER_BULK_STAGES) & 1;
+        unsigned ready = 0;
+        while (!ready)
+            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.b32 %0, 1, 0, p; }"
+                         : "=r"(ready) : "r"(bar), "r"(parity) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        if (lane < n) {
+            char *from, *to;
+            locate(first + lane, &from, &to);
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                         :: "l"(to), "r"(shared_address(stages + (size_t)s * stage_bytes + lane * chunk)), "r"(chunk)
+                         : "memory");
+        }
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        if (u + KVTIER_BULK_STAGES < mine) {
+            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            __syncwarp();
+            load_step(u + KVTIER_BULK_STAGES);
+        }
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+#define KVTIER_BULK_COPY(NAME, INDEX)                                                                              \
+    extern "C" __global__ void NAME(Side src, Side dst, const INDEX* src_index, const INDEX* dst_index,            \
+                                    i64 n_units, int layer_begin, int n_layers, int n_tensors, int table_layers,  \
+                                    int n_pieces, i64 chunk_bytes, int stage_bytes, int unit_major) {              \
+        bulk_body<INDEX>(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors, table_layers,  \
+                         n_pieces, chunk_bytes, stage_bytes, unit_major);                                          \
+    }
+
+KVTIER_BULK_COPY(kvtier_bulk_copy_i64, i64)
+KVTIER_BULK_COPY(kvtier_bulk_copy_i32, int)
+
 // ---- HiSparse swap-in ----------------------------------------------------------------------------------------------
 // A request's hot buffer has n_slots LRU slots plus slot n_slots for its newest token; the full KV is in the host
 // pool. Given a step's top-k token ids, hits keep their slot and move to the most-recent end of the LRU order, misses

@@ -434,23 +434,24 @@ class Runtime:
         raise NotImplementedError("need _wait_value")
 
     def launch(self, program: Program, name: str, *, grid: int, block: int, args: Sequence[KernelArg],
-               stream: Stream) -> None:
+               stream: Stream, shared_bytes: int = 0) -> None:
         """Queue kernel ``name`` of ``program`` on ``stream``; every pointer argument must be a DeviceAddress of the
-        program's device (the launch boundary above resolved it), so no CPU address reaches a kernel."""
+        program's device (the launch boundary above resolved it), so no CPU address reaches a kernel.
+        ``shared_bytes``: dynamic shared memory per block."""
         if name not in program.spec.names:
             raise InvalidArgument(f"program {program.spec.key} has no kernel {name!r} (it has {program.spec.names})")
         if stream.device != program.device:
             raise WrongDeviceError(f"a program of device {program.device} launched on a stream of device "
                                    f"{stream.device}")
-        if grid < 1 or block < 1:
-            raise InvalidArgument(f"launch of {grid} blocks x {block} threads")
-        self._launch(program, name, grid, block, list(args), stream)
+        if grid < 1 or block < 1 or shared_bytes < 0:
+            raise InvalidArgument(f"launch of {grid} blocks x {block} threads, {shared_bytes} bytes of shared memory")
+        self._launch(program, name, grid, block, list(args), stream, shared_bytes)
 
     def _load_program(self, spec: ProgramSpec, device: int) -> Program:
         raise NotImplementedError("need load_program")
 
     def _launch(self, program: Program, name: str, grid: int, block: int, args: list[KernelArg],
-                stream: Stream) -> None:
+                stream: Stream, shared_bytes: int = 0) -> None:
         raise NotImplementedError("need launch")
 
     # -- hooks -----------------------------------------------------------------------------------------------------

@@ -321,7 +321,7 @@ class CudaRuntime(Runtime):
         return CudaProgram(spec, device, origin, module, functions)
 
     def _launch(self, program: Program, name: str, grid: int, block: int, args: list[KernelArg],
-                stream: Stream) -> None:
+                stream: Stream, shared_bytes: int = 0) -> None:
         """cuLaunchKernel with each parameter packed in C layout; the pointer array and the packed values live until
         the call returns, which is all the driver needs."""
         if not isinstance(program, CudaProgram):
@@ -331,8 +331,14 @@ class CudaRuntime(Runtime):
         packed = ctypes.create_string_buffer(blob, len(blob))
         base = ctypes.addressof(packed)
         params = (ctypes.c_void_p * len(offsets))(*[base + offset for offset in offsets])
+        function = program.functions[name]
         with self.using_device(program.device):
-            check_driver(_driver().cuLaunchKernel(program.functions[name], grid, 1, 1, block, 1, 1, 0, native,
+            if shared_bytes > program.shared_limits.get(name, 48 << 10):
+                driver = _driver()
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                check_driver(driver.cuFuncSetAttribute(function, attr, shared_bytes), "cuFuncSetAttribute")
+                program.shared_limits[name] = shared_bytes
+            check_driver(_driver().cuLaunchKernel(function, grid, 1, 1, block, 1, 1, shared_bytes, native,
                                                   ctypes.addressof(params), 0), "cuLaunchKernel")
 
     def supports_wait_value(self, device: int) -> bool:
@@ -397,6 +403,7 @@ class CudaRuntime(Runtime):
 class CudaProgram(Program):
     def __init__(self, spec: ProgramSpec, device: int, origin: str, module: Any, functions: dict[str, Any]) -> None:
         self.spec, self.device, self.origin, self.module, self.functions = spec, device, origin, module, functions
+        self.shared_limits: dict[str, int] = {}  # dynamic shared memory each kernel was opened up to
 
 
 def nvrtc_compile(source: str, filename: str, options: list[str]) -> bytes:

@@ -359,7 +359,7 @@ class EmulatedRuntime(Runtime):
         return EmulatedProgram(spec, device)
 
     def _launch(self, program: Program, name: str, grid: int, block: int, args: list[KernelArg],
-                stream: Stream) -> None:
+                stream: Stream, shared_bytes: int = 0) -> None:
         """Queue the kernel's Python reference; ``memory`` translates addresses as the program's device sees them."""
         queue = self._stream(stream)
         values = [argument_values(arg, program.device) for arg in args]
