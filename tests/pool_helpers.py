@@ -77,3 +77,16 @@ def engine_on(runtime, g, layout, *, device_pages=4, host_pages=4, kind=HostKind
         if host is not None:
             host.close()
         dev.close()
+
+
+def launch_names(runtime, monkeypatch) -> list[str]:
+    """The names of the kernels ``runtime`` launches from now on (the list fills as they are queued)."""
+    names: list[str] = []
+    launch = runtime.launch
+
+    def counted(program, name, **kwargs):
+        names.append(name)
+        return launch(program, name, **kwargs)
+
+    monkeypatch.setattr(runtime, "launch", counted)
+    return names

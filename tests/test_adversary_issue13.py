@@ -21,21 +21,9 @@ from kvtier.pools import DevicePool, HostPool, KVGeometry
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.hisparse import HotBuffer
-from pool_helpers import engine_on, fill_host
+from pool_helpers import engine_on, fill_host, launch_names
 
 G = KVGeometry.mha(3, kv_heads=2, head_dim=16, itemsize=2, page_size=4)
-
-
-def _kernel_names(runtime, monkeypatch) -> list[str]:
-    names: list[str] = []
-    launch = runtime.launch
-
-    def counted(program, name, **kwargs):
-        names.append(name)
-        return launch(program, name, **kwargs)
-
-    monkeypatch.setattr(runtime, "launch", counted)
-    return names
 
 
 # ---- defects -------------------------------------------------------------------------------------------------------
@@ -71,7 +59,7 @@ def test_max_width_caps_the_hisparse_swap_in_width_too(split, monkeypatch):
                     launcher=KernelLauncher(split, max_width=4))
     try:
         hot.assign(0, np.arange(24))
-        names = _kernel_names(split, monkeypatch)
+        names = launch_names(split, monkeypatch)
         hot.swap_in(0, [0], np.array([[10, 11, 3, 12]], np.int32), [20])
         hot.synchronize()
         assert names == ["kvtier_hot_swap_in_w4"], f"a launcher capped at 4-byte accesses launched {names}"

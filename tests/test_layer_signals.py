@@ -17,7 +17,7 @@ from kvtier.memory import DeviceBuffer, HostBuffer, HostKind
 from kvtier.pools import KVGeometry, build_pointer_table
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer.signals import LayerSignals
-from pool_helpers import engine_on, fill_host
+from pool_helpers import engine_on, fill_host, launch_names
 
 G = KVGeometry.mha(4, kv_heads=2, head_dim=32, itemsize=2, page_size=16)
 SEEDS = range(10)
@@ -91,18 +91,6 @@ def test_the_check_fails_when_targets_forget_earlier_loads(monkeypatch):
     assert any(_stale_layer_reads(seed, "layer_first", "staged") for seed in SEEDS)
 
 
-def _launches(runtime, monkeypatch) -> list[str]:
-    names: list[str] = []
-    launch = runtime.launch
-
-    def counted(program, name, **kwargs):
-        names.append(name)
-        return launch(program, name, **kwargs)
-
-    monkeypatch.setattr(runtime, "launch", counted)
-    return names
-
-
 @pytest.mark.parametrize("backend", ["kernel", "staged"])
 @pytest.mark.parametrize("signals", [None, False])
 def test_a_per_layer_load_is_one_launch_with_signals_and_one_per_layer_without(runtime, monkeypatch, signals,
@@ -111,7 +99,7 @@ def test_a_per_layer_load_is_one_launch_with_signals_and_one_per_layer_without(r
     with engine_on(runtime, G, "page_first_direct", device_pages=4, host_pages=4, layer_signals=signals,
                    backend=backend) as (dev, host, engine):
         fill_host(host)
-        names = _launches(runtime, monkeypatch)
+        names = launch_names(runtime, monkeypatch)
         transfer = engine.load([1, 3], [0, 2])
         transfer.wait()
         assert len(names) == (1 if signals is None else G.layers)

@@ -127,6 +127,47 @@ __device__ __forceinline__ char* chunk_address(const Side& s, const Divisor& per
     return (char*)(s.table[row]) + page * s.page_stride + slot * s.unit_stride + piece * s.piece_stride;
 }
 
+// Where chunk c of a launch lies on both sides, in the launch's walk order: layer-major (layer, tensor, unit, piece),
+// or unit-major (tensor, unit, layer, piece) where the caller says the host keeps a unit's layers adjacent.
+template <typename Index>
+struct Walk {
+    const Side& src;
+    const Side& dst;
+    const Index* __restrict__ src_index;
+    const Index* __restrict__ dst_index;
+    unsigned n_units, n_layers, n_tensors, n_pieces;
+    int layer_begin, table_layers, unit_major;
+    Divisor by_pieces, by_units, by_layers, by_tensors, src_per_page, dst_per_page;
+
+    __device__ Walk(const Side& s, const Side& d, const Index* si, const Index* di, i64 units, int begin,
+                    int layers, int tensors, int table, int pieces, int major)
+        : src(s), dst(d), src_index(si), dst_index(di), n_units((unsigned)units), n_layers((unsigned)layers),
+          n_tensors((unsigned)tensors), n_pieces((unsigned)pieces), layer_begin(begin), table_layers(table),
+          unit_major(major), by_pieces(make_divisor((unsigned)pieces)), by_units(make_divisor((unsigned)units)),
+          by_layers(make_divisor((unsigned)layers)), by_tensors(make_divisor((unsigned)tensors)),
+          src_per_page(make_divisor((unsigned)s.units_per_page)), dst_per_page(make_divisor((unsigned)d.units_per_page)) {}
+
+    __device__ __forceinline__ void locate(unsigned c, char** from, char** to) const {
+        unsigned rest = quotient(by_pieces, c);
+        int piece = (int)(c - rest * n_pieces);
+        unsigned unit, layer, tensor;
+        if (unit_major) {
+            unsigned outer = quotient(by_layers, rest);
+            layer = rest - outer * n_layers;
+            tensor = quotient(by_units, outer);
+            unit = outer - tensor * n_units;
+        } else {
+            unsigned plane = quotient(by_units, rest);
+            unit = rest - plane * n_units;
+            layer = quotient(by_tensors, plane);
+            tensor = plane - layer * n_tensors;
+        }
+        int row = (int)tensor * table_layers + layer_begin + (int)layer;
+        *from = chunk_address(src, src_per_page, row, src_index[unit], piece);
+        *to = chunk_address(dst, dst_per_page, row, dst_index[unit], piece);
+    }
+};
+
 // Add a warp's finished chunks of one layer to that layer's counter. Every lane fences its own stores first and the
 // warp converges before lane 0 adds, so whoever sees the counter reach its target sees every byte of those chunks
 // (cuStreamWaitValue on the counter, then the layer's event, then the consumer's kernels).
@@ -136,9 +177,8 @@ __device__ __forceinline__ void signal_layer(u64* layer_done, int layer, unsigne
     if ((threadIdx.x & 31) == 0) atomicAdd(layer_done + layer, (u64)chunks);
 }
 
-// The copy loop shared by every kernel here: warp `worker` of `workers` walks chunks in groups of `group`, in one of
-// two orders: layer-major (layer, tensor, unit, piece), or unit-major (tensor, unit, layer, piece) where the caller
-// says the host keeps a unit's layers adjacent. With `layer_done` (layer-major only), each warp adds the chunks it
+// The copy loop shared by every kernel here: warp `worker` of `workers` walks chunks (in the `Walk` order) in groups
+// of `group`. With `layer_done` (layer-major walks only), each warp adds the chunks it
 // finished of layer l to layer_done[layer_begin + l] as soon as it has no more of them: one launch then serves a
 // per-layer load, each layer signalled as it lands, instead of one launch (and one launch tail) per layer.
 template <typename Index, int W>
@@ -154,11 +194,9 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
     const unsigned vectors = (unsigned)(chunk_bytes / W);
     const unsigned per_layer = (unsigned)((i64)n_tensors * n_units * n_pieces);
     const unsigned total = per_layer * (unsigned)n_layers;
-    const Divisor by_vectors = make_divisor(vectors), by_pieces = make_divisor((unsigned)n_pieces),
-                  by_units = make_divisor((unsigned)n_units), by_layers = make_divisor((unsigned)n_layers),
-                  by_tensors = make_divisor((unsigned)n_tensors), by_layer_chunks = make_divisor(per_layer),
-                  src_per_page = make_divisor((unsigned)src.units_per_page),
-                  dst_per_page = make_divisor((unsigned)dst.units_per_page);
+    const Divisor by_vectors = make_divisor(vectors), by_layer_chunks = make_divisor(per_layer);
+    const Walk<Index> walk(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors, table_layers,
+                           n_pieces, unit_major);
     char** src_ptr = pointers[0][warp];
     char** dst_ptr = pointers[1][warp];
     const unsigned stride = workers * (unsigned)group;
@@ -166,26 +204,7 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
     unsigned pending = 0;
     for (unsigned first = worker * (unsigned)group; first < total; first += stride) {
         const unsigned count = total - first < (unsigned)group ? total - first : (unsigned)group;
-        for (unsigned i = lane; i < count; i += 32) {
-            unsigned c = first + i;
-            unsigned rest = quotient(by_pieces, c);
-            int piece = (int)(c - rest * (unsigned)n_pieces);
-            unsigned unit, layer, tensor;
-            if (unit_major) {
-                unsigned outer = quotient(by_layers, rest);
-                layer = rest - outer * (unsigned)n_layers;
-                tensor = quotient(by_units, outer);
-                unit = outer - tensor * (unsigned)n_units;
-            } else {
-                unsigned plane = quotient(by_units, rest);
-                unit = rest - plane * (unsigned)n_units;
-                layer = quotient(by_tensors, plane);
-                tensor = plane - layer * (unsigned)n_tensors;
-            }
-            int row = (int)tensor * table_layers + layer_begin + (int)layer;
-            src_ptr[i] = chunk_address(src, src_per_page, row, src_index[unit], piece);
-            dst_ptr[i] = chunk_address(dst, dst_per_page, row, dst_index[unit], piece);
-        }
+        for (unsigned i = lane; i < count; i += 32) walk.locate(first + i, &src_ptr[i], &dst_ptr[i]);
         __syncwarp();
         const unsigned work = count * vectors;
         for (unsigned j0 = lane; j0 < work; j0 += 32 * KVTIER_UNROLL) {
@@ -281,10 +300,8 @@ __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restr
     per_step = per_step < 1 ? 1 : (per_step > 32 ? 32 : per_step);
     const unsigned steps = (total + per_step - 1) / per_step;
     const unsigned mine = steps > worker ? (steps - 1 - worker) / workers + 1 : 0;
-    const Divisor by_pieces = make_divisor((unsigned)n_pieces), by_units = make_divisor((unsigned)n_units),
-                  by_layers = make_divisor((unsigned)n_layers), by_tensors = make_divisor((unsigned)n_tensors),
-                  src_per_page = make_divisor((unsigned)src.units_per_page),
-                  dst_per_page = make_divisor((unsigned)dst.units_per_page);
+    const Walk<Index> walk(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors, table_layers,
+                           n_pieces, unit_major);
     unsigned char* stages = bulk_shared + (size_t)warp * KVTIER_BULK_STAGES * (unsigned)stage_bytes;
     u64* bars = (u64*)(bulk_shared + (size_t)warps * KVTIER_BULK_STAGES * (unsigned)stage_bytes) +
                 warp * KVTIER_BULK_STAGES;
@@ -296,26 +313,6 @@ __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restr
     }
     __syncwarp();
 
-    // chunk c -> (src, dst) addresses, in the walk order of copy_body
-    auto locate = [&](unsigned c, char** from, char** to) {
-        unsigned rest = quotient(by_pieces, c);
-        int piece = (int)(c - rest * (unsigned)n_pieces);
-        unsigned unit, layer, tensor;
-        if (unit_major) {
-            unsigned outer = quotient(by_layers, rest);
-            layer = rest - outer * (unsigned)n_layers;
-            tensor = quotient(by_units, outer);
-            unit = outer - tensor * (unsigned)n_units;
-        } else {
-            unsigned plane = quotient(by_units, rest);
-            unit = rest - plane * (unsigned)n_units;
-            layer = quotient(by_tensors, plane);
-            tensor = plane - layer * (unsigned)n_tensors;
-        }
-        int row = (int)tensor * table_layers + layer_begin + (int)layer;
-        *from = chunk_address(src, src_per_page, row, src_index[unit], piece);
-        *to = chunk_address(dst, dst_per_page, row, dst_index[unit], piece);
-    };
     auto load_step = [&](unsigned t) {
         const unsigned s = t % KVTIER_BULK_STAGES, first = (worker + t * workers) * per_step;
         const unsigned n = total - first < per_step ? total - first : per_step;
@@ -326,7 +323,7 @@ __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restr
         __syncwarp();
         if (lane < n) {
             char *from, *to;
-            locate(first + lane, &from, &to);
+            walk.locate(first + lane, &from, &to);
             asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                          :: "r"(shared_address(stages + (size_t)s * stage_bytes + lane * chunk)), "l"(from),
                             "r"(chunk), "r"(bar) : "memory");
@@ -344,7 +341,7 @@ __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restr
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         if (lane < n) {
             char *from, *to;
-            locate(first + lane, &from, &to);
+            walk.locate(first + lane, &from, &to);
             asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
                          :: "l"(to), "r"(shared_address(stages + (size_t)s * stage_bytes + lane * chunk)), "r"(chunk)
                          : "memory");

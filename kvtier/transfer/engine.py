@@ -199,11 +199,8 @@ class TransferEngine(PoolUser):
             self._captures.add(captured)
             return captured
 
-    def drain(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._drain_streams()
-                self._backend.drain()
+    def _drain_more(self) -> None:
+        self._backend.drain()
 
     def _release(self) -> None:
         for captured in list(self._captures):

@@ -165,12 +165,9 @@ class FamilyEngine(PoolUser):
             self._captures.add(captured)
             return captured
 
-    def drain(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._drain_streams()
-                if self.signals is not None:
-                    self.signals.drain()
+    def _drain_more(self) -> None:
+        if self.signals is not None:
+            self.signals.drain()
 
     def _release(self) -> None:
         for captured in list(self._captures):

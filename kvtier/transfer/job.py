@@ -195,7 +195,14 @@ class PoolUser:
         self.drain()
 
     def drain(self) -> None:
-        raise NotImplementedError("need drain")
+        """Wait for the engine's streams, captured loads and whatever else it queues on (``_drain_more``)."""
+        with self._lock:
+            if not self._closed:
+                self._drain_streams()
+                self._drain_more()
+
+    def _drain_more(self) -> None:
+        """Streams the engine uses beyond ``streams`` (a backend's, the layer signals')."""
 
     def _drain_streams(self) -> None:
         """Wait for the engine's own streams and captured loads (under the lock; nothing once closed)."""
