@@ -38,6 +38,7 @@ from kvtier.transfer.job import (
     Job,
     PoolUser,
     Transfer,
+    check_pools,
     checked_layers,
     order_after,
 )
@@ -79,15 +80,6 @@ class Settings:
         if self.layer_signals and self.backend not in ("kernel", "staged"):
             raise InvalidArgument(f"layer_signals=True: the {self.backend!r} backend marks layers with events; only "
                                   f"'kernel' and 'staged' signal layers from the device")
-
-
-def _check_pools(device_pool: DevicePool, host_pool: HostPool) -> None:
-    device_pool.check_open()
-    host_pool.check_open()
-    if device_pool.geometry != host_pool.geometry:
-        raise InvalidArgument(f"pool geometries differ: {device_pool.geometry} vs {host_pool.geometry}")
-    if device_pool.runtime is not host_pool.runtime:
-        raise InvalidArgument("device and host pools belong to different runtimes")
 
 
 class CapturedLoad:
@@ -137,7 +129,7 @@ class TransferEngine(PoolUser):
                             index_ring_bytes, layer_signals)
         if launcher is not None and backend in ("kernel", "staged"):
             launcher.check_threads(settings.threads, settings.max_blocks)
-        _check_pools(device_pool, host_pool)
+        check_pools(device_pool, host_pool)
         self.device_pool, self.host_pool, self.backend = device_pool, host_pool, backend
         self.runtime, self.device = device_pool.runtime, device_pool.device
         self.geometry, self.plan = device_pool.geometry, plan_for(device_pool.geometry, host_pool.strides)

@@ -26,7 +26,7 @@ from kvtier.pools.family import FamilyDevicePool, FamilyHostPool, Part
 from kvtier.runtime import Graph, Stream
 from kvtier.transfer.engine import CapturedLoad
 from kvtier.transfer.indices import IndexRing, arena_bytes
-from kvtier.transfer.job import CURRENT, D2H, H2D, PoolUser, Transfer, checked_layers, order_after
+from kvtier.transfer.job import CURRENT, D2H, H2D, PoolUser, Transfer, check_pools, checked_layers, order_after
 from kvtier.transfer.plan import layer_spans
 from kvtier.transfer.signals import LayerSignals
 
@@ -37,12 +37,7 @@ class FamilyEngine(PoolUser):
                  index_ring_bytes: int | None = None, layer_signals: bool | None = None) -> None:
         """``layer_signals``: per-layer loads as one launch per part whose layers are signalled from the device
         (default: where the runtime can wait on a memory value; False: a launch per part and layer, as before)."""
-        device_pool.check_open()
-        host_pool.check_open()
-        if device_pool.geometry != host_pool.geometry:
-            raise InvalidArgument(f"pool geometries differ: {device_pool.geometry} vs {host_pool.geometry}")
-        if device_pool.runtime is not host_pool.runtime:
-            raise InvalidArgument("device and host pools belong to different runtimes")
+        check_pools(device_pool, host_pool)
         if host_pool.buffer.kind is HostKind.PAGEABLE:
             raise InvalidArgument("kernel copies need a device-accessible host pool, and this one is pageable: "
                                   "allocate it 'registered', 'pinned' or 'shm'")

@@ -38,6 +38,16 @@ def checked_layers(layers: Sequence[int] | None, count: int) -> list[int]:
     return chosen
 
 
+def check_pools(device_pool: Any, host_pool: Any) -> None:
+    """Both open, of one geometry and one runtime: what every engine over a pair of pools first checks."""
+    device_pool.check_open()
+    host_pool.check_open()
+    if device_pool.geometry != host_pool.geometry:
+        raise InvalidArgument(f"pool geometries differ: {device_pool.geometry} vs {host_pool.geometry}")
+    if device_pool.runtime is not host_pool.runtime:
+        raise InvalidArgument("device and host pools belong to different runtimes")
+
+
 def order_after(runtime: Runtime, stream: Stream, after: Any) -> None:
     """Make ``stream`` wait for ``after``: ``CURRENT`` (the caller's current stream of the stream's device), a
     :class:`Transfer`, an event or stream (kvtier's or torch's), a list of them, or None (no ordering). Every engine
