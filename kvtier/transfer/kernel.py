@@ -43,6 +43,20 @@ def launch_copy(context: Context, direction: str, indices: list[Any], units: int
                                              after_each=after_each)
 
 
+def launch_signalled(context: Context, direction: str, indices: list[Any], units: int, layers: list[int],
+                     stream: Stream, host_table: Any, device_table: Any, signals: LayerSignals, transfer: Any,
+                     blocks: int | None = None) -> None:
+    """A per-layer copy as one launch per run of consecutive ``layers``, each layer's event armed from its counter
+    (block 0 of ``signals``, indexed by layer)."""
+    spans = layer_spans(layers, False)
+    signals.begin(stream)
+    prepared = launch_copy(context, direction, indices, units, spans, stream, host_table, device_table, blocks,
+                           layer_done=signals.block(0))
+    chunks = prepared.chunks_per_layer
+    signals.arm([(layer, [(0, layer, chunks)]) for begin, count in spans for layer in range(begin, begin + count)],
+                transfer)
+
+
 def signals_for(context: Context, layer_signals: bool | None, owned: Any) -> LayerSignals | None:
     """The engine's layer counters (one per layer) when per-layer loads should be signalled from the device:
     ``layer_signals`` None means where the runtime can wait on a memory value, True insists, False declines."""
@@ -82,13 +96,8 @@ class KernelBackend(Backend):
         indices, lease = ring.upload([job.src_units, job.dst_units])
         try:
             if job.per_layer and self.signals is not None:
-                spans = layer_spans(job.layers, False)
-                self.signals.begin(job.stream)
-                prepared = launch_copy(context, job.direction, indices, job.src_units.size, spans, job.stream,
-                                       self.host_table, self.device_table, layer_done=self.signals.block(0))
-                chunks = prepared.chunks_per_layer
-                self.signals.arm([(layer, [(0, layer, chunks)]) for begin, count in spans
-                                  for layer in range(begin, begin + count)], job.transfer)
+                launch_signalled(context, job.direction, indices, job.src_units.size, list(job.layers), job.stream,
+                                 self.host_table, self.device_table, self.signals, job.transfer)
             else:
                 launch_copy(context, job.direction, indices, job.src_units.size,
                             layer_spans(job.layers, job.per_layer), job.stream, self.host_table, self.device_table,

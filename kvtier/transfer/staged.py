@@ -22,7 +22,7 @@ from kvtier.runtime import Stream
 from kvtier.transfer.dma import host_pieces, queue_copies
 from kvtier.transfer.indices import IndexRing
 from kvtier.transfer.job import D2H, H2D, Backend, Context, Job
-from kvtier.transfer.kernel import device_table, launch_copy, signals_for
+from kvtier.transfer.kernel import device_table, launch_copy, launch_signalled, signals_for
 from kvtier.transfer.plan import layer_spans
 from kvtier.transfer.signals import LayerSignals
 
@@ -115,13 +115,8 @@ class StagingArea:
 
         try:
             if mark and signals is not None:
-                runs = layer_spans([layer for begin, n in spans for layer in range(begin, begin + n)], False)
-                signals.begin(self.stream)
-                prepared = launch_copy(context, job.direction, indices, indices_of[0].size, runs, self.stream,
-                                       self.table, self.device_table, self.blocks, layer_done=signals.block(0))
-                chunks = prepared.chunks_per_layer
-                signals.arm([(layer, [(0, layer, chunks)]) for begin, n in runs for layer in range(begin, begin + n)],
-                            job.transfer)
+                launch_signalled(context, job.direction, indices, indices_of[0].size, list(job.layers), self.stream,
+                                 self.table, self.device_table, signals, job.transfer, self.blocks)
             else:
                 launch_copy(context, job.direction, indices, indices_of[0].size, spans, self.stream, self.table,
                             self.device_table, self.blocks, after_each=marked)
