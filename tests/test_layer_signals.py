@@ -264,3 +264,19 @@ def test_the_check_fails_when_a_layer_waits_on_the_layer_before(monkeypatch):
 
     monkeypatch.setattr(LayerSignals, "arm", off_by_one)
     assert any(_stale_layer_reads(seed, "layer_first") for seed in SEEDS)
+
+
+@pytest.mark.parametrize("signals", [None, False])
+def test_transfer_events_are_timed_so_a_trace_can_place_each_layer(runtime, signals):
+    """Events handed to the caller carry timestamps (bench/e2e.py's trace reads when each layer landed)."""
+    with engine_on(runtime, G, "layer_first", device_pages=4, host_pages=4, layer_signals=signals) as (
+            dev, host, engine):
+        fill_host(host)
+        start = runtime.create_event(0, timing=True)
+        start.record(runtime.current_stream(0))
+        transfer = engine.load([0, 1], [2, 3])
+        transfer.wait()
+        for layer in range(G.layers):
+            transfer.wait_layer(layer)
+            assert start.elapsed_ms(transfer.layer_events[layer]) >= 0
+        assert start.elapsed_ms(transfer.finished) >= 0

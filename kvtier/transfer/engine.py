@@ -41,6 +41,7 @@ from kvtier.transfer.job import (
     check_pools,
     checked_layers,
     order_after,
+    user_event,
 )
 from kvtier.transfer.kernel import KernelBackend
 from kvtier.transfer.plan import index_values, plan_for
@@ -226,7 +227,7 @@ class TransferEngine(PoolUser):
                 per_layer: bool) -> Transfer:
         stream = self.streams[direction]
         order_after(self.runtime, stream, after)
-        transfer = Transfer(self.runtime, self.runtime.create_event(self.device))
+        transfer = Transfer(self.runtime, user_event(self.runtime, self.device))
         job = Job(direction, dev, host, self._units(dev), self._units(host), list(layers), per_layer, stream,
                   transfer)
         if dev.size:

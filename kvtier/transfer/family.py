@@ -26,7 +26,17 @@ from kvtier.pools.family import FamilyDevicePool, FamilyHostPool, Part
 from kvtier.runtime import Graph, Stream
 from kvtier.transfer.engine import CapturedLoad
 from kvtier.transfer.indices import IndexRing, arena_bytes
-from kvtier.transfer.job import CURRENT, D2H, H2D, PoolUser, Transfer, check_pools, checked_layers, order_after
+from kvtier.transfer.job import (
+    CURRENT,
+    D2H,
+    H2D,
+    PoolUser,
+    Transfer,
+    check_pools,
+    checked_layers,
+    order_after,
+    user_event,
+)
 from kvtier.transfer.plan import layer_spans
 from kvtier.transfer.signals import LayerSignals
 
@@ -113,7 +123,7 @@ class FamilyEngine(PoolUser):
                                       f"written: the result would depend on the order of the copies")
             target = self.runtime.current_stream(self.device) if stream is None else self.runtime.as_stream(stream)
             order_after(self.runtime, target, after)
-            transfer = Transfer(self.runtime, self.runtime.create_event(self.device))
+            transfer = Transfer(self.runtime, user_event(self.runtime, self.device))
             if src.size:
                 ring = self.rings[H2D]
                 indices, lease = ring.upload([self._index(src), self._index(dst)])
@@ -214,7 +224,7 @@ class FamilyEngine(PoolUser):
                 after: Any, per_layer: bool) -> Transfer:
         stream = self.streams[direction]
         order_after(self.runtime, stream, after)
-        transfer = Transfer(self.runtime, self.runtime.create_event(self.device))
+        transfer = Transfer(self.runtime, user_event(self.runtime, self.device))
         layers = list(range(self.geometry.layers)) if layers is None else layers
         marks = transfer.layer_events if per_layer else None
         if dev.size:
@@ -235,7 +245,7 @@ class FamilyEngine(PoolUser):
         return transfer
 
     def _mark(self, stream: Stream) -> Any:
-        event = self.runtime.create_event(self.device)
+        event = user_event(self.runtime, self.device)
         event.record(stream)
         return event
 

@@ -28,7 +28,7 @@ from kvtier.memory.lifetime import Owned
 from kvtier.pools import DevicePool, HostPool, build_pointer_table, device_strides
 from kvtier.runtime import Stream
 from kvtier.transfer.indices import IndexRing
-from kvtier.transfer.job import CURRENT, PoolUser, Transfer, order_after
+from kvtier.transfer.job import CURRENT, PoolUser, Transfer, order_after, user_event
 from kvtier.transfer.plan import plan_for
 
 STATE = ("slot_tokens", "lru", "lru_next", "token_slot", "flags", "miss_src", "miss_dst", "host_locs", "device_locs")
@@ -263,7 +263,7 @@ class HotBuffer(PoolUser):
             if (host < 0).any():
                 raise InvalidArgument("a newest token has no host unit: assign() the request's tokens first")
             order_after(self.runtime, self.d2h, after)
-            transfer = Transfer(self.runtime, self.runtime.create_event(self.device))
+            transfer = Transfer(self.runtime, user_event(self.runtime, self.device))
             indices, lease = self._ring.upload([self._device_locs[reqs, self.slots].astype(np.int64),
                                                 host.astype(np.int64)])
             try:

@@ -38,6 +38,12 @@ def checked_layers(layers: Sequence[int] | None, count: int) -> list[int]:
     return chosen
 
 
+def user_event(runtime: Runtime, device: int) -> Event:
+    """An event handed to the caller (a transfer's end, a layer's landing): timed, so a trace can put it on a clock
+    (``elapsed_ms``, or cudaEventElapsedTime against the caller's own events); kvtier's internal events are not."""
+    return runtime.create_event(device, timing=True)
+
+
 def check_pools(device_pool: Any, host_pool: Any) -> None:
     """Both open, of one geometry and one runtime: what every engine over a pair of pools first checks."""
     device_pool.check_open()
@@ -151,7 +157,7 @@ class Job:
     def mark(self, runtime: Runtime, device: int, begin: int, stream: Stream) -> None:
         """Record layer ``begin``'s event on ``stream`` (per-layer loads only)."""
         if self.per_layer:
-            event = runtime.create_event(device)
+            event = user_event(runtime, device)
             event.record(stream)
             self.transfer.layer_events[begin] = event
 

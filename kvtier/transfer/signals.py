@@ -21,7 +21,7 @@ from kvtier.memory import DeviceBuffer
 from kvtier.memory.device_buffer import DeviceRegion
 from kvtier.memory.lifetime import Owned
 from kvtier.runtime import Runtime, Stream
-from kvtier.transfer.job import Transfer
+from kvtier.transfer.job import Transfer, user_event
 
 
 class LayerSignals:
@@ -68,7 +68,7 @@ class LayerSignals:
                 at = self.offsets[block] + position
                 self.targets[at] += chunks
                 runtime.wait_value(self.stream, base + 8 * at, self.targets[at])
-            event = runtime.create_event(self.device)
+            event = user_event(runtime, self.device)
             event.record(self.stream)
             transfer.layer_events[layer] = event
 
