@@ -46,10 +46,10 @@ from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.pools import DevicePool, HostPool, payload_order
 from kvtier.pools.state import StateDevicePool, StateHostPool
-from kvtier.runtime import Event
 from kvtier.storage import StorageBackend
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.engine import CURRENT
+from kvtier.transfer.job import after_events
 
 _CLAIMED: weakref.WeakKeyDictionary[Any, KVCache] = weakref.WeakKeyDictionary()
 """Pools a cache owns: two caches over one pool would hand out the same pages."""
@@ -665,24 +665,8 @@ class KVCache:
     # -- internals: allocation and eviction ---------------------------------------------------------------------
     # -- internals: backups -----------------------------------------------------------------------------------------
     def _markers(self, after: Any) -> list[Any] | None:
-        """``after`` (CURRENT, an event or stream of this runtime or torch's, a list of them, or None) as events
-        recorded now: what a transfer queued later must wait for. Checked here, on the caller's thread."""
-        if after is None:
-            return None
-        runtime, device = self.device_pool.runtime, self.device_pool.device
-        if isinstance(after, str):
-            if after != CURRENT:
-                raise InvalidArgument(f"after={after!r}: use {CURRENT!r}, an event, a stream, a list or None")
-            after = runtime.current_stream(device)
-        markers = []
-        for item in after if isinstance(after, (list, tuple)) else [after]:
-            if isinstance(item, Event) or hasattr(item, "cuda_event"):
-                markers.append(runtime.as_event(item))
-                continue
-            marker = runtime.create_event(device)
-            marker.record(runtime.as_stream(item))
-            markers.append(marker)
-        return markers
+        """``after`` as events recorded now, on the caller's thread: what a transfer queued later must wait for."""
+        return after_events(self.device_pool.runtime, self.device_pool.device, after)
 
     def _submit_backup(self, targets: list[Node], after: Any) -> Operation | None:
         with self._lock:

@@ -341,8 +341,9 @@ class KernelLauncher:
     def _bulk_capable(self, device: int) -> bool:
         capable = self._bulk_devices.get(device)
         if capable is None:
-            capable = self._bulk_devices[device] = (self.runtime.name.startswith("emulated") or
-                                                    self.runtime.device_attributes(device).compute_capability >= (9, 0))
+            major = self.runtime.device_attributes(device).compute_capability[0]
+            # sm_90 / sm_100 parts give a block ~227 KiB of shared memory; consumer parts (sm_120) under 100 KiB
+            capable = self._bulk_devices[device] = self.runtime.name.startswith("emulated") or major in (9, 10)
         return capable
 
     def check_threads(self, threads: int, blocks: int = 1) -> None:

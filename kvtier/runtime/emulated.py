@@ -43,6 +43,7 @@ from kvtier.runtime.emulated_scheduler import SCHEDULES, Scheduler
 from kvtier.runtime.program import KernelArg, Program, ProgramSpec, argument_values
 
 MODES = ("split", "unified")
+SHARED_BYTES_PER_BLOCK = 227 << 10
 EMULATED_SPACE = 0x1000_0000_0000_0000
 ALIAS_BASE = 0x3000_0000_0000_0000
 DEVICE_BASE = 0x5000_0000_0000_0000
@@ -360,7 +361,12 @@ class EmulatedRuntime(Runtime):
 
     def _launch(self, program: Program, name: str, grid: int, block: int, args: list[KernelArg],
                 stream: Stream, shared_bytes: int = 0) -> None:
-        """Queue the kernel's Python reference; ``memory`` translates addresses as the program's device sees them."""
+        """Queue the kernel's Python reference; ``memory`` translates addresses as the program's device sees them.
+        Dynamic shared memory is held to an H200's 227 KiB per block."""
+        if shared_bytes > SHARED_BYTES_PER_BLOCK:
+            raise RuntimeCallError("cuLaunchKernel", "CUDA_ERROR_INVALID_VALUE",
+                                   f"{shared_bytes} bytes of shared memory per block; the emulated device has "
+                                   f"{SHARED_BYTES_PER_BLOCK}")
         queue = self._stream(stream)
         values = [argument_values(arg, program.device) for arg in args]
         memory, kernel = DeviceMemory(self._maps[program.device]), program.spec.reference[name]

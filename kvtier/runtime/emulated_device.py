@@ -270,8 +270,9 @@ class EmulatedEvent(Event):
         if not (self.timing and end.timing):
             raise RuntimeCallError("cudaEventElapsedTime", "cudaErrorInvalidResourceHandle",
                                    "both events must be created with timing=True")
-        self.synchronize()
-        end.synchronize()
+        if any(e.marker is not None and not e.marker.done for e in (self, end)):  # as CUDA: the caller waits first
+            raise RuntimeCallError("cudaEventElapsedTime", "cudaErrorNotReady",
+                                   "an event has not completed yet: synchronize it before timing")
         if self.marker is None or end.marker is None or self.marker.timestamp is None or end.marker.timestamp is None:
             raise RuntimeCallError("cudaEventElapsedTime", "cudaErrorInvalidResourceHandle",
                                    "both events must have been recorded")

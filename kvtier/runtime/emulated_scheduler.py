@@ -75,13 +75,16 @@ class Scheduler:
             other.pending.clear()
 
     # -- running work ----------------------------------------------------------------------------------------------
-    @staticmethod
-    def _runnable(stream: EmulatedStream) -> bool:
+    def _runnable(self, stream: EmulatedStream) -> bool:
         if not stream.pending:
             return False
         head = stream.pending[0]
         if isinstance(head, WaitValueOp):
-            return head.ready
+            try:
+                return head.ready
+            except BaseException as error:  # the address faults: the wait's device is poisoned, as by a kernel
+                self._fault(stream, error)
+                return False
         return not isinstance(head, WaitOp) or head.marker.done
 
     def _pick(self, target: EmulatedStream | None) -> EmulatedStream | None:

@@ -76,7 +76,7 @@ class Settings:
             raise InvalidArgument(f"index_bytes must be 4 (int32) or 8 (int64), got {self.index_bytes!r}")
         if self.threads % 32:
             raise InvalidArgument(f"threads must be whole warps (a multiple of 32), got {self.threads}")
-        if self.layer_signals not in (None, True, False):
+        if self.layer_signals is not None and not isinstance(self.layer_signals, bool):
             raise InvalidArgument(f"layer_signals must be None (automatic), True or False, got {self.layer_signals!r}")
         if self.layer_signals and self.backend not in ("kernel", "staged"):
             raise InvalidArgument(f"layer_signals=True: the {self.backend!r} backend marks layers with events; only "

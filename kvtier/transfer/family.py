@@ -55,7 +55,7 @@ class FamilyEngine(PoolUser):
         self.threads = integer(threads, "threads", low=32, high=1025)
         if self.threads % 32 or index_bytes not in (4, 8):
             raise InvalidArgument(f"threads must be whole warps and index_bytes 4 or 8, got {threads}, {index_bytes}")
-        if layer_signals not in (None, True, False):
+        if layer_signals is not None and not isinstance(layer_signals, bool):
             raise InvalidArgument(f"layer_signals must be None (automatic), True or False, got {layer_signals!r}")
         signalled = LayerSignals.available(device_pool.runtime, device_pool.device)
         if layer_signals and not signalled:
@@ -64,6 +64,7 @@ class FamilyEngine(PoolUser):
         self.device_pool, self.host_pool, self.index_bytes = device_pool, host_pool, index_bytes
         self.geometry, self.runtime, self.device = device_pool.geometry, device_pool.runtime, device_pool.device
         self.launcher = launcher or KernelLauncher(self.runtime)
+        self.launcher.check_threads(self.threads, self.max_blocks)
         self._start(device_pool, host_pool)
         self._captures: weakref.WeakSet[CapturedLoad] = weakref.WeakSet()
         self._owned = Owned()

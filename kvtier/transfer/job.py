@@ -54,28 +54,36 @@ def check_pools(device_pool: Any, host_pool: Any) -> None:
         raise InvalidArgument("device and host pools belong to different runtimes")
 
 
-def order_after(runtime: Runtime, stream: Stream, after: Any) -> None:
-    """Make ``stream`` wait for ``after``: ``CURRENT`` (the caller's current stream of the stream's device), a
-    :class:`Transfer`, an event or stream (kvtier's or torch's), a list of them, or None (no ordering). Every engine
-    orders through here."""
+def after_events(runtime: Runtime, device: int, after: Any, *, skip: Stream | None = None) -> list[Event] | None:
+    """``after`` as events recorded now (None for None): ``CURRENT`` (the caller's current stream of ``device``), a
+    :class:`Transfer` (its end), an event or stream (kvtier's or torch's), or a list of them; a stream that is
+    ``skip`` itself needs no event. What every engine and the cache order transfers after."""
     if after is None:
-        return
+        return None
     if isinstance(after, str):
         if after != CURRENT:
-            raise InvalidArgument(f"after={after!r}: use {CURRENT!r}, an event, a stream, a list or None")
-        after = runtime.current_stream(stream.device)
+            raise InvalidArgument(f"after={after!r}: use {CURRENT!r}, a Transfer, an event, a stream, a list or None")
+        after = runtime.current_stream(device)
+    events = []
     for item in after if isinstance(after, (list, tuple)) else [after]:
         if isinstance(item, Transfer):
             item = item.finished
         if isinstance(item, Event) or hasattr(item, "cuda_event"):
-            stream.wait(runtime.as_event(item))
+            events.append(runtime.as_event(item))
             continue
         source = runtime.as_stream(item)
-        if source is stream:
+        if source is skip:
             continue
-        marker = runtime.create_event(stream.device)
+        marker = runtime.create_event(device)
         marker.record(source)
-        stream.wait(marker)
+        events.append(marker)
+    return events
+
+
+def order_after(runtime: Runtime, stream: Stream, after: Any) -> None:
+    """Make ``stream`` wait for ``after`` (see :func:`after_events`). Every engine orders through here."""
+    for event in after_events(runtime, stream.device, after, skip=stream) or []:
+        stream.wait(event)
 
 
 @dataclass
@@ -108,8 +116,8 @@ class Transfer:
     def _event(self, layer: int) -> Event:
         if layer not in self.layer_events:
             if not self.layer_events:
-                raise InvalidArgument(f"this transfer has no layer events (a backup, or a load with per_layer=False): "
-                                      f"wait for the whole transfer instead of layer {layer}")
+                raise InvalidArgument(f"this transfer has no layer events (a backup, a load with per_layer=False, or a "
+                                      f"load of no layers): wait for the whole transfer instead of layer {layer}")
             raise InvalidArgument(f"layer {layer} is not part of this transfer (layers {sorted(self.layer_events)})")
         return self.layer_events[layer]
 
