@@ -547,3 +547,27 @@ def test_fork_state_orders_its_copy_after_the_load_in_flight(hybrid, monkeypatch
     load.wait()
     cache.free_state(forked)
     cache.unlock(match)
+
+
+def test_a_locked_match_pins_the_snapshot_it_ends_on_not_every_snapshot_on_its_path(runtime):
+    """A request uses the state at the end of its match only; the snapshots of shorter prefixes on the same path
+    may go while it runs (their KV stays). Pinning them all ran two threads of growing conversations out of device
+    state slots (OutOfPages with 7 of 8 slots held by locked path snapshots)."""
+    made = Hybrid(runtime, device_pages=32, host_pages=64, device_states=4, host_states=8)
+    try:
+        tokens = prompt(4 * P)
+        for pages in range(1, 5):                        # snapshots after 1, 2, 3 and 4 pages: all 4 slots
+            made.serve(tokens[:pages * P])
+        match = made.cache.match_prefix(tokens, lock=True)
+        assert match.device_tokens == 4 * P and match.device_state is not None
+        slots = [made.cache.allocate_state() for _ in range(3)]   # the 3 shorter prefixes' snapshots give way
+        assert match.device_state not in slots
+        assert made.model.state_ok(tokens, match.device_state), "the locked snapshot was taken"
+        with pytest.raises(OutOfPages):
+            made.cache.allocate_state()                  # the one the match ends on stays
+        for slot in slots:
+            made.cache.free_state(slot)
+        made.cache.unlock(match)
+        made.cache.check()
+    finally:
+        made.close()

@@ -123,9 +123,16 @@ class StateTier:
         return True
 
     def lru(self, tier: str, count: int) -> list[Node]:
-        """Least recently used nodes holding an evictable snapshot on ``tier`` (at most ``count``)."""
-        busy = (lambda n: n.busy) if tier == "device" else (lambda n: n.host_busy)
-        return heapq.nsmallest(count, (n for n in self.held[tier] if not busy(n)), key=lambda n: (n.last_access, n.id))
+        """Least recently used nodes holding an evictable snapshot on ``tier`` (at most ``count``). A lock pins the
+        snapshot a match ends on, not those of shorter prefixes on its path (their KV stays pinned): a request
+        reads only the state at its match's end."""
+        def pinned(n: Node) -> bool:
+            ends_here = n.lock > sum(child.lock for child in n.children.values())
+            moving = n.writing is not None or n.loading is not None or (tier == "host" and n.storing is not None)
+            return ends_here or moving
+
+        return heapq.nsmallest(count, (n for n in self.held[tier] if not pinned(n)),
+                               key=lambda n: (n.last_access, n.id))
 
     # -- caller slots -----------------------------------------------------------------------------------------------
     def check_caller_slot(self, slot: Any, what: str) -> int:
