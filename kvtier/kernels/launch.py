@@ -325,6 +325,7 @@ class KernelLauncher:
         program = self.runtime.load_program(self.spec, device)
         head: list[KernelArg] = [*sides, *indices, i64(call.n_units)]
         chunks = call.n_tensors * call.n_units * call.n_pieces
+        shape: tuple[KernelArg, ...]
         if (self.bulk and width == VECTOR_BYTES and call.layer_done is None and call.chunk_bytes <= BULK_STAGE_BYTES
                 and self._bulk_capable(device)):
             shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(BULK_STAGE_BYTES),
@@ -402,7 +403,7 @@ def _transfer_program(mode: str | None, unroll: int, max_threads: int, streaming
     def image(capability: tuple[int, int]) -> tuple[bytes, str]:
         return kernel_image(f"sm_{capability[0]}{capability[1]}", mode, unroll, max_threads, streaming)
 
-    references: dict[str, Callable[..., None]] = {
+    references: dict[str, Callable[..., Any]] = {
         copy_kernel(size, width): functools.partial(reference.copy_chunks, index_bytes=size, width=width)
         for size in INDEX_TYPES for width in WIDTHS}
     references.update({swap_kernel(width): functools.partial(reference.hot_swap_in, width=width)

@@ -82,7 +82,7 @@ class ProgramSpec:
     key: str
     names: tuple[str, ...]
     image: Callable[[tuple[int, int]], tuple[bytes, str]]
-    reference: Mapping[str, Callable[..., None]] = field(default_factory=dict)
+    reference: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
 
 
 class Program:
