@@ -1,8 +1,9 @@
 """Small load-backs as an engine issues them: time against bytes / ceiling, from 1 page up to 2048 (32k tokens).
 
 For each geometry and page count: a load of every layer with an event per layer (``load``), the same load as one
-launch (``load-1``), both through the ``kernel`` backend at 2 SMs with random host slots, and ``staged`` per-layer loads
-with contiguous host slots. Columns: the time ``load()`` keeps the Python thread (``queued``), the time from the call
+launch (``load-1``) and as a replay of a graph captured for that page count (``graph``, ``capture_shape``), all
+through the ``kernel`` backend at 2 SMs with random host slots, and ``staged`` per-layer loads with contiguous host
+slots. Columns: the time ``load()`` keeps the Python thread (``queued``), the time from the call
 until the load completes on the host clock (``done``, median), the link bound (bytes / the same run's contiguous H2D
 ceiling), and done / bound. Where done / bound climbs as pages shrink, per-launch and per-event costs dominate.
 
@@ -34,7 +35,7 @@ from kvtier.transfer import TransferEngine  # noqa: E402
 
 EMULATED_NOTE = "note: {name} runs Python reference kernels on the CPU, so these timings are not speeds"
 MODES = (("kernel", "load", True, "random"), ("kernel", "load-1", False, "random"),
-         ("staged", "load", True, "contiguous"))
+         ("kernel", "graph", False, "random"), ("staged", "load", True, "contiguous"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,14 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def measure(engine: TransferEngine, slots: np.ndarray, dst: np.ndarray, per_layer: bool, repeats: int
+def measure(loader, engine: TransferEngine, slots: np.ndarray, dst: np.ndarray, per_layer: bool, repeats: int
             ) -> tuple[float, float]:
-    """Median (queued, done) seconds of ``engine.load(slots, dst)``."""
+    """Median (queued, done) seconds of ``loader.load(slots, dst)`` (an engine, or a shape it captured)."""
     queued, done = [], []
     for i in range(repeats + 1):
         engine.synchronize()
         start = time.perf_counter()
-        load = engine.load(slots, dst, per_layer=per_layer)
+        load = loader.load(slots, dst, per_layer=per_layer) if loader is engine else loader.load(slots, dst)
         returned = time.perf_counter()
         load.wait()
         end = time.perf_counter()
@@ -93,10 +94,12 @@ def main(argv: list[str] | None = None) -> None:
         for pages in args.page_counts:
             dst = rng.choice(dev.pages, pages, replace=False)
             bound = pages * g.bytes_per_page / (ceiling * 1e9)
+            shape = engines["kernel"].capture_shape(pages)
             for backend, label, per_layer, kind in MODES:
                 slots = (rng.choice(host.pages, pages, replace=False) if kind == "random"
                          else np.arange(pages) + int(rng.integers(0, host.pages - pages + 1)))
-                queued, done = measure(engines[backend], slots, dst, per_layer, args.repeats)
+                loader = shape if label == "graph" else engines[backend]
+                queued, done = measure(loader, engines[backend], slots, dst, per_layer, args.repeats)
                 rows.append({"geometry": name, "pages": pages, "tokens": pages * g.page_size, "backend": backend,
                              "op": label, "slots": kind, "mib": pages * g.bytes_per_page / 2**20,
                              "queued_us": queued * 1e6, "done_us": done * 1e6, "bound_us": bound * 1e6,

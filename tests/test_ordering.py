@@ -85,12 +85,15 @@ def test_the_eager_emulator_catches_an_unordered_backup(backend):
     assert any(_stale_backups(backend, seed, "none") for seed in SEEDS)
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", [*BACKENDS, "shape"])
 def test_loads_land_after_the_model_is_done_with_the_pages_and_before_it_reads_them(backend):
+    """("shape": a kernel-backend load through a graph from ``capture_shape``.)"""
     for seed in SEEDS:
         runtime = EmulatedRuntime("unified", seed=seed)
-        with engine_on(runtime, G, "layer_first", device_pages=6, host_pages=6, backend=backend,
+        with engine_on(runtime, G, "layer_first", device_pages=6, host_pages=6,
+                       backend="kernel" if backend == "shape" else backend,
                        staging_bytes=2 * G.bytes_per_page) as (dev, host, engine):
+            shape = engine.capture_shape(2) if backend == "shape" else None
             snapshot = fill_host(host)
             model = runtime.create_stream(0)
             runtime.busy(model, 60)
@@ -100,7 +103,7 @@ def test_loads_land_after_the_model_is_done_with_the_pages_and_before_it_reads_t
                     runtime.memcpy_async(base + 2 * G.page_bytes, CpuAddress(poison.ctypes.data), G.page_bytes,
                                          stream=model)
             with runtime.use_stream(model):
-                transfer = engine.load([4, 1], [2, 5])
+                transfer = engine.load([4, 1], [2, 5]) if shape is None else shape.load([4, 1], [2, 5])
                 transfer.stream_wait()
             reads = []
             for tensor in range(G.tensors):

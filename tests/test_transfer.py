@@ -372,3 +372,62 @@ def test_many_layer_copies_walk_unit_by_unit_where_the_host_keeps_a_units_layers
     if unit_major:  # one unit's chunks, layer after layer, are one contiguous host run
         units_stride = plan.host.page if plan.unit == "page" else plan.host.slot
         assert plan.host.layer * g.layers == units_stride and plan.host.layer == plan.chunk_bytes
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_captured_shape_loads_new_pages_at_every_call(runtime, monkeypatch, layout):
+    """One graph for loads of 3 pages: each call writes its own page lists into the graph's indices (poisoned
+    destinations, fresh data each time), queues no kernel launch from Python, and is ordered like a load."""
+    from pool_helpers import launch_names
+
+    g = geometry("mha", 2, 16, layers=4)
+    with engine_on(runtime, g, layout, device_pages=8, host_pages=10) as (dev, host, engine):
+        shape = engine.capture_shape(3, layers=[3, 1, 2])
+        names = launch_names(runtime, monkeypatch)
+        rng = np.random.default_rng()
+        for _ in range(3):
+            snapshot = fill_host(host)
+            poison_device(dev)
+            slots, pages = rng.choice(10, 3, replace=False), rng.choice(8, 3, replace=False)
+            transfer = shape.load(slots, pages)
+            transfer.wait()
+            with pytest.raises(KvtierError, match="no layer events"):
+                transfer.wait_layer(1)
+            for tensor in range(g.tensors):
+                for layer in range(g.layers):
+                    got = read_device(dev, tensor, layer)
+                    if layer == 0:
+                        assert (got == 0xEE).all()
+                        continue
+                    for slot, page in zip(slots.tolist(), pages.tolist(), strict=True):
+                        start = host.tensor_offset(tensor) + slot * host.strides.page + layer * host.strides.layer
+                        rows = [snapshot[start + t * host.strides.slot:start + t * host.strides.slot + g.row_bytes]
+                                for t in range(g.page_size)]
+                        np.testing.assert_array_equal(got[page], np.concatenate(rows))
+                    untouched = np.setdiff1d(np.arange(dev.pages), pages)
+                    assert (got[untouched] == 0xEE).all()
+        engine.load([0, 1, 2], [5, 6, 7]).wait()
+        assert names, "the plain loads launch kernels"
+        names.clear()
+        shape.load([0, 1, 2], [5, 6, 7]).wait()
+        assert names == [], "a captured shape launched kernels from Python"
+        with pytest.raises(KvtierError, match="loads 3 pages"):
+            shape.load([0, 1], [2, 3])
+        with pytest.raises(KvtierError, match="more than once"):
+            shape.load([0, 1, 2], [2, 2, 3])
+        shape.close()
+        with pytest.raises(KvtierError, match="closed"):
+            shape.load([0, 1, 2], [5, 6, 7])
+
+
+def test_a_captured_shape_is_refused_by_other_backends_and_closes_with_its_engine(split):
+    g = geometry("mha", 2, 16)
+    with engine_on(split, g, "layer_first", backend="staged") as (dev, host, engine):
+        with pytest.raises(KvtierError, match="kernel backend"):
+            engine.capture_shape(2)
+    with engine_on(split, g, "layer_first") as (dev, host, engine):
+        shape = engine.capture_shape(2)
+        with pytest.raises(KvtierError, match="pages"):
+            engine.capture_shape(0)
+    with pytest.raises(KvtierError, match="closed"):
+        shape.load([0, 1], [2, 3])

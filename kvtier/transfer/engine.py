@@ -25,6 +25,7 @@ import numpy as np
 from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument
 from kvtier.kernels import KernelLauncher
+from kvtier.memory import HostBuffer, HostKind
 from kvtier.pools import DevicePool, HostPool
 from kvtier.runtime import Graph, Stream
 from kvtier.transfer.dma import BatchBackend, DirectBackend
@@ -44,7 +45,7 @@ from kvtier.transfer.job import (
     user_event,
 )
 from kvtier.transfer.kernel import KernelBackend
-from kvtier.transfer.plan import index_values, plan_for
+from kvtier.transfer.plan import index_values, layer_spans, plan_for
 from kvtier.transfer.staged import StagedBackend
 
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (KernelBackend, StagedBackend, DirectBackend, BatchBackend)}
@@ -113,6 +114,58 @@ class CapturedLoad:
             self.graph.close()
             self._ring.close()
             self.stream.close()
+
+
+class CapturedShape(CapturedLoad):
+    """Loads of one page count as a graph (see :meth:`TransferEngine.capture_shape`). A load writes the page lists
+    into pinned staging, copies them into the graph's indices on the capture stream, and replays the graph there; the
+    capture stream follows the engine's H2D stream and ``after``, and the engine's H2D stream follows the load."""
+
+    def __init__(self, engine: TransferEngine, graph: Graph, stream: Stream, ring: IndexRing, indices: list[Any],
+                 pages: int, layers: list[int]) -> None:
+        super().__init__(engine, graph, stream, ring)
+        self.pages, self.layers, self._indices = pages, layers, indices
+        runtime = engine.runtime
+        self._nbytes = pages * engine.plan.units_per_page * engine.index_bytes
+        self._staging = HostBuffer.allocate(2 * self._nbytes, HostKind.PINNED, runtime=runtime)
+        self._view = self._staging.as_tensor().numpy()
+        self._uploaded = runtime.create_event(engine.device)
+
+    def load(self, host_pages: Any, device_pages: Any, *, after: Any = CURRENT) -> Transfer:
+        engine = self._engine
+        with engine._lock:
+            if self.closed:
+                raise BufferClosed("this captured shape is closed")
+            engine._check_open()
+            dev, host = engine._pages(device_pages, host_pages, H2D)
+            if dev.size != self.pages:
+                raise InvalidArgument(f"this shape loads {self.pages} pages, got {dev.size}")
+            runtime, h2d = engine.runtime, engine.streams[H2D]
+            order_after(runtime, self.stream, h2d)
+            order_after(runtime, self.stream, after)
+            self._uploaded.synchronize()          # the last load's copy has read the staging: rewrite it
+            for k, units in enumerate((engine._units(host), engine._units(dev))):
+                self._view[k * self._nbytes:(k + 1) * self._nbytes] = units.view(np.uint8)
+                runtime.memcpy_async(self._indices[k], self._staging.cpu_address + k * self._nbytes, self._nbytes,
+                                     stream=self.stream)
+            self._uploaded.record(self.stream)
+            self.graph.launch(self.stream)
+            transfer = Transfer(runtime, user_event(runtime, engine.device))
+            transfer.finished.record(self.stream)
+            h2d.wait(transfer.finished)
+            return transfer
+
+    def replay(self) -> None:
+        raise InvalidArgument("a captured shape loads pages: call load(host_pages, device_pages)")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            super().close()
+        finally:
+            del self._view
+            self._staging.close()
 
 
 class TransferEngine(PoolUser):
@@ -184,13 +237,35 @@ class TransferEngine(PoolUser):
             layer = integer(layer, "layer", low=0, high=self.geometry.layers)
             stream = self.runtime.create_stream(self.device)
             try:
-                graph, ring = self._backend.capture(self._units(host), self._units(dev), layer, stream)
+                graph, ring, _ = self._backend.capture(self._units(host), self._units(dev), [(layer, 1)], stream)
             except BaseException:
                 stream.close()
                 raise
             captured = CapturedLoad(self, graph, stream, ring)
             self._captures.add(captured)
             return captured
+
+    def capture_shape(self, pages: int, *, layers: Sequence[int] | None = None) -> CapturedShape:
+        """Loads of exactly ``pages`` pages (of ``layers``, default all), captured once as a graph (kernel backend):
+        each ``shape.load(host_pages, device_pages)`` writes its page lists into the graph's indices and replays it
+        on the engine's H2D stream — no checks of shapes, no launches from Python. For an engine that loads the same
+        number of pages again and again (decode-time swaps, fixed-size chunks); such loads have no layer events."""
+        with self._lock:
+            self._check_open()
+            if not isinstance(self._backend, KernelBackend):
+                raise InvalidArgument(f"graph capture needs the kernel backend, not {self.backend!r}")
+            pages = integer(pages, "pages", low=1, high=min(self.device_pool.pages, self.host_pool.pages) + 1)
+            chosen = self._layers(layers)
+            units = self._units(np.arange(pages))
+            stream = self.runtime.create_stream(self.device)
+            try:
+                graph, ring, indices = self._backend.capture(units, units, layer_spans(chosen, False), stream)
+            except BaseException:
+                stream.close()
+                raise
+            shape = CapturedShape(self, graph, stream, ring, indices, pages, chosen)
+            self._captures.add(shape)
+            return shape
 
     def _drain_more(self) -> None:
         self._backend.drain()

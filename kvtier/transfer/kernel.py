@@ -105,9 +105,10 @@ class KernelBackend(Backend):
         finally:
             ring.fence(lease)
 
-    def capture(self, host_units: np.ndarray, device_units: np.ndarray, layer: int, stream: Stream
-                ) -> tuple[Graph, IndexRing]:
-        """A one-layer load captured on ``stream`` as a graph; the graph owns its index ring."""
+    def capture(self, host_units: np.ndarray, device_units: np.ndarray, spans: list[tuple[int, int]], stream: Stream
+                ) -> tuple[Graph, IndexRing, list[Any]]:
+        """A load of ``spans`` (one launch each) captured on ``stream`` as a graph; the graph owns its index ring,
+        and reads its indices from the returned addresses at every replay."""
         context = self.context
         ring = IndexRing(context.runtime, context.device, stream, arena_bytes(host_units.size, context.index_bytes))
         try:
@@ -115,7 +116,7 @@ class KernelBackend(Backend):
             stream.synchronize()
             stream.begin_capture()
             try:
-                launch_copy(context, H2D, indices, host_units.size, [(layer, 1)], stream, self.host_table,
+                launch_copy(context, H2D, indices, host_units.size, spans, stream, self.host_table,
                             self.device_table)
             finally:
                 graph = stream.end_capture()
@@ -123,7 +124,7 @@ class KernelBackend(Backend):
         except BaseException:
             ring.close()
             raise
-        return graph, ring
+        return graph, ring, indices
 
     def drain(self) -> None:
         if self.signals is not None:
