@@ -431,3 +431,29 @@ def test_a_captured_shape_is_refused_by_other_backends_and_closes_with_its_engin
             engine.capture_shape(0)
     with pytest.raises(KvtierError, match="closed"):
         shape.load([0, 1], [2, 3])
+
+
+def test_captured_shape_loads_queue_without_waiting_for_the_work_they_follow(split):
+    """Eight loads queued behind a long model kernel: none waits on the CPU for an earlier one (each has its own
+    staging slot), and each lands its own pages once the model is done."""
+    g = geometry("mha", 2, 16, layers=2)
+    with engine_on(split, g, "layer_first", device_pages=16, host_pages=16) as (dev, host, engine):
+        shape = engine.capture_shape(2)
+        snapshot = fill_host(host)
+        poison_device(dev)
+        model = split.create_stream(0)
+        split.busy(model, 100_000)
+        done = split.create_event(0)
+        pairs = [(np.array([2 * i, 2 * i + 1]), np.array([15 - 2 * i, 14 - 2 * i])) for i in range(8)]
+        transfers = [shape.load(slots, pages, after=model) for slots, pages in pairs]
+        done.record(model)
+        assert not done.query(), "queuing the loads waited for the model"
+        for transfer in transfers:
+            transfer.wait()
+        for tensor in range(g.tensors):
+            for layer in range(g.layers):
+                got = read_device(dev, tensor, layer)
+                for slots, pages in pairs:
+                    for slot, page in zip(slots.tolist(), pages.tolist(), strict=True):
+                        start = host.tensor_offset(tensor) + slot * host.strides.page + layer * host.strides.layer
+                        np.testing.assert_array_equal(got[page], snapshot[start:start + g.page_bytes])

@@ -121,15 +121,20 @@ class CapturedShape(CapturedLoad):
     into pinned staging, copies them into the graph's indices on the capture stream, and replays the graph there; the
     capture stream follows the engine's H2D stream and ``after``, and the engine's H2D stream follows the load."""
 
+    SLOTS = 8
+    """Staging slots: a load waits on the CPU only for the upload of the load ``SLOTS`` before it (which may still
+    wait for its ``after``), not for the last one."""
+
     def __init__(self, engine: TransferEngine, graph: Graph, stream: Stream, ring: IndexRing, indices: list[Any],
                  pages: int, layers: list[int]) -> None:
         super().__init__(engine, graph, stream, ring)
         self.pages, self.layers, self._indices = pages, layers, indices
         runtime = engine.runtime
         self._nbytes = pages * engine.plan.units_per_page * engine.index_bytes
-        self._staging = HostBuffer.allocate(2 * self._nbytes, HostKind.PINNED, runtime=runtime)
+        self._staging = HostBuffer.allocate(2 * self._nbytes * self.SLOTS, HostKind.PINNED, runtime=runtime)
         self._view = self._staging.as_tensor().numpy()
-        self._uploaded = runtime.create_event(engine.device)
+        self._uploaded = [runtime.create_event(engine.device) for _ in range(self.SLOTS)]
+        self._loads = 0
 
     def load(self, host_pages: Any, device_pages: Any, *, after: Any = CURRENT) -> Transfer:
         engine = self._engine
@@ -143,12 +148,15 @@ class CapturedShape(CapturedLoad):
             runtime, h2d = engine.runtime, engine.streams[H2D]
             order_after(runtime, self.stream, h2d)
             order_after(runtime, self.stream, after)
-            self._uploaded.synchronize()          # the last load's copy has read the staging: rewrite it
+            slot = self._loads % self.SLOTS
+            self._loads += 1
+            self._uploaded[slot].synchronize()    # the copy that last used this staging slot has read it
             for k, units in enumerate((engine._units(host), engine._units(dev))):
-                self._view[k * self._nbytes:(k + 1) * self._nbytes] = units.view(np.uint8)
-                runtime.memcpy_async(self._indices[k], self._staging.cpu_address + k * self._nbytes, self._nbytes,
+                at = (2 * slot + k) * self._nbytes
+                self._view[at:at + self._nbytes] = units.view(np.uint8)
+                runtime.memcpy_async(self._indices[k], self._staging.cpu_address + at, self._nbytes,
                                      stream=self.stream)
-            self._uploaded.record(self.stream)
+            self._uploaded[slot].record(self.stream)
             self.graph.launch(self.stream)
             transfer = Transfer(runtime, user_event(runtime, engine.device))
             transfer.finished.record(self.stream)
