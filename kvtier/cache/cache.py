@@ -122,7 +122,7 @@ class KVCache:
                                 max_blocks=settings.max_blocks) if state_pools else None
         self.tiers = Tiers(RadixIndex(self.page_size, namespace.digest), self.geometry, device_pool.pages,
                            host_pool.pages, settings, self.metrics, self._engines, self._markers,
-                           lambda: self._controller.inflight(BACKUP),
+                           lambda: self._controller.inflight(BACKUP) + self._controller.inflight(LOAD),
                            contiguous_device=self.load_backend in COPY_ENGINE_BACKENDS, states=self.states)
         self._prefill_rate: float | None = None
         try:

@@ -104,16 +104,21 @@ class CapturedLoad:
             self.stream.synchronize()
 
     def close(self) -> None:
-        """Wait for replays in flight, then free the graph, its indices and its stream. Idempotent."""
-        if self.closed:
-            return
-        try:
-            self.stream.synchronize()
-        finally:
-            self.closed = True
-            self.graph.close()
-            self._ring.close()
-            self.stream.close()
+        """Wait for replays in flight (and one another thread is queuing), then free the graph, its indices and its
+        stream. Idempotent."""
+        with self._engine._lock:
+            if self.closed:
+                return
+            try:
+                self.stream.synchronize()
+            finally:
+                self.closed = True
+                self._free()
+
+    def _free(self) -> None:
+        self.graph.close()
+        self._ring.close()
+        self.stream.close()
 
 
 class CapturedShape(CapturedLoad):
@@ -166,11 +171,9 @@ class CapturedShape(CapturedLoad):
     def replay(self) -> None:
         raise InvalidArgument("a captured shape loads pages: call load(host_pages, device_pages)")
 
-    def close(self) -> None:
-        if self.closed:
-            return
+    def _free(self) -> None:
         try:
-            super().close()
+            super()._free()
         finally:
             del self._view
             self._staging.close()
@@ -255,9 +258,10 @@ class TransferEngine(PoolUser):
 
     def capture_shape(self, pages: int, *, layers: Sequence[int] | None = None) -> CapturedShape:
         """Loads of exactly ``pages`` pages (of ``layers``, default all), captured once as a graph (kernel backend):
-        each ``shape.load(host_pages, device_pages)`` writes its page lists into the graph's indices and replays it
-        on the engine's H2D stream — no checks of shapes, no launches from Python. For an engine that loads the same
-        number of pages again and again (decode-time swaps, fixed-size chunks); such loads have no layer events."""
+        each ``shape.load(host_pages, device_pages)`` checks its page lists, writes them into the graph's indices and
+        replays it on the shape's stream, ordered after the engine's H2D stream and ``after`` (the H2D stream then
+        waits for it) — no kernel checks and no launches from Python. For an engine that loads the same number of
+        pages again and again (decode-time swaps, fixed-size chunks); such loads have no layer events."""
         with self._lock:
             self._check_open()
             if not isinstance(self._backend, KernelBackend):

@@ -80,7 +80,7 @@ def plan_for(geometry: KVGeometry, host: Strides) -> ChunkPlan:
 def index_values(units: np.ndarray, index_bytes: int) -> np.ndarray:
     """Unit indices in the kernel's index type; int32 refuses what it cannot hold instead of wrapping."""
     if index_bytes == 8:
-        return units.astype(np.int64, copy=False)
+        return np.ascontiguousarray(units, dtype=np.int64)   # a strided view cannot be uploaded as bytes
     if units.size and int(units.max()) >= 1 << 31:
         raise InvalidArgument(f"unit index {int(units.max())} does not fit int32 indices (index_bytes=4): use "
                               f"index_bytes=8")
