@@ -145,6 +145,22 @@ def measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages
     return rows
 
 
+def variant_launcher(runtime, variant: str) -> tuple[KernelLauncher, dict]:
+    """The launcher for a kernel specialization ``UNROLLxTHREADS[wWIDTH][+cached][+bulk]`` (see ``--variants``) and
+    the TransferEngine options that go with it."""
+    spec, *flags = variant.split("+")
+    shape, _, width = spec.partition("w")
+    unroll, threads = (int(x) for x in shape.split("x"))
+    streaming = "cached" not in flags
+    shipped = (unroll, threads, streaming) == (DEFAULT_UNROLL, MAX_THREADS, True)  # the prebuilt kernels
+    launcher = KernelLauncher(runtime, mode=None if shipped else "jit", unroll=unroll, max_threads=threads,
+                              max_width=int(width or 16), streaming=streaming, bulk="bulk" in flags)
+    options: dict = {"threads": threads}
+    if "bulk" in flags:
+        options["layer_signals"] = False  # bulk copies do not count layers
+    return launcher, options
+
+
 def bidirectional(runtime, g, dev, host, ceiling, pages, blocks, backend="kernel") -> dict:
     """Backup and load at once, on their two streams; staged uses contiguous host slots."""
     rng = np.random.default_rng(1)
@@ -262,16 +278,9 @@ def run_layout(runtime, args, name, g, layout, backends, budgets, dev, pages, ce
             rows += measure(runtime, name, g, layout, backend, 0, dev, host, ceiling, pages, args.repeats,
                             console, slots_kind="contiguous")
     for variant in args.variants.split(",") if first and args.variants else []:
-        spec, *flags = variant.split("+")
-        shape, _, width = spec.partition("w")
-        unroll, threads = (int(x) for x in shape.split("x"))
-        streaming = "cached" not in flags
-        shipped = (unroll, threads, streaming) == (DEFAULT_UNROLL, MAX_THREADS, True)
-        launcher = KernelLauncher(runtime, mode=None if shipped else "jit", unroll=unroll, max_threads=threads,
-                                  max_width=int(width or 16), streaming=streaming, bulk="bulk" in flags)
-        options = {"layer_signals": False} if "bulk" in flags else {}  # bulk copies do not count layers
+        launcher, options = variant_launcher(runtime, variant)
         for row in measure(runtime, name, g, layout, "kernel", 2, dev, host, ceiling, pages, args.repeats,
-                           console, launcher=launcher, threads=threads, **options):
+                           console, launcher=launcher, **options):
             row.backend = f"kernel {variant}"
             rows.append(row)
     if layout == "page_first_direct":

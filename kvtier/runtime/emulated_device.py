@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from kvtier import osmem
-from kvtier.errors import IllegalAddress, MisalignedAddress, RuntimeCallError, WrongRuntime
+from kvtier.errors import IllegalAddress, InvalidArgument, MisalignedAddress, RuntimeCallError, WrongRuntime
 from kvtier.runtime.base import Event, Graph, Stream
 from kvtier.runtime.ranges import RangeIndex
 
@@ -237,10 +237,16 @@ class EmulatedEvent(Event):
     def __init__(self, scheduler: Scheduler, device: int, timing: bool = False) -> None:
         self.scheduler, self.device, self.timing = scheduler, device, timing
         self.marker: Marker | None = None
+        self.closed = False
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise InvalidArgument("this emulated event is closed")
 
     def record(self, stream: Stream) -> None:
         if not isinstance(stream, EmulatedStream):
             raise WrongRuntime(f"an emulated event can only be recorded on an emulated stream, not {stream!r}")
+        self._check_open()
         marker = Marker(stream)
         stream.enqueue(marker)
         if not stream.capturing:
@@ -248,6 +254,7 @@ class EmulatedEvent(Event):
 
     def query(self) -> bool:
         """Like cudaEventQuery: never blocks; the emulator makes some progress when observed."""
+        self._check_open()
         with self.scheduler.lock:
             self.scheduler.check_alive(self.device)
             if self.marker is None:
@@ -257,6 +264,7 @@ class EmulatedEvent(Event):
             return self.marker.done
 
     def synchronize(self) -> None:
+        self._check_open()
         marker = self.marker
         if marker is None:
             self.scheduler.check_alive(self.device)
@@ -267,6 +275,8 @@ class EmulatedEvent(Event):
     def elapsed_ms(self, end: Event) -> float:
         if not isinstance(end, EmulatedEvent):
             raise WrongRuntime("elapsed_ms needs two emulated events")
+        self._check_open()
+        end._check_open()
         if not (self.timing and end.timing):
             raise RuntimeCallError("cudaEventElapsedTime", "cudaErrorInvalidResourceHandle",
                                    "both events must be created with timing=True")
@@ -279,4 +289,4 @@ class EmulatedEvent(Event):
         return (end.marker.timestamp - self.marker.timestamp) * 1e3
 
     def close(self) -> None:
-        self.marker = None
+        self.marker, self.closed = None, True

@@ -48,6 +48,8 @@ from kvtier.transfer.kernel import KernelBackend
 from kvtier.transfer.plan import index_values, layer_spans, plan_for
 from kvtier.transfer.staged import StagedBackend
 
+BACKUP_THREADS = 512
+
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (KernelBackend, StagedBackend, DirectBackend, BatchBackend)}
 
 
@@ -63,6 +65,7 @@ class Settings:
     relayout_blocks: int | None
     index_ring_bytes: int | None
     layer_signals: bool | None = None
+    backup_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -75,8 +78,12 @@ class Settings:
                 object.__setattr__(self, name, integer(value, name, low=low, high=high))
         if self.index_bytes not in (4, 8):
             raise InvalidArgument(f"index_bytes must be 4 (int32) or 8 (int64), got {self.index_bytes!r}")
-        if self.threads % 32:
-            raise InvalidArgument(f"threads must be whole warps (a multiple of 32), got {self.threads}")
+        if self.backup_threads is None:
+            object.__setattr__(self, "backup_threads", min(self.threads, BACKUP_THREADS))
+        object.__setattr__(self, "backup_threads", integer(self.backup_threads, "backup_threads", low=32, high=1025))
+        for name in ("threads", "backup_threads"):
+            if getattr(self, name) % 32:
+                raise InvalidArgument(f"{name} must be whole warps (a multiple of 32), got {getattr(self, name)}")
         if self.layer_signals is not None and not isinstance(self.layer_signals, bool):
             raise InvalidArgument(f"layer_signals must be None (automatic), True or False, got {self.layer_signals!r}")
         if self.layer_signals and self.backend not in ("kernel", "staged"):
@@ -184,21 +191,26 @@ class TransferEngine(PoolUser):
                  max_blocks: int = 2, threads: int = 1024, index_bytes: int = 8,
                  launcher: KernelLauncher | None = None, staging_bytes: int = 256 << 20,
                  relayout_blocks: int | None = None, index_ring_bytes: int | None = None,
-                 layer_signals: bool | None = None) -> None:
-        """``max_blocks`` is the SM budget of kernel copies; ``staging_bytes`` the device staging area of each
-        direction (staged backend), whose relayout kernels use ``relayout_blocks`` (default: every SM);
-        ``index_ring_bytes`` the index arena of each stream (default: two transfers of the whole device pool).
+                 layer_signals: bool | None = None, backup_threads: int | None = None) -> None:
+        """``max_blocks`` is the SM budget of kernel copies, ``threads`` the threads per block of its loads and
+        ``backup_threads`` of its backups (default: ``threads``, at most 512: a 1024-thread block writing to host
+        memory beside a bf16 GEMM slowed the GEMM by 90% on the H200, a 512-thread one by 20%, at the same 50 GB/s);
+        ``staging_bytes`` the device staging area of each direction (staged backend), whose relayout kernels use
+        ``relayout_blocks`` (default: every SM); ``index_ring_bytes`` the index arena of each stream (default: two
+        transfers of the whole device pool).
         ``layer_signals`` (kernel backend): per-layer loads as one launch whose layers are signalled from the device
         (default: where the runtime supports it; False: one launch and one event per layer, as before)."""
         settings = Settings(backend, max_blocks, threads, index_bytes, staging_bytes, relayout_blocks,
-                            index_ring_bytes, layer_signals)
+                            index_ring_bytes, layer_signals, backup_threads)
         if launcher is not None and backend in ("kernel", "staged"):
-            launcher.check_threads(settings.threads, settings.max_blocks)
+            for count in (settings.threads, settings.backup_threads or settings.threads):
+                launcher.check_threads(count, settings.max_blocks)
         check_pools(device_pool, host_pool)
         self.device_pool, self.host_pool, self.backend = device_pool, host_pool, backend
         self.runtime, self.device = device_pool.runtime, device_pool.device
         self.geometry, self.plan = device_pool.geometry, plan_for(device_pool.geometry, host_pool.strides)
         self.max_blocks, self.threads, self.index_bytes = settings.max_blocks, settings.threads, settings.index_bytes
+        self.backup_threads = settings.backup_threads or settings.threads
         self._start(device_pool, host_pool)
         self._captures: weakref.WeakSet[CapturedLoad] = weakref.WeakSet()
         self.streams = {D2H: self.runtime.create_stream(self.device), H2D: self.runtime.create_stream(self.device)}
@@ -206,7 +218,7 @@ class TransferEngine(PoolUser):
                                                               self.index_bytes)
         launcher = launcher or KernelLauncher(self.runtime)
         context = Context(self.runtime, self.device, self.geometry, self.plan, device_pool, host_pool, launcher,
-                          self.streams, self.index_bytes, self.max_blocks, self.threads)
+                          self.streams, self.index_bytes, self.max_blocks, self.threads, self.backup_threads)
         try:
             self._backend = BACKENDS[backend](context, ring_bytes=ring_bytes, staging_bytes=settings.staging_bytes,
                                               relayout_blocks=settings.relayout_blocks,

@@ -137,6 +137,7 @@ class Context:
     index_bytes: int
     max_blocks: int
     threads: int
+    backup_threads: int | None = None  # the kernel backend's backups (None: ``threads``)
 
 
 @dataclass

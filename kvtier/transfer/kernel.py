@@ -29,7 +29,8 @@ def device_table(context: Context) -> PointerTable:
 
 def launch_copy(context: Context, direction: str, indices: list[Any], units: int, spans: list[tuple[int, int]],
                 stream: Stream, host_table: Any, device_table: Any, blocks: int | None = None,
-                after_each: Callable[[int, int], None] | None = None, layer_done: Any = None) -> PreparedCopy:
+                after_each: Callable[[int, int], None] | None = None, layer_done: Any = None,
+                threads: int | None = None) -> PreparedCopy:
     """One launch per span of layers, every tensor in each; ``host_table`` may name a staging area laid out like the
     host pool; ``after_each(begin, count)`` runs after each launch is queued. With ``layer_done`` (a counter per
     layer) the walk is layer-major and each layer's counter grows as it lands."""
@@ -39,7 +40,8 @@ def launch_copy(context: Context, direction: str, indices: list[Any], units: int
     call = ChunkCopy(src, dst, indices[0], indices[1], context.index_bytes, units, 0, g.layers, plan.pieces,
                      plan.chunk_bytes, g.tensors, g.layers, plan.unit_major and layer_done is None, layer_done)
     return context.launcher.copy_layer_spans(call, spans, device=context.device, stream=stream,
-                                             max_blocks=blocks or context.max_blocks, threads=context.threads,
+                                             max_blocks=blocks or context.max_blocks,
+                                             threads=threads or context.threads,
                                              after_each=after_each)
 
 
@@ -101,7 +103,8 @@ class KernelBackend(Backend):
             else:
                 launch_copy(context, job.direction, indices, job.src_units.size,
                             layer_spans(job.layers, job.per_layer), job.stream, self.host_table, self.device_table,
-                            after_each=lambda begin, _: job.mark(context.runtime, context.device, begin, job.stream))
+                            after_each=lambda begin, _: job.mark(context.runtime, context.device, begin, job.stream),
+                            threads=context.backup_threads if job.direction == D2H else None)
         finally:
             ring.fence(lease)
 

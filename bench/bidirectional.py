@@ -1,0 +1,308 @@
+"""Both directions at once: a per-layer load-back beside an all-layer backup, against the same run's both-ways ceiling.
+
+An engine that serves a prefix hit while it writes a fresh prompt through moves KV both ways at once, so the PCIe link
+is full-duplex busy. For each host layout, pair of backends (the load's and the backup's), and host slot order
+(random or contiguous), this queues a backup of N pages and a per-layer load of N other pages together and reports:
+``both`` GB/s = 2 N pages / time until both are done, its share of the contiguous both-ways memcpy ceiling (measured
+at the start and at the end of the run, the higher counts: a cold machine's first probe can read 25% low), and the
+time each direction took on its own clock (``load ms``, ``backup ms``, polled). With
+``--gemm``, a bf16 8192³ GEMM runs on the default stream meanwhile and its slowdown against the GEMM alone is reported
+(a serving engine computes while the cache moves pages).
+
+``--diagnose`` adds the rows that explain a kernel-path loss: a 2-SM kernel load (or backup) beside a plain contiguous
+DMA the other way, at several SM budgets. If the kernel's rate recovers with more SMs, its loss beside a DMA comes
+from longer read latency with a fixed number of bytes in flight per SM (Little's law), not from the link.
+
+Run on a GPU machine: ``python bench/bidirectional.py [--gemm] [--diagnose] [--json out.json]``. ``--runtime
+emulated:split`` runs it on the CPU emulator as a smoke test (Python reference kernels: the numbers are not speeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).parent))
+from transfer import GEOMETRIES, fill  # noqa: E402
+
+from kvtier.cli.doctor_probe import probe_bandwidth  # noqa: E402
+from kvtier.memory import DeviceBuffer, HostBuffer, HostKind  # noqa: E402
+from kvtier.pools import DevicePool, HostPool  # noqa: E402
+from kvtier.runtime import get  # noqa: E402
+from kvtier.transfer import TransferEngine  # noqa: E402
+
+PAIRS = ("kernel/kernel", "staged/staged", "kernel/staged", "staged/kernel")
+EMULATED_NOTE = "note: {name} runs Python reference kernels on the CPU, so these numbers are not speeds"
+
+
+@dataclass
+class Row:
+    geometry: str
+    layout: str
+    load: str
+    backup: str
+    slots: str
+    blocks: int
+    gbytes_each_way: float
+    both_gbps: float
+    pct: float
+    load_ms: float
+    backup_ms: float
+    gemm_slowdown_pct: float | None = None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runtime", help="cuda, emulated:split or emulated:unified (default: kvtier's choice)")
+    parser.add_argument("--geometry", action="append", choices=list(GEOMETRIES), help="default: llama3-8b-p16")
+    parser.add_argument("--layout", action="append", choices=["page_first", "page_first_direct", "layer_first"],
+                        help="host layout, repeatable (default: all three)")
+    parser.add_argument("--pairs", default=",".join(PAIRS), help="LOAD/BACKUP backend pairs (default: %(default)s)")
+    parser.add_argument("--blocks", type=int, default=2, help="the kernel backend's SM budget (default: 2)")
+    parser.add_argument("--gib", type=float, help="GiB each way (default: 1; 1/256 on an emulated runtime)")
+    parser.add_argument("--repeats", type=int, help="timed repeats after one warm-up (default: 3; 1 emulated)")
+    parser.add_argument("--gemm", action="store_true", help="also measure a concurrent bf16 GEMM's slowdown (cuda)")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="kernel copies beside a contiguous DMA the other way, at SM budgets 2, 4, 8 and 16")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    args.pair_list = [tuple(p.split("/")) for p in args.pairs.split(",")]
+    for pair in args.pair_list:
+        if len(pair) != 2 or not set(pair) <= {"kernel", "staged"}:
+            parser.error(f"--pairs: each pair is LOAD/BACKUP with kernel or staged, got {'/'.join(pair)!r}")
+    if (args.gib is not None and args.gib <= 0) or (args.repeats is not None and args.repeats < 1):
+        parser.error("--gib must be positive and --repeats at least 1")
+    return args
+
+
+def run_both(engines: dict[str, TransferEngine], src: np.ndarray, slots: np.ndarray, half: int, extra=None
+             ) -> tuple[float, float, float]:
+    """Seconds until (load done, backup done, both done) for one backup of ``half`` pages beside one load of
+    ``half`` others, polled on the host clock. ``extra`` (optional) runs right after both are queued, e.g. GEMMs; it
+    must end before either transfer does (checked: otherwise it did not run beside both directions)."""
+    for engine in engines.values():
+        engine.synchronize()
+    start = time.perf_counter()
+    backup = engines["backup"].backup(src[:half], slots[:half])
+    load = engines["load"].load(slots[half:], src[half:])
+    if extra is not None:
+        extra()
+        if load.done() or backup.done():
+            raise Outlasted
+    ends: dict[str, float] = {}
+    while len(ends) < 2:
+        for name, transfer in (("load", load), ("backup", backup)):
+            if name not in ends and transfer.done():
+                ends[name] = time.perf_counter() - start
+    return ends["load"], ends["backup"], max(ends.values())
+
+
+class Outlasted(Exception):
+    """The concurrent work ended after a transfer did, so part of it ran beside only one direction or none."""
+
+
+def median_both(engines, src, slots, half, repeats) -> tuple[float, float, float]:
+    runs = [run_both(engines, src, slots, half) for _ in range(repeats + 1)][1:]
+    return tuple(statistics.median(r[i] for r in runs) for i in range(3))  # type: ignore[return-value]
+
+
+class Gemm:
+    """A bf16 8192³ GEMM on torch's current stream: its time alone and its time while ``busy()`` runs."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        self.b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        self.ms(5)
+        self.alone = statistics.median(self.ms(10) for _ in range(3))
+
+    def ms(self, n: int) -> float:
+        start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            self.a @ self.b
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+
+    def slowdown_pct(self, engines, src, slots, half, both_seconds: float) -> float | None:
+        """GEMMs while a backup and a load run. Copy kernels hold SMs, so the GEMMs slow down and may outlast the
+        transfers: start with as many as fill a quarter of ``both_seconds`` (the pair's time alone) and halve the
+        count until both directions run for the whole of the GEMMs. None when even one GEMM outlasts them."""
+        n = max(1, int(0.25 * both_seconds * 1e3 / self.alone))
+        while n:
+            times: list[float] = []
+            try:
+                for _ in range(3):
+                    box: list[float] = []
+                    run_both(engines, src, slots, half, extra=lambda box=box, n=n: box.append(self.ms(n)))
+                    times.append(box[0])
+            except Outlasted:
+                n //= 2
+                continue
+            return 100 * (statistics.median(times) / self.alone - 1)
+        return None
+
+
+def engines_for(dev, host, load: str, backup: str, blocks: int) -> dict[str, TransferEngine]:
+    def make(backend: str) -> TransferEngine:
+        return TransferEngine(dev, host, backend=backend, **({"max_blocks": blocks} if backend == "kernel" else {}))
+
+    if load == backup:
+        engine = make(load)
+        return {"load": engine, "backup": engine}
+    return {"load": make(load), "backup": make(backup)}
+
+
+def close_all(engines: dict[str, TransferEngine]) -> None:
+    for engine in set(engines.values()):
+        engine.close()
+
+
+def measure_layout(runtime, name, g, layout, dev, pages, args, ceiling, gemm, console) -> list[Row]:
+    rows = []
+    host = HostPool.allocate(g, layout, pages=2 * pages, runtime=runtime)
+    rng = np.random.default_rng(0)
+    src = rng.choice(dev.pages, 2 * pages, replace=False)
+    orders = {"random": rng.choice(host.pages, 2 * pages, replace=False), "contiguous": np.arange(2 * pages)}
+    nbytes = pages * g.bytes_per_page
+    for load, backup in args.pair_list:
+        engines = engines_for(dev, host, load, backup, args.blocks)
+        try:
+            for kind, slots in orders.items():
+                t_load, t_backup, t_both = median_both(engines, src, slots, pages, args.repeats)
+                gbps = 2 * nbytes / t_both / 1e9
+                row = Row(name, layout, load, backup, kind, args.blocks, nbytes / 1e9, gbps,
+                          100 * gbps / ceiling["bidirectional_gbps"], 1e3 * t_load, 1e3 * t_backup)
+                if gemm is not None and kind == "random":
+                    row.gemm_slowdown_pct = gemm.slowdown_pct(engines, src, slots, pages, t_both)
+                rows.append(row)
+                console.log(f"{name} {layout} {load}/{backup} {kind}: {gbps:.1f} GB/s ({row.pct:.0f}%), load "
+                            f"{row.load_ms:.1f} ms, backup {row.backup_ms:.1f} ms"
+                            + ("" if row.gemm_slowdown_pct is None else f", GEMM +{row.gemm_slowdown_pct:.1f}%"))
+        finally:
+            close_all(engines)
+    host.close()
+    return rows
+
+
+def diagnose(runtime, g, dev, pages, args, console) -> list[dict]:
+    """A kernel load (backup) alone and beside a contiguous DMA the other way, per SM budget: GB/s of the kernel."""
+    host = HostPool.allocate(g, "page_first", pages=pages, runtime=runtime)
+    rng = np.random.default_rng(3)
+    src, slots = rng.choice(dev.pages, pages, replace=False), rng.choice(host.pages, pages, replace=False)
+    nbytes = pages * g.bytes_per_page
+    pinned = HostBuffer.allocate(nbytes, HostKind.PINNED, runtime=runtime)
+    scratch = DeviceBuffer(nbytes, 0, runtime=runtime)
+    stream = runtime.create_stream(0)
+    out = []
+    try:
+        for blocks in (2, 4, 8, 16):
+            engine = TransferEngine(dev, host, backend="kernel", max_blocks=blocks)
+            for direction in ("load", "backup"):
+                def op(engine=engine, direction=direction):
+                    return engine.load(slots, src) if direction == "load" else engine.backup(src, slots)
+                alone, beside = [], []
+                for _ in range(args.repeats + 1):
+                    engine.synchronize()
+                    start = time.perf_counter()
+                    op().wait()
+                    alone.append(time.perf_counter() - start)
+                    stream.synchronize()
+                    if direction == "load":  # the DMA goes the other way, device to host
+                        runtime.memcpy_async(pinned.cpu_address, scratch.address, nbytes, stream=stream)
+                    else:
+                        runtime.memcpy_async(scratch.address, pinned.cpu_address, nbytes, stream=stream)
+                    start = time.perf_counter()
+                    op().wait()
+                    beside.append(time.perf_counter() - start)
+                    stream.synchronize()
+                rates = [nbytes / statistics.median(t[1:]) / 1e9 for t in (alone, beside)]
+                out.append({"blocks": blocks, "direction": direction, "alone_gbps": rates[0],
+                            "beside_dma_gbps": rates[1], "loss_pct": 100 * (1 - rates[1] / rates[0])})
+                console.log(f"diagnose {blocks} SMs {direction}: alone {rates[0]:.1f} GB/s, beside a DMA "
+                            f"{rates[1]:.1f} GB/s")
+            engine.close()
+    finally:
+        stream.close()
+        scratch.close()
+        pinned.close()
+        host.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    console = Console(width=200)
+    runtime = get(args.runtime)
+    emulated = runtime.name.startswith("emulated")
+    if emulated:
+        console.print(EMULATED_NOTE.format(name=runtime.name))
+    args.gib = args.gib if args.gib is not None else (1 / 256 if emulated else 1.0)
+    args.repeats = args.repeats if args.repeats is not None else (1 if emulated else 3)
+    size = int(args.gib * (1 << 30))
+    probe = min(1 << 30, max(1 << 20, size))
+    ceiling = probe_bandwidth(runtime, probe)
+    console.log(f"ceiling: H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f}, "
+                f"both {ceiling['bidirectional_gbps']:.1f} GB/s")
+    gemm = Gemm() if args.gemm and runtime.name == "cuda" else None
+    if gemm is not None:
+        console.log(f"bf16 8192³ GEMM alone: {gemm.alone:.3f} ms")
+    seed = HostBuffer.allocate(min(256 << 20, max(1 << 20, size)), HostKind.PINNED, runtime=runtime)
+    seed.as_tensor().numpy()[:] = np.random.default_rng().integers(0, 256, seed.nbytes, dtype=np.uint8)
+    rows: list[Row] = []
+    diagnosis: dict[str, list[dict]] = {}
+    for name in args.geometry or ["llama3-8b-p16"]:
+        g = GEOMETRIES[name]
+        pages = max(1, size // g.bytes_per_page)
+        dev = DevicePool.allocate(g, 2 * pages, 0, runtime=runtime)
+        fill(runtime, dev, seed)
+        for layout in args.layout or ["page_first", "page_first_direct", "layer_first"]:
+            rows += measure_layout(runtime, name, g, layout, dev, pages, args, ceiling, gemm, console)
+        if args.diagnose:
+            diagnosis[name] = diagnose(runtime, g, dev, pages, args, console)
+        dev.close()
+    seed.close()
+    after = probe_bandwidth(runtime, probe)
+    console.log(f"ceiling again after the runs: H2D {after['h2d_gbps']:.1f}, D2H {after['d2h_gbps']:.1f}, "
+                f"both {after['bidirectional_gbps']:.1f} GB/s; the higher of the two counts")
+    if after["bidirectional_gbps"] > ceiling["bidirectional_gbps"]:
+        for row in rows:
+            row.pct = 100 * row.both_gbps / after["bidirectional_gbps"]
+    ceiling = {key: max(ceiling[key], after[key]) for key in ceiling}
+    table = Table(title=f"both directions at once ({runtime.device_attributes(0).name}; both-ways ceiling "
+                        f"{ceiling['bidirectional_gbps']:.1f} GB/s)")
+    for column in ("geometry", "layout", "load", "backup", "slots", "SMs", "GB each way", "both GB/s", "% ceiling",
+                   "load ms", "backup ms", "GEMM slowdown %"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(r.geometry, r.layout, r.load, r.backup, r.slots, str(r.blocks), f"{r.gbytes_each_way:.2f}",
+                      f"{r.both_gbps:.1f}", f"{r.pct:.0f}", f"{r.load_ms:.1f}", f"{r.backup_ms:.1f}",
+                      "" if r.gemm_slowdown_pct is None else f"{r.gemm_slowdown_pct:.1f}")
+    console.print(table)
+    for name, results in diagnosis.items():
+        console.print(f"kernel copies beside a contiguous DMA the other way ({name}):")
+        for d in results:
+            console.print(f"  {d['blocks']:>2} SMs {d['direction']:<6} alone {d['alone_gbps']:.1f} GB/s, beside "
+                          f"{d['beside_dma_gbps']:.1f} GB/s ({d['loss_pct']:.0f}% lost)")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"runtime": runtime.name, "ceiling": ceiling, "rows": [asdict(r) for r in rows],
+                       "diagnosis": diagnosis, "gemm_alone_ms": None if gemm is None else gemm.alone}, out, indent=1)
+    if emulated:
+        console.print(EMULATED_NOTE.format(name=runtime.name))
+
+
+if __name__ == "__main__":
+    main()
