@@ -1,7 +1,8 @@
-"""Kernel backups run narrower blocks than loads. Measured on the H200 (bench/gemm_beside.py): a 1024-thread block
-writing KV to host memory slowed a concurrent bf16 GEMM by ~90%, a 512-thread one by ~20%, both at ~50 GB/s; loads
-need the wide block (reads wait on the link: 41 GB/s at 512 threads against 49 at 1024). So ``backup_threads``
-defaults to ``threads`` capped at 512, and is the caller's to set."""
+"""Kernel backups run narrower blocks than loads. Measured on the H200 (bench/gemm_beside.py, 2 SMs): 1024-thread
+blocks writing KV to host memory slowed a concurrent bf16 GEMM by ~90%, 512-thread ones by ~10%, both at ~50 GB/s;
+loads need the wide block (reads wait on the link: 41 GB/s at 512 threads against 49 at 1024), and so does a
+one-block backup (53% of the link at 512 threads, 72% at 1024). So ``backup_threads`` defaults to ``threads``, capped
+at 512 when the budget is more than one block, and is the caller's to set."""
 
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ def _launch_blocks(runtime, monkeypatch) -> list[tuple[str, int]]:
     return seen
 
 
-@pytest.mark.parametrize("threads, backup_threads, expected", [(1024, None, 512), (256, None, 256),
-                                                                (1024, 1024, 1024), (512, 128, 128)])
-def test_backups_launch_backup_threads_and_loads_threads(monkeypatch, threads, backup_threads, expected):
+@pytest.mark.parametrize("threads, backup_threads, blocks, expected", [
+    (1024, None, 2, 512), (256, None, 2, 256), (1024, 1024, 2, 1024), (512, 128, 2, 128),
+    (1024, None, 1, 1024),  # one block of 512 threads wrote 53% of the link on the H200, 1024 threads 72%
+    (1024, 256, 1, 256)])
+def test_backups_launch_backup_threads_and_loads_threads(monkeypatch, threads, backup_threads, blocks, expected):
     runtime = EmulatedRuntime("split", seed=0)
-    with engine_on(runtime, G, "page_first", device_pages=4, host_pages=4, threads=threads,
+    with engine_on(runtime, G, "page_first", device_pages=4, host_pages=4, threads=threads, max_blocks=blocks,
                    backup_threads=backup_threads) as (dev, host, engine):
         assert engine.backup_threads == expected
         data = fill_device(dev)

@@ -79,7 +79,8 @@ class Settings:
         if self.index_bytes not in (4, 8):
             raise InvalidArgument(f"index_bytes must be 4 (int32) or 8 (int64), got {self.index_bytes!r}")
         if self.backup_threads is None:
-            object.__setattr__(self, "backup_threads", min(self.threads, BACKUP_THREADS))
+            default = self.threads if self.max_blocks == 1 else min(self.threads, BACKUP_THREADS)
+            object.__setattr__(self, "backup_threads", default)
         object.__setattr__(self, "backup_threads", integer(self.backup_threads, "backup_threads", low=32, high=1025))
         for name in ("threads", "backup_threads"):
             if getattr(self, name) % 32:
@@ -193,8 +194,9 @@ class TransferEngine(PoolUser):
                  relayout_blocks: int | None = None, index_ring_bytes: int | None = None,
                  layer_signals: bool | None = None, backup_threads: int | None = None) -> None:
         """``max_blocks`` is the SM budget of kernel copies, ``threads`` the threads per block of its loads and
-        ``backup_threads`` of its backups (default: ``threads``, at most 512: a 1024-thread block writing to host
-        memory beside a bf16 GEMM slowed the GEMM by 90% on the H200, a 512-thread one by 20%, at the same 50 GB/s);
+        ``backup_threads`` of its backups (default: ``threads``, at most 512 when ``max_blocks`` > 1: on the H200 two
+        1024-thread blocks writing to host memory slowed a concurrent bf16 GEMM by 90%, two of 512 threads by 10%, at
+        the same 50 GB/s; one block of 512 writes only 53% of the link, so a one-block budget keeps ``threads``);
         ``staging_bytes`` the device staging area of each direction (staged backend), whose relayout kernels use
         ``relayout_blocks`` (default: every SM); ``index_ring_bytes`` the index arena of each stream (default: two
         transfers of the whole device pool).
