@@ -85,3 +85,21 @@ def test_enqueue_on_the_emulator():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "not speeds" in done.stdout
     assert done.stdout.count("queued in") == 20  # 2 geometries x 2 backends x 5 loads
+
+
+def test_bidirectional_on_the_emulator(tmp_path):
+    out = tmp_path / "both.json"
+    done = run(str(BENCH / "bidirectional.py"), "--runtime", "emulated:split", "--layout", "layer_first",
+               "--pairs", "kernel/staged,staged/staged", "--json", str(out), timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "not speeds" in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["load"], r["backup"], r["slots"]) for r in rows] == [
+        ("kernel", "staged", "random"), ("kernel", "staged", "contiguous"),
+        ("staged", "staged", "random"), ("staged", "staged", "contiguous")]
+    assert all(r["both_gbps"] > 0 and r["load_ms"] > 0 and r["backup_ms"] > 0 for r in rows)
+
+
+def test_bidirectional_refuses_a_bad_pair():
+    done = run(str(BENCH / "bidirectional.py"), "--runtime", "emulated:split", "--pairs", "kernel/direct")
+    assert done.returncode == 2 and "LOAD/BACKUP" in done.stderr
