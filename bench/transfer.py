@@ -155,7 +155,7 @@ def variant_launcher(runtime, variant: str) -> tuple[KernelLauncher, dict]:
     shipped = (unroll, threads, streaming) == (DEFAULT_UNROLL, MAX_THREADS, True)  # the prebuilt kernels
     launcher = KernelLauncher(runtime, mode=None if shipped else "jit", unroll=unroll, max_threads=threads,
                               max_width=int(width or 16), streaming=streaming, bulk="bulk" in flags)
-    options: dict = {"threads": threads}
+    options: dict = {"threads": threads, "backup_threads": threads}  # the variant's blocks both ways
     if "bulk" in flags:
         options["layer_signals"] = False  # bulk copies do not count layers
     return launcher, options

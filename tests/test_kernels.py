@@ -150,13 +150,16 @@ def _side(runtime, rng, tensors, table_layers, units, pieces, chunk_bytes, per_p
     return memory, table, ChunkSide(table, page_stride, unit_stride, piece_stride, per_page), chosen, layer_bytes
 
 
-@pytest.mark.parametrize("unit_major, max_width, bulk", [(False, 16, False), (True, 16, False), (True, 4, False),
-                                                         (False, 16, True), (True, 16, True)],
-                         ids=["layer_major", "unit_major", "unit_major_w4", "bulk", "bulk_unit_major"])
+@pytest.mark.parametrize("unit_major, layer_group, max_width, bulk", [
+    (False, 1, 16, False), (True, 1, 16, False), (True, 1, 4, False), (False, 1, 16, True), (True, 1, 16, True),
+    (False, 2, 16, False), (False, 3, 8, False), (False, 2, 16, True)],
+    ids=["layer_major", "unit_major", "unit_major_w4", "bulk", "bulk_unit_major", "group2", "group3_w8",
+         "bulk_group2"])
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=[f"shape{i}" for i in range(len(DECODE_SHAPES))])
-def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape, unit_major, max_width, bulk):
-    """The kernel's chunk decode (units per page, pieces, tensors, a layer window, odd chunk sizes, both walk orders,
-    a capped access width, the bulk-copy kernels where sizes allow) against numpy."""
+def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape, unit_major, layer_group, max_width, bulk):
+    """The kernel's chunk decode (units per page, pieces, tensors, a layer window, odd chunk sizes, every walk order:
+    layer-major, unit-major, groups of layers with a shorter last group, a capped access width, the bulk-copy kernels
+    where sizes allow) against numpy."""
     tensors, table_layers, first, layers, units, pieces, chunk, src_per_page, dst_per_page, index_bytes = shape
     rng = np.random.default_rng()
     src_mem, src_table, src, src_units, src_layer = _side(runtime, rng, tensors, table_layers, units, pieces, chunk,
@@ -174,7 +177,7 @@ def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape, unit_major, max
         buffer.upload(chosen.astype(dtype))
         indices.append(buffer)
     call = ChunkCopy(src, dst, indices[0], indices[1], index_bytes, units, first, layers, pieces, chunk, tensors,
-                     table_layers, unit_major)
+                     table_layers, unit_major, layer_group)
     stream = runtime.create_stream(0)
     prepared = KernelLauncher(runtime, max_width=max_width, bulk=bulk).copy_chunks(call, device=0, stream=stream)
     assert prepared.name.startswith("kvtier_bulk_copy") == (bulk and chunk % 16 == 0 and src.unit_stride % 16 == 0

@@ -14,7 +14,7 @@ import pytest
 from kvtier.errors import AddressDomainError, InvalidArgument, KvtierError
 from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
 from kvtier.memory import DeviceBuffer, HostBuffer, HostKind
-from kvtier.pools import KVGeometry, build_pointer_table
+from kvtier.pools import HostPool, KVGeometry, build_pointer_table
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer.signals import LayerSignals
 from pool_helpers import engine_on, fill_host, launch_names
@@ -23,15 +23,20 @@ G = KVGeometry.mha(4, kv_heads=2, head_dim=32, itemsize=2, page_size=16)
 SEEDS = range(10)
 
 
+# 8 layers of 64-byte rows: a per-layer load from a page_first host walks layers two at a time (signal_group 2)
+GROUPED = KVGeometry.mla(8, latent_bytes=64, page_size=16)
+
+
 def _host_page(host, snapshot, tensor, layer, slot):
     """Host slot ``slot`` of (tensor, layer) as the device page it loads into: its token rows, wherever the layout
     puts them."""
+    g = host.geometry
     start = tensor * host.tensor_bytes + slot * host.strides.page + layer * host.strides.layer
-    return np.concatenate([snapshot[start + t * host.strides.slot:start + t * host.strides.slot + G.row_bytes]
-                           for t in range(G.page_size)])
+    return np.concatenate([snapshot[start + t * host.strides.slot:start + t * host.strides.slot + g.row_bytes]
+                           for t in range(g.page_size)])
 
 
-def _stale_layer_reads(seed: int, layout: str, backend: str = "kernel") -> int:
+def _stale_layer_reads(seed: int, layout: str, backend: str = "kernel", G: KVGeometry = G) -> int:  # noqa: N803
     """Two loads into the same pages, the second behind a busy model stream; a consumer stream waits for each layer
     event of the second and reads that layer at once. Returns how many (tensor, layer, page) reads were stale."""
     runtime = EmulatedRuntime("split", seed=seed)
@@ -77,6 +82,37 @@ def test_each_layer_event_fires_after_its_layer_landed(layout, backend):
     """staged: one page of staging, so the pages go in two batches and only the last one's relayout signals."""
     stale = {seed: _stale_layer_reads(seed, layout, backend) for seed in SEEDS}
     assert not any(stale.values()), f"stale reads per seed: {stale}"
+
+
+def test_layers_walked_in_groups_fire_after_their_group_landed():
+    """A page_first host of 64-byte rows: the load walks layers two at a time (a group's first layer waits for the
+    group's counter, the second gets its event right after)."""
+    from kvtier.transfer.plan import plan_for
+
+    with HostPool.allocate(GROUPED, "page_first", pages=2, runtime=EmulatedRuntime("split", seed=0)) as host:
+        assert plan_for(GROUPED, host.strides).signal_group() == 2
+    stale = {seed: _stale_layer_reads(seed, "page_first", "kernel", GROUPED) for seed in SEEDS}
+    assert not any(stale.values()), f"stale reads per seed: {stale}"
+
+
+def test_the_group_check_fails_when_a_group_signals_before_its_last_layer(monkeypatch):
+    """Negative control for the grouped walk: a reference kernel that counts a group's chunks as soon as its first
+    layer is copied lets the second layer's event fire early."""
+    from kvtier.kernels import reference
+
+    def early(memory, sides, units, groups, group_orders, n_pieces, chunk_bytes, width, counters, per_layer):
+        for layers, order in zip(groups, group_orders, strict=True):  # one tensor: a chunk's plane is its layer
+            for _ in range(reference.LAYER_STEPS):
+                yield
+            head = [pair for pair in order if pair[0] == layers[0]]
+            reference._copy(memory, sides, units, head, n_pieces, chunk_bytes, width)
+            reference._read(memory, counters + 8 * layers[0], 1, np.uint64)[0] += np.uint64(per_layer * len(layers))
+            for _ in range(reference.LAYER_STEPS):
+                yield
+            reference._copy(memory, sides, units, order, n_pieces, chunk_bytes, width)
+
+    monkeypatch.setattr(reference, "_signalled", early)
+    assert any(_stale_layer_reads(seed, "page_first", "kernel", GROUPED) for seed in SEEDS)
 
 
 def test_the_check_fails_when_targets_forget_earlier_loads(monkeypatch):
@@ -223,6 +259,9 @@ def test_layer_counters_are_refused_where_they_cannot_work(split):
             ChunkCopy(**base, unit_major=True, layer_done=small).validate()
         with pytest.raises(KvtierError, match="cannot hold 2"):
             ChunkCopy(**base, layer_done=small).validate()
+        for bad in (0, -1, 2.0, True, None):
+            with pytest.raises(KvtierError, match="layer_group"):
+                ChunkCopy(**base, layer_group=bad).validate()
 
 
 def test_engines_close_with_layer_events_still_queued(runtime):

@@ -118,6 +118,8 @@ class KVCache:
         self._done = threading.Event()
         self.metrics = CacheMetrics()
         self._engines: dict[str, TransferEngine] = {}
+        self._fence_lock = threading.Lock()
+        self._fence_stream: Any = None
         self.states = StateTier(*state_pools, kv_layers=self.geometry.layers, layer_map=layer_map,
                                 max_blocks=settings.max_blocks) if state_pools else None
         self.tiers = Tiers(RadixIndex(self.page_size, namespace.digest), self.geometry, device_pool.pages,
@@ -665,8 +667,14 @@ class KVCache:
     # -- internals: allocation and eviction ---------------------------------------------------------------------
     # -- internals: backups -----------------------------------------------------------------------------------------
     def _markers(self, after: Any) -> list[Any] | None:
-        """``after`` as events recorded now, on the caller's thread: what a transfer queued later must wait for."""
-        return after_events(self.device_pool.runtime, self.device_pool.device, after)
+        """``after`` as events recorded now, on the caller's thread: what a transfer queued later must wait for. The
+        caller's own events are snapshotted into one of the cache's (it keeps them as fences after the call returns,
+        and the caller may close or re-record theirs)."""
+        runtime, device = self.device_pool.runtime, self.device_pool.device
+        with self._fence_lock:
+            if self._fence_stream is None:
+                self._fence_stream = runtime.create_stream(device)
+            return after_events(runtime, device, after, snapshot=self._fence_stream)
 
     def _submit_backup(self, targets: list[Node], after: Any) -> Operation | None:
         with self._lock:
@@ -741,6 +749,9 @@ class KVCache:
         finally:
             if self.states is not None:
                 self.states.close()
+            with self._fence_lock:
+                if self._fence_stream is not None:
+                    self._fence_stream.close()
 
     def _choose_backends(self) -> tuple[str, str]:
         s = self.settings

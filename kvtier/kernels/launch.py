@@ -76,11 +76,21 @@ class ChunkCopy:
     table_layers: int = 0
     unit_major: bool = False
     """Walk chunks (tensor, unit, layer, piece) instead of (layer, tensor, unit, piece): where the host keeps a unit's
-    layers adjacent, a many-layer copy then moves long contiguous host runs. Results are the same either way."""
+    layers adjacent, a many-layer copy then moves long contiguous host runs. Results are the same either way. The
+    same as a ``layer_group`` of every layer."""
+    layer_group: int = 1
+    """Layers walked together: the launch walks groups of this many consecutive layers one after another, and each
+    group unit by unit (tensor, unit, layer, piece). 1 is the layer-major walk; more keeps a unit's adjacent host rows
+    in one run (``page_first`` hosts) while early layers still land first."""
     layer_done: Any = None
-    """A device buffer of one uint64 counter per table layer: each layer's counter grows by the layer's chunk count
-    (:attr:`PreparedCopy.chunks_per_layer`) as its chunks land, so a stream can wait for one layer of a many-layer
-    launch (``Stream.wait_value``). Layer-major walks only."""
+    """A device buffer of one uint64 counter per table layer: the counter of each layer group's first layer grows by
+    the group's chunk count (:attr:`PreparedCopy.chunks_per_layer` times the group's layers) as its chunks land, so a
+    stream can wait for the layers of a many-layer launch (``Stream.wait_value``). Not with ``unit_major``."""
+
+    @property
+    def walk_group(self) -> int:
+        """The layers the kernel walks together (``layer_group``, or every layer for ``unit_major``)."""
+        return MAX_COUNT if self.unit_major else self.layer_group
 
     def validate(self) -> None:
         if self.chunk_bytes <= 0:
@@ -99,10 +109,12 @@ class ChunkCopy:
         if chunks > MAX_COUNT or max(self.src.units_per_page, self.dst.units_per_page) > MAX_COUNT:
             raise KvtierError(f"{chunks} chunks in one launch (units_per_page {self.src.units_per_page}/"
                               f"{self.dst.units_per_page}): the kernel counts in 31 bits; split the transfer")
+        if type(self.layer_group) is not int or self.layer_group < 1:
+            raise KvtierError(f"layer_group must be a positive int (layers walked together), got {self.layer_group!r}")
         if self.layer_done is not None:
             if self.unit_major:
-                raise KvtierError("layer counters need the layer-major walk: a unit-major copy finishes every layer "
-                                  "at the end")
+                raise KvtierError("layer counters need the layer-major walk or a layer_group: a unit-major copy "
+                                  "finishes every layer at the end")
             nbytes = getattr(self.layer_done, "nbytes", None)
             if nbytes is not None and nbytes < 8 * self.rows_per_tensor:
                 raise KvtierError(f"a layer counter buffer of {nbytes} bytes cannot hold {self.rows_per_tensor} "
@@ -329,12 +341,12 @@ class KernelLauncher:
         if (self.bulk and width == VECTOR_BYTES and call.layer_done is None and call.chunk_bytes <= BULK_STAGE_BYTES
                 and self._bulk_capable(device)):
             shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(BULK_STAGE_BYTES),
-                     i32(call.unit_major))
+                     i32(call.walk_group))
             warps = BULK_THREADS // 32
             return PreparedCopy(program, bulk_kernel(call.index_bytes), head, shape, max_blocks, BULK_THREADS,
                                 set(spans), call.table_layers, chunks, self.runtime,
                                 warps * BULK_STAGES * (BULK_STAGE_BYTES + 8))
-        shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(group), i32(call.unit_major),
+        shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(group), i32(call.walk_group),
                  counters)
         return PreparedCopy(program, copy_kernel(call.index_bytes, width), head, shape, max_blocks, threads,
                             set(spans), call.table_layers, chunks, self.runtime)

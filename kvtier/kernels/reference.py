@@ -26,12 +26,12 @@ def _read(memory: Any, address: int, count: int, dtype: Any) -> np.ndarray:
 
 def copy_chunks(memory: Any, src: tuple[int, ...], dst: tuple[int, ...], src_index: int, dst_index: int,
                 n_units: int, layer_begin: int, n_layers: int, n_tensors: int, table_layers: int, n_pieces: int,
-                chunk_bytes: int, group: int, unit_major: int = 0, layer_done: int = 0, *, index_bytes: int,
+                chunk_bytes: int, group: int, layer_group: int = 1, layer_done: int = 0, *, index_bytes: int,
                 width: int = VECTOR_BYTES) -> Iterator[None] | None:
     """``src``/``dst`` are (table, page_stride, unit_stride, piece_stride, units_per_page), as the kernel's Side;
     tables hold ``table_layers`` rows per tensor. ``group`` only shapes the CUDA kernel's warps; chunks are copied
-    in the kernel's order (layer-major, or unit-major), and with ``layer_done`` each layer's counter then grows by the
-    layer's chunk count, as the kernel's warps add it up."""
+    in the kernel's order (groups of ``layer_group`` layers, each unit by unit), and with ``layer_done`` the counter
+    of each group's first layer then grows by the group's chunk count, as the kernel's warps add it up."""
     sides = []
     rows = [t * table_layers + layer_begin + layer for t in range(n_tensors) for layer in range(n_layers)]
     for table, page_stride, unit_stride, piece_stride, units_per_page in (src, dst):
@@ -39,30 +39,27 @@ def copy_chunks(memory: Any, src: tuple[int, ...], dst: tuple[int, ...], src_ind
         sides.append(([entries[r] for r in rows], page_stride, unit_stride, piece_stride, units_per_page))
     dtype = INDEX_DTYPES[index_bytes]
     units = [_read(memory, index, n_units, dtype).astype(object) for index in (src_index, dst_index)]
-    if unit_major:
-        order = [(t * n_layers + layer, i) for t in range(n_tensors) for i in range(n_units)
-                 for layer in range(n_layers)]
-        _copy(memory, sides, units, order, n_pieces, chunk_bytes, width)
-        return None
-    layer_orders = [[(t * n_layers + layer, i) for t in range(n_tensors) for i in range(n_units)]
-                    for layer in range(n_layers)]
+    size = min(max(1, layer_group), max(1, n_layers))
+    groups = [range(first, min(first + size, n_layers)) for first in range(0, n_layers, size)]
+    group_orders = [[(t * n_layers + layer, i) for t in range(n_tensors) for i in range(n_units) for layer in layers]
+                    for layers in groups]
     if not (layer_done and n_units):
-        _copy(memory, sides, units, [pair for layer in layer_orders for pair in layer], n_pieces, chunk_bytes, width)
+        _copy(memory, sides, units, [pair for order in group_orders for pair in order], n_pieces, chunk_bytes, width)
         return None
-    return _signalled(memory, sides, units, layer_orders, n_pieces, chunk_bytes, width,
+    return _signalled(memory, sides, units, groups, group_orders, n_pieces, chunk_bytes, width,
                       layer_done + 8 * layer_begin, n_tensors * n_units * n_pieces)
 
 
-def _signalled(memory: Any, sides: list[Any], units: list[Any], layer_orders: list[Any], n_pieces: int,
-               chunk_bytes: int, width: int, counters: int, per_layer: int) -> Iterator[None]:
-    """A layer at a time, each taking a few scheduler steps (the emulator runs a generator kernel in phases, other
-    streams in between): copy its chunks, then add its count to its counter. A consumer can so see layer l
-    signalled, and read it, while l + 1 is still on its way."""
-    for layer, order in enumerate(layer_orders):
+def _signalled(memory: Any, sides: list[Any], units: list[Any], groups: list[range], group_orders: list[Any],
+               n_pieces: int, chunk_bytes: int, width: int, counters: int, per_layer: int) -> Iterator[None]:
+    """A layer group at a time, each taking a few scheduler steps (the emulator runs a generator kernel in phases,
+    other streams in between): copy its chunks, then add its count to the counter of its first layer. A consumer can
+    so see group g signalled, and read it, while g + 1 is still on its way."""
+    for layers, order in zip(groups, group_orders, strict=True):
         for _ in range(LAYER_STEPS):
             yield
         _copy(memory, sides, units, order, n_pieces, chunk_bytes, width)
-        _read(memory, counters + 8 * layer, 1, np.uint64)[0] += np.uint64(per_layer)
+        _read(memory, counters + 8 * layers[0], 1, np.uint64)[0] += np.uint64(per_layer * len(layers))
 
 
 def _copy(memory: Any, sides: list[Any], units: list[Any], order: list[tuple[int, int]], n_pieces: int,

@@ -127,46 +127,52 @@ __device__ __forceinline__ char* chunk_address(const Side& s, const Divisor& per
     return (char*)(s.table[row]) + page * s.page_stride + slot * s.unit_stride + piece * s.piece_stride;
 }
 
-// Where chunk c of a launch lies on both sides, in the launch's walk order: layer-major (layer, tensor, unit, piece),
-// or unit-major (tensor, unit, layer, piece) where the caller says the host keeps a unit's layers adjacent.
+// Where chunk c of a launch lies on both sides, in the launch's walk order: groups of `layer_group` consecutive
+// layers one after another, and inside a group (tensor, unit, layer, piece). A group of 1 is the layer-major walk
+// (layer, tensor, unit, piece); a group of every layer the unit-major walk, for hosts that keep a unit's layers
+// adjacent (an all-layer copy then moves whole host pages); groups in between keep host runs long while a per-layer
+// load still signals its early layers early. The last group may be shorter.
 template <typename Index>
 struct Walk {
     const Side& src;
     const Side& dst;
     const Index* __restrict__ src_index;
     const Index* __restrict__ dst_index;
-    unsigned n_units, n_layers, n_tensors, n_pieces;
-    int layer_begin, table_layers, unit_major;
-    Divisor by_pieces, by_units, by_layers, by_tensors, src_per_page, dst_per_page;
+    unsigned n_units, n_pieces, group_layers, last_group, last_size, group_rest;
+    int layer_begin, table_layers;
+    Divisor by_pieces, by_units, by_group_rest, by_group, by_last, src_per_page, dst_per_page;
 
     __device__ Walk(const Side& s, const Side& d, const Index* si, const Index* di, i64 units, int begin,
-                    int layers, int tensors, int table, int pieces, int major)
-        : src(s), dst(d), src_index(si), dst_index(di), n_units((unsigned)units), n_layers((unsigned)layers),
-          n_tensors((unsigned)tensors), n_pieces((unsigned)pieces), layer_begin(begin), table_layers(table),
-          unit_major(major), by_pieces(make_divisor((unsigned)pieces)), by_units(make_divisor((unsigned)units)),
-          by_layers(make_divisor((unsigned)layers)), by_tensors(make_divisor((unsigned)tensors)),
+                    int layers, int tensors, int table, int pieces, unsigned group)
+        : src(s), dst(d), src_index(si), dst_index(di), n_units((unsigned)units), n_pieces((unsigned)pieces),
+          group_layers(group), last_group(((unsigned)layers - 1) / group),
+          last_size((unsigned)layers - (((unsigned)layers - 1) / group) * group),
+          group_rest(group * (unsigned)tensors * (unsigned)units), layer_begin(begin), table_layers(table),
+          by_pieces(make_divisor((unsigned)pieces)), by_units(make_divisor((unsigned)units)),
+          by_group_rest(make_divisor(group * (unsigned)tensors * (unsigned)units)), by_group(make_divisor(group)),
+          by_last(make_divisor((unsigned)layers - (((unsigned)layers - 1) / group) * group)),
           src_per_page(make_divisor((unsigned)s.units_per_page)), dst_per_page(make_divisor((unsigned)d.units_per_page)) {}
 
     __device__ __forceinline__ void locate(unsigned c, char** from, char** to) const {
-        unsigned rest = quotient(by_pieces, c);
-        int piece = (int)(c - rest * n_pieces);
-        unsigned unit, layer, tensor;
-        if (unit_major) {
-            unsigned outer = quotient(by_layers, rest);
-            layer = rest - outer * n_layers;
-            tensor = quotient(by_units, outer);
-            unit = outer - tensor * n_units;
-        } else {
-            unsigned plane = quotient(by_units, rest);
-            unit = rest - plane * n_units;
-            layer = quotient(by_tensors, plane);
-            tensor = plane - layer * n_tensors;
-        }
-        int row = (int)tensor * table_layers + layer_begin + (int)layer;
+        const unsigned rest = quotient(by_pieces, c);
+        const int piece = (int)(c - rest * n_pieces);
+        const unsigned k = quotient(by_group_rest, rest);
+        const unsigned r = rest - k * group_rest;
+        const bool last = k == last_group;
+        const unsigned outer = quotient(last ? by_last : by_group, r);
+        const unsigned in_group = r - outer * (last ? last_size : group_layers);
+        const unsigned tensor = quotient(by_units, outer);
+        const unsigned unit = outer - tensor * n_units;
+        const int row = (int)tensor * table_layers + layer_begin + (int)(k * group_layers + in_group);
         *from = chunk_address(src, src_per_page, row, src_index[unit], piece);
         *to = chunk_address(dst, dst_per_page, row, dst_index[unit], piece);
     }
 };
+
+// Layers walked together: `layer_group` (the launch boundary checks it is >= 1), at most the launch's layers.
+__device__ __forceinline__ unsigned walk_group(int layer_group, int n_layers) {
+    return (unsigned)(layer_group < 1 ? 1 : (layer_group < n_layers ? layer_group : n_layers));
+}
 
 // Add a warp's finished chunks of one layer to that layer's counter. Every lane fences its own stores first and the
 // warp converges before lane 0 adds, so whoever sees the counter reach its target sees every byte of those chunks
@@ -178,14 +184,14 @@ __device__ __forceinline__ void signal_layer(u64* layer_done, int layer, unsigne
 }
 
 // The copy loop shared by every kernel here: warp `worker` of `workers` walks chunks (in the `Walk` order) in groups
-// of `group`. With `layer_done` (layer-major walks only), each warp adds the chunks it
-// finished of layer l to layer_done[layer_begin + l] as soon as it has no more of them: one launch then serves a
-// per-layer load, each layer signalled as it lands, instead of one launch (and one launch tail) per layer.
+// of `group`. With `layer_done`, each warp adds the chunks it finished of a layer group to the counter of the group's
+// first layer, layer_done[layer_begin + first], as soon as it has no more of them: one launch then serves a
+// per-layer load, each group signalled as it lands, instead of one launch (and one launch tail) per layer.
 template <typename Index, int W>
 __device__ void copy_body(const Side& src, const Side& dst, const Index* __restrict__ src_index,
                           const Index* __restrict__ dst_index, i64 n_units, int layer_begin, int n_layers,
                           int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int group,
-                          int unit_major, u64* layer_done, unsigned worker, unsigned workers) {
+                          int layer_group, u64* layer_done, unsigned worker, unsigned workers) {
     typedef typename Vector<W>::T V;
     __shared__ char* pointers[2][32][KVTIER_MAX_GROUP];
     const int lane = threadIdx.x & 31;
@@ -194,9 +200,11 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
     const unsigned vectors = (unsigned)(chunk_bytes / W);
     const unsigned per_layer = (unsigned)((i64)n_tensors * n_units * n_pieces);
     const unsigned total = per_layer * (unsigned)n_layers;
-    const Divisor by_vectors = make_divisor(vectors), by_layer_chunks = make_divisor(per_layer);
+    const unsigned layers_together = walk_group(layer_group, n_layers);
+    const unsigned group_chunks = per_layer * layers_together;
+    const Divisor by_vectors = make_divisor(vectors), by_group_chunks = make_divisor(group_chunks);
     const Walk<Index> walk(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors, table_layers,
-                           n_pieces, unit_major);
+                           n_pieces, layers_together);
     char** src_ptr = pointers[0][warp];
     char** dst_ptr = pointers[1][warp];
     const unsigned stride = workers * (unsigned)group;
@@ -229,8 +237,8 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
         __syncwarp();
         if (layer_done) {  // warp-uniform: first, count and stride are the same in every lane
             for (unsigned c = first; c < first + count;) {
-                const int layer = (int)quotient(by_layer_chunks, c);
-                const unsigned end = min(first + count, (unsigned)(layer + 1) * per_layer);
+                const int layer = (int)(quotient(by_group_chunks, c) * layers_together);
+                const unsigned end = min(first + count, (unsigned)layer * per_layer + group_chunks);
                 if (layer != pending_layer) {
                     if (pending) signal_layer(layer_done, layer_begin + pending_layer, pending);
                     pending_layer = layer;
@@ -240,7 +248,8 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
                 c = end;
             }
             const unsigned next = first + stride;
-            if (pending && (next >= total || (int)quotient(by_layer_chunks, next) != pending_layer)) {
+            if (pending && (next >= total ||
+                            (int)(quotient(by_group_chunks, next) * layers_together) != pending_layer)) {
                 signal_layer(layer_done, layer_begin + pending_layer, pending);
                 pending = 0;
             }
@@ -252,9 +261,9 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
     extern "C" __global__ void __launch_bounds__(KVTIER_MAX_THREADS)                                              \
         NAME(Side src, Side dst, const INDEX* src_index, const INDEX* dst_index, i64 n_units, int layer_begin,     \
              int n_layers, int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int group,            \
-             int unit_major, u64* layer_done) {                                                                     \
+             int layer_group, u64* layer_done) {                                                                    \
         copy_body<INDEX, W>(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors,             \
-                            table_layers, n_pieces, chunk_bytes, group, unit_major, layer_done,                    \
+                            table_layers, n_pieces, chunk_bytes, group, layer_group, layer_done,                   \
                             blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), gridDim.x * (blockDim.x >> 5));   \
     }
 
@@ -287,7 +296,7 @@ template <typename Index>
 __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restrict__ src_index,
                           const Index* __restrict__ dst_index, i64 n_units, int layer_begin, int n_layers,
                           int n_tensors, int table_layers, int n_pieces, i64 chunk_bytes, int stage_bytes,
-                          int unit_major) {
+                          int layer_group) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char bulk_shared[];
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -301,7 +310,7 @@ __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restr
     const unsigned steps = (total + per_step - 1) / per_step;
     const unsigned mine = steps > worker ? (steps - 1 - worker) / workers + 1 : 0;
     const Walk<Index> walk(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors, table_layers,
-                           n_pieces, unit_major);
+                           n_pieces, walk_group(layer_group, n_layers));
     unsigned char* stages = bulk_shared + (size_t)warp * KVTIER_BULK_STAGES * (unsigned)stage_bytes;
     u64* bars = (u64*)(bulk_shared + (size_t)warps * KVTIER_BULK_STAGES * (unsigned)stage_bytes) +
                 warp * KVTIER_BULK_STAGES;
@@ -362,9 +371,9 @@ __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restr
 #define KVTIER_BULK_COPY(NAME, INDEX)                                                                              \
     extern "C" __global__ void NAME(Side src, Side dst, const INDEX* src_index, const INDEX* dst_index,            \
                                     i64 n_units, int layer_begin, int n_layers, int n_tensors, int table_layers,  \
-                                    int n_pieces, i64 chunk_bytes, int stage_bytes, int unit_major) {              \
+                                    int n_pieces, i64 chunk_bytes, int stage_bytes, int layer_group) {             \
         bulk_body<INDEX>(src, dst, src_index, dst_index, n_units, layer_begin, n_layers, n_tensors, table_layers,  \
-                         n_pieces, chunk_bytes, stage_bytes, unit_major);                                          \
+                         n_pieces, chunk_bytes, stage_bytes, layer_group);                                         \
     }
 
 KVTIER_BULK_COPY(kvtier_bulk_copy_i64, i64)
@@ -498,7 +507,7 @@ __device__ void hot_swap_in(HotState s, Side host, Side dev, const int* topk, co
         if (result[i] == -3) result[i] = dloc[token_slot[top[i]]];
     }
     copy_body<i64, W>(host, dev, miss_src, miss_dst, misses, layer, 1, n_tensors, table_layers, 1, chunk_bytes, group,
-                      0, nullptr, tid >> 5, threads >> 5);
+                      1, nullptr, tid >> 5, threads >> 5);
 }
 
 #define KVTIER_HOT_SWAP_IN(NAME, W)                                                                               \

@@ -117,9 +117,13 @@ class Graph:
 
 
 class Event:
-    """A marker in a stream; ``elapsed_ms`` gives the device time between two recorded events."""
+    """A marker in a stream; ``elapsed_ms`` gives the device time between two recorded events. ``close()`` releases
+    it and is idempotent; a closed event refuses every later use (record, query, synchronize, elapsed_ms, a stream's
+    wait), since on CUDA its handle may already serve another event. An event with a ``keeper`` (kvtier's name for
+    the object that owns it, e.g. a Transfer handing it out) ignores ``close()``: its keeper releases it."""
 
     device: int
+    keeper: str | None = None
 
     def record(self, stream: Stream) -> None:
         raise NotImplementedError("need Event.record")

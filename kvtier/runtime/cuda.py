@@ -85,7 +85,7 @@ class CudaStream(Stream):
     def wait(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
             raise WrongRuntime(f"a CUDA stream can only wait on a CUDA event, not {event!r}")
-        check(self._cudart.cudaStreamWaitEvent(self._handle, event.native, 0), "cudaStreamWaitEvent")
+        check(self._cudart.cudaStreamWaitEvent(self._handle, event._handle(), 0), "cudaStreamWaitEvent")
 
     @property
     def capturing(self) -> bool:
@@ -177,7 +177,8 @@ class CudaEvent(Event):
         return float(check(self._cudart.cudaEventElapsedTime(self._handle(), end._handle()), "cudaEventElapsedTime"))
 
     def close(self) -> None:
-        self._finalizer()
+        if self.keeper is None:
+            self._finalizer()
 
 
 SPARE_EVENTS = 1024  # handles kept per device and kind; beyond that a dropped event is destroyed

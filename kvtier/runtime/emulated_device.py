@@ -205,6 +205,7 @@ class EmulatedStream(Stream):
     def wait(self, event: Event) -> None:
         if not isinstance(event, EmulatedEvent):
             raise WrongRuntime(f"an emulated stream waits on emulated events, not {event!r}")
+        event._check_open()
         marker = event.marker
         if marker is not None:
             self.enqueue(WaitOp(marker))
@@ -255,13 +256,14 @@ class EmulatedEvent(Event):
     def query(self) -> bool:
         """Like cudaEventQuery: never blocks; the emulator makes some progress when observed."""
         self._check_open()
+        marker = self.marker
         with self.scheduler.lock:
             self.scheduler.check_alive(self.device)
-            if self.marker is None:
+            if marker is None:
                 return True
-            self.scheduler.progress(self.marker.stream)
+            self.scheduler.progress(marker.stream)
             self.scheduler.check_alive(self.device)
-            return self.marker.done
+            return marker.done
 
     def synchronize(self) -> None:
         self._check_open()
@@ -280,13 +282,17 @@ class EmulatedEvent(Event):
         if not (self.timing and end.timing):
             raise RuntimeCallError("cudaEventElapsedTime", "cudaErrorInvalidResourceHandle",
                                    "both events must be created with timing=True")
-        if any(e.marker is not None and not e.marker.done for e in (self, end)):  # as CUDA: the caller waits first
+        first, last = self.marker, end.marker
+        if any(m is not None and not m.done for m in (first, last)):  # as CUDA: the caller waits first
             raise RuntimeCallError("cudaEventElapsedTime", "cudaErrorNotReady",
                                    "an event has not completed yet: synchronize it before timing")
-        if self.marker is None or end.marker is None or self.marker.timestamp is None or end.marker.timestamp is None:
+        if first is None or last is None or first.timestamp is None or last.timestamp is None:
             raise RuntimeCallError("cudaEventElapsedTime", "cudaErrorInvalidResourceHandle",
                                    "both events must have been recorded")
-        return (end.marker.timestamp - self.marker.timestamp) * 1e3
+        return (last.timestamp - first.timestamp) * 1e3
 
     def close(self) -> None:
-        self.marker, self.closed = None, True
+        """Idempotent; later uses raise (on CUDA the handle may be serving another event by then). An event with a
+        ``keeper`` ignores it."""
+        if self.keeper is None:
+            self.closed = True

@@ -39,6 +39,7 @@ from kvtier.transfer.job import (
     Job,
     PoolUser,
     Transfer,
+    backup_threads,
     check_pools,
     checked_layers,
     order_after,
@@ -47,8 +48,6 @@ from kvtier.transfer.job import (
 from kvtier.transfer.kernel import KernelBackend
 from kvtier.transfer.plan import index_values, layer_spans, plan_for
 from kvtier.transfer.staged import StagedBackend
-
-BACKUP_THREADS = 512
 
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (KernelBackend, StagedBackend, DirectBackend, BatchBackend)}
 
@@ -78,13 +77,9 @@ class Settings:
                 object.__setattr__(self, name, integer(value, name, low=low, high=high))
         if self.index_bytes not in (4, 8):
             raise InvalidArgument(f"index_bytes must be 4 (int32) or 8 (int64), got {self.index_bytes!r}")
-        if self.backup_threads is None:
-            default = self.threads if self.max_blocks == 1 else min(self.threads, BACKUP_THREADS)
-            object.__setattr__(self, "backup_threads", default)
-        object.__setattr__(self, "backup_threads", integer(self.backup_threads, "backup_threads", low=32, high=1025))
-        for name in ("threads", "backup_threads"):
-            if getattr(self, name) % 32:
-                raise InvalidArgument(f"{name} must be whole warps (a multiple of 32), got {getattr(self, name)}")
+        if self.threads % 32:
+            raise InvalidArgument(f"threads must be whole warps (a multiple of 32), got {self.threads}")
+        object.__setattr__(self, "backup_threads", backup_threads(self.backup_threads, self.threads, self.max_blocks))
         if self.layer_signals is not None and not isinstance(self.layer_signals, bool):
             raise InvalidArgument(f"layer_signals must be None (automatic), True or False, got {self.layer_signals!r}")
         if self.layer_signals and self.backend not in ("kernel", "staged"):
@@ -194,9 +189,8 @@ class TransferEngine(PoolUser):
                  relayout_blocks: int | None = None, index_ring_bytes: int | None = None,
                  layer_signals: bool | None = None, backup_threads: int | None = None) -> None:
         """``max_blocks`` is the SM budget of kernel copies, ``threads`` the threads per block of its loads and
-        ``backup_threads`` of its backups (default: ``threads``, at most 512 when ``max_blocks`` > 1: on the H200 two
-        1024-thread blocks writing to host memory slowed a concurrent bf16 GEMM by 90%, two of 512 threads by 10%, at
-        the same 50 GB/s; one block of 512 writes only 53% of the link, so a one-block budget keeps ``threads``);
+        ``backup_threads`` of its backups (default: ``threads``, at most 512 when ``max_blocks`` > 1; see
+        :func:`kvtier.transfer.job.backup_threads` for the measurements);
         ``staging_bytes`` the device staging area of each direction (staged backend), whose relayout kernels use
         ``relayout_blocks`` (default: every SM); ``index_ring_bytes`` the index arena of each stream (default: two
         transfers of the whole device pool).
@@ -205,8 +199,9 @@ class TransferEngine(PoolUser):
         settings = Settings(backend, max_blocks, threads, index_bytes, staging_bytes, relayout_blocks,
                             index_ring_bytes, layer_signals, backup_threads)
         if launcher is not None and backend in ("kernel", "staged"):
-            for count in (settings.threads, settings.backup_threads or settings.threads):
-                launcher.check_threads(count, settings.max_blocks)
+            launcher.check_threads(settings.threads, settings.max_blocks)
+            if backend == "kernel":
+                launcher.check_threads(settings.backup_threads or settings.threads, settings.max_blocks)
         check_pools(device_pool, host_pool)
         self.device_pool, self.host_pool, self.backend = device_pool, host_pool, backend
         self.runtime, self.device = device_pool.runtime, device_pool.device

@@ -37,6 +37,9 @@ from kvtier.transfer.job import (
     order_after,
     user_event,
 )
+from kvtier.transfer.job import (
+    backup_threads as backup_threads_for,
+)
 from kvtier.transfer.plan import layer_spans
 from kvtier.transfer.signals import LayerSignals
 
@@ -44,9 +47,11 @@ from kvtier.transfer.signals import LayerSignals
 class FamilyEngine(PoolUser):
     def __init__(self, device_pool: FamilyDevicePool, host_pool: FamilyHostPool, *, max_blocks: int = 2,
                  threads: int = 1024, index_bytes: int = 8, launcher: KernelLauncher | None = None,
-                 index_ring_bytes: int | None = None, layer_signals: bool | None = None) -> None:
+                 index_ring_bytes: int | None = None, layer_signals: bool | None = None,
+                 backup_threads: int | None = None) -> None:
         """``layer_signals``: per-layer loads as one launch per part whose layers are signalled from the device
-        (default: where the runtime can wait on a memory value; False: a launch per part and layer, as before)."""
+        (default: where the runtime can wait on a memory value; False: a launch per part and layer, as before).
+        ``threads`` and ``backup_threads``: threads per block of loads and of backups, as for TransferEngine."""
         check_pools(device_pool, host_pool)
         if host_pool.buffer.kind is HostKind.PAGEABLE:
             raise InvalidArgument("kernel copies need a device-accessible host pool, and this one is pageable: "
@@ -55,6 +60,7 @@ class FamilyEngine(PoolUser):
         self.threads = integer(threads, "threads", low=32, high=1025)
         if self.threads % 32 or index_bytes not in (4, 8):
             raise InvalidArgument(f"threads must be whole warps and index_bytes 4 or 8, got {threads}, {index_bytes}")
+        self.backup_threads = backup_threads_for(backup_threads, self.threads, self.max_blocks)
         if layer_signals is not None and not isinstance(layer_signals, bool):
             raise InvalidArgument(f"layer_signals must be None (automatic), True or False, got {layer_signals!r}")
         signalled = LayerSignals.available(device_pool.runtime, device_pool.device)
@@ -65,6 +71,7 @@ class FamilyEngine(PoolUser):
         self.geometry, self.runtime, self.device = device_pool.geometry, device_pool.runtime, device_pool.device
         self.launcher = launcher or KernelLauncher(self.runtime)
         self.launcher.check_threads(self.threads, self.max_blocks)
+        self.launcher.check_threads(self.backup_threads, self.max_blocks)
         self._start(device_pool, host_pool)
         self._captures: weakref.WeakSet[CapturedLoad] = weakref.WeakSet()
         self._owned = Owned()
@@ -290,7 +297,7 @@ class FamilyEngine(PoolUser):
             call = ChunkCopy(src, dst, indices[0], indices[1], self.index_bytes, count, 0, len(part.layers),
                              part.pieces, part.chunk_bytes, 1, len(part.layers))
             launch = self.launcher.prepare(call, spans, device=self.device, max_blocks=self.max_blocks,
-                                           threads=self.threads)
+                                           threads=self.backup_threads if direction == D2H else self.threads)
             launches.append((launch, where, dict(spans)))
         for group in groups:
             for launch, where, starts in launches:

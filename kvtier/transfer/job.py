@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.checks import index_array
+from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument
 from kvtier.kernels import KernelLauncher
 from kvtier.pools import DevicePool, HostPool
@@ -38,10 +38,29 @@ def checked_layers(layers: Sequence[int] | None, count: int) -> list[int]:
     return chosen
 
 
+BACKUP_THREADS = 512
+
+
+def backup_threads(given: Any, threads: int, max_blocks: int) -> int:
+    """Threads per block of kernel backups: ``given``, or by default ``threads`` capped at 512 when the budget is more
+    than one block. On the H200 two 1024-thread blocks writing to host memory slowed a concurrent bf16 GEMM by 90%,
+    two of 512 threads by 10%, at the same 50 GB/s; one 512-thread block writes only 53% of the link (1024: 72%)."""
+    if given is None:
+        return threads if max_blocks == 1 else min(threads, BACKUP_THREADS)
+    value = integer(given, "backup_threads", low=32, high=1025)
+    if value % 32:
+        raise InvalidArgument(f"backup_threads must be whole warps (a multiple of 32), got {value}")
+    return value
+
+
 def user_event(runtime: Runtime, device: int) -> Event:
     """An event handed to the caller (a transfer's end, a layer's landing): timed, so a trace can put it on a clock
-    (``elapsed_ms``, or cudaEventElapsedTime against the caller's own events); kvtier's internal events are not."""
-    return runtime.create_event(device, timing=True)
+    (``elapsed_ms``, or cudaEventElapsedTime against the caller's own events); kvtier's internal events are not. It
+    belongs to its Transfer, which kvtier itself may still wait on (the cache's load-backs do): ``close()`` on it does
+    nothing, and it is released when the Transfer and the caller's references are dropped."""
+    event = runtime.create_event(device, timing=True)
+    event.keeper = "Transfer"
+    return event
 
 
 def check_pools(device_pool: Any, host_pool: Any) -> None:
@@ -54,22 +73,25 @@ def check_pools(device_pool: Any, host_pool: Any) -> None:
         raise InvalidArgument("device and host pools belong to different runtimes")
 
 
-def after_events(runtime: Runtime, device: int, after: Any, *, skip: Stream | None = None) -> list[Event] | None:
+def after_events(runtime: Runtime, device: int, after: Any, *, skip: Stream | None = None,
+                 snapshot: Stream | None = None) -> list[Event] | None:
     """``after`` as events recorded now (None for None): ``CURRENT`` (the caller's current stream of ``device``), a
     :class:`Transfer` (its end), an event or stream (kvtier's or torch's), or a list of them; a stream that is
-    ``skip`` itself needs no event. What every engine and the cache order transfers after."""
+    ``skip`` itself needs no event. What every engine and the cache order transfers after. With ``snapshot`` (a
+    stream of kvtier's), the caller's own events are replaced by one event of kvtier's recorded on it after them, for
+    holders that keep the events past the call (the caller may close or re-record theirs)."""
     if after is None:
         return None
     if isinstance(after, str):
         if after != CURRENT:
             raise InvalidArgument(f"after={after!r}: use {CURRENT!r}, a Transfer, an event, a stream, a list or None")
         after = runtime.current_stream(device)
-    events = []
+    events, theirs = [], []
     for item in after if isinstance(after, (list, tuple)) else [after]:
         if isinstance(item, Transfer):
             item = item.finished
         if isinstance(item, Event) or hasattr(item, "cuda_event"):
-            events.append(runtime.as_event(item))
+            theirs.append(runtime.as_event(item))
             continue
         source = runtime.as_stream(item)
         if source is skip:
@@ -77,7 +99,13 @@ def after_events(runtime: Runtime, device: int, after: Any, *, skip: Stream | No
         marker = runtime.create_event(device)
         marker.record(source)
         events.append(marker)
-    return events
+    if theirs and snapshot is not None:
+        for event in theirs:
+            snapshot.wait(event)
+        marker = runtime.create_event(device)
+        marker.record(snapshot)
+        theirs = [marker]
+    return events + theirs
 
 
 def order_after(runtime: Runtime, stream: Stream, after: Any) -> None:

@@ -30,15 +30,17 @@ def device_table(context: Context) -> PointerTable:
 def launch_copy(context: Context, direction: str, indices: list[Any], units: int, spans: list[tuple[int, int]],
                 stream: Stream, host_table: Any, device_table: Any, blocks: int | None = None,
                 after_each: Callable[[int, int], None] | None = None, layer_done: Any = None,
-                threads: int | None = None) -> PreparedCopy:
+                threads: int | None = None, layer_group: int = 1) -> PreparedCopy:
     """One launch per span of layers, every tensor in each; ``host_table`` may name a staging area laid out like the
     host pool; ``after_each(begin, count)`` runs after each launch is queued. With ``layer_done`` (a counter per
-    layer) the walk is layer-major and each layer's counter grows as it lands."""
+    layer) the walk goes ``layer_group`` layers at a time and the counter of each group's first layer grows as the
+    group lands."""
     plan, g = context.plan, context.geometry
     device_side, host_side = plan.device_side(device_table), plan.host_side(host_table)
     src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
     call = ChunkCopy(src, dst, indices[0], indices[1], context.index_bytes, units, 0, g.layers, plan.pieces,
-                     plan.chunk_bytes, g.tensors, g.layers, plan.unit_major and layer_done is None, layer_done)
+                     plan.chunk_bytes, g.tensors, g.layers, plan.unit_major and layer_done is None, layer_group,
+                     layer_done)
     return context.launcher.copy_layer_spans(call, spans, device=context.device, stream=stream,
                                              max_blocks=blocks or context.max_blocks,
                                              threads=threads or context.threads,
@@ -47,16 +49,22 @@ def launch_copy(context: Context, direction: str, indices: list[Any], units: int
 
 def launch_signalled(context: Context, direction: str, indices: list[Any], units: int, layers: list[int],
                      stream: Stream, host_table: Any, device_table: Any, signals: LayerSignals, transfer: Any,
-                     blocks: int | None = None) -> None:
-    """A per-layer copy as one launch per run of consecutive ``layers``, each layer's event armed from its counter
-    (block 0 of ``signals``, indexed by layer)."""
+                     blocks: int | None = None, layer_group: int = 1) -> None:
+    """A per-layer copy as one launch per run of consecutive ``layers``, walked ``layer_group`` layers at a time:
+    each group's first layer waits for its counter (block 0 of ``signals``, indexed by layer) to grow by the group's
+    chunks, and the group's other layers get their events right after it."""
     spans = layer_spans(layers, False)
     signals.begin(stream)
     prepared = launch_copy(context, direction, indices, units, spans, stream, host_table, device_table, blocks,
-                           layer_done=signals.block(0))
+                           layer_done=signals.block(0), layer_group=layer_group)
     chunks = prepared.chunks_per_layer
-    signals.arm([(layer, [(0, layer, chunks)]) for begin, count in spans for layer in range(begin, begin + count)],
-                transfer)
+    adds: list[tuple[int, list[tuple[int, int, int]]]] = []
+    for begin, count in spans:
+        for first in range(begin, begin + count, layer_group):
+            size = min(layer_group, begin + count - first)
+            adds.append((first, [(0, first, chunks * size)]))
+            adds.extend((layer, []) for layer in range(first + 1, first + size))
+    signals.arm(adds, transfer)
 
 
 def signals_for(context: Context, layer_signals: bool | None, owned: Any) -> LayerSignals | None:
@@ -99,7 +107,8 @@ class KernelBackend(Backend):
         try:
             if job.per_layer and self.signals is not None:
                 launch_signalled(context, job.direction, indices, job.src_units.size, list(job.layers), job.stream,
-                                 self.host_table, self.device_table, self.signals, job.transfer)
+                                 self.host_table, self.device_table, self.signals, job.transfer,
+                                 layer_group=context.plan.signal_group())
             else:
                 launch_copy(context, job.direction, indices, job.src_units.size,
                             layer_spans(job.layers, job.per_layer), job.stream, self.host_table, self.device_table,

@@ -19,6 +19,8 @@ from kvtier.errors import InvalidArgument
 from kvtier.kernels import ChunkSide
 from kvtier.pools.geometry import KVGeometry, Strides, device_strides
 
+GROUP_RUN_BYTES = 4096
+
 
 @dataclass(frozen=True)
 class ChunkPlan:
@@ -34,6 +36,14 @@ class ChunkPlan:
         ``page_first_direct``): then a many-layer copy walks unit by unit and moves contiguous host runs."""
         unit_stride = self.host.page if self.unit == "page" else self.host.slot
         return 0 < self.host.layer < unit_stride
+
+    def signal_group(self) -> int:
+        """Layers a per-layer load walks together where the host keeps a unit's layers adjacent (``page_first``):
+        enough for ~4 KiB host runs (a 2 KiB Llama row: 2 layers, a 1152-byte MLA row: 4, a 64-byte row: 64), at
+        most a quarter of the layers, so the first layers still land early. 1 elsewhere (the layer-major walk)."""
+        if not self.unit_major:
+            return 1
+        return max(1, min(-(-GROUP_RUN_BYTES // self.chunk_bytes), self.geometry.layers // 4))
 
     @property
     def units_per_page(self) -> int:
