@@ -15,7 +15,8 @@ from kvtier.pools import KVGeometry
 from kvtier.runtime.emulated import EmulatedRuntime
 from pool_helpers import engine_on, fill_device, fill_host, poison_device, read_device
 
-G = KVGeometry.mha(3, kv_heads=2, head_dim=32, itemsize=2, page_size=4)
+G = KVGeometry.mha(3, kv_heads=2, head_dim=256, itemsize=2, page_size=4)  # 1 KiB rows
+NARROW = KVGeometry.mla(3, latent_bytes=64, page_size=4)
 
 
 def _launch_blocks(runtime, monkeypatch) -> list[tuple[str, int]]:
@@ -53,6 +54,20 @@ def test_backups_launch_backup_threads_and_loads_threads(monkeypatch, threads, b
             got = read_device(dev, tensor, layer)
             assert np.array_equal(got[3], pages[2]) and np.array_equal(got[1], pages[0])
             assert (got[[0, 2]] == 0xEE).all()
+
+
+@pytest.mark.parametrize("layout, expected", [("page_first", 1024), ("layer_first", 512)])
+def test_narrow_chunks_keep_full_blocks_for_backups(layout, expected):
+    """Chunks under 512 bytes keep 1024-thread backup blocks: 64-byte rows on a page_first host (64-byte chunks)
+    moved 66% of the link at 512 threads against 77% at 1024 (H200, 2 SMs). A layer_first host of the same rows
+    copies a page's rows as one chunk: 4 rows (256 bytes) are still narrow, 16 rows (1 KiB) are not."""
+    runtime = EmulatedRuntime("split", seed=0)
+    with engine_on(runtime, NARROW, layout, device_pages=4, host_pages=4) as (dev, host, engine):
+        assert engine.plan.chunk_bytes == (64 if layout == "page_first" else 256)
+        assert engine.backup_threads == 1024
+    wide = KVGeometry.mla(3, latent_bytes=64, page_size=16)
+    with engine_on(runtime, wide, layout, device_pages=4, host_pages=4) as (dev, host, engine):
+        assert engine.backup_threads == expected
 
 
 @pytest.mark.parametrize("bad, match", [(100, "whole warps"), (2048, "backup_threads"), (0, "backup_threads"),

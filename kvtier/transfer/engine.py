@@ -39,9 +39,9 @@ from kvtier.transfer.job import (
     Job,
     PoolUser,
     Transfer,
-    backup_threads,
     check_pools,
     checked_layers,
+    choose_backup_threads,
     order_after,
     user_event,
 )
@@ -79,7 +79,9 @@ class Settings:
             raise InvalidArgument(f"index_bytes must be 4 (int32) or 8 (int64), got {self.index_bytes!r}")
         if self.threads % 32:
             raise InvalidArgument(f"threads must be whole warps (a multiple of 32), got {self.threads}")
-        object.__setattr__(self, "backup_threads", backup_threads(self.backup_threads, self.threads, self.max_blocks))
+        if self.backup_threads is not None:  # the default depends on the plan's chunk size: TransferEngine picks it
+            object.__setattr__(self, "backup_threads", choose_backup_threads(self.backup_threads, self.threads,
+                                                                             self.max_blocks))
         if self.layer_signals is not None and not isinstance(self.layer_signals, bool):
             raise InvalidArgument(f"layer_signals must be None (automatic), True or False, got {self.layer_signals!r}")
         if self.layer_signals and self.backend not in ("kernel", "staged"):
@@ -189,8 +191,8 @@ class TransferEngine(PoolUser):
                  relayout_blocks: int | None = None, index_ring_bytes: int | None = None,
                  layer_signals: bool | None = None, backup_threads: int | None = None) -> None:
         """``max_blocks`` is the SM budget of kernel copies, ``threads`` the threads per block of its loads and
-        ``backup_threads`` of its backups (default: ``threads``, at most 512 when ``max_blocks`` > 1; see
-        :func:`kvtier.transfer.job.backup_threads` for the measurements);
+        ``backup_threads`` of its backups (default: ``threads``, at most 512 when ``max_blocks`` > 1 and chunks are at
+        least 512 bytes; see :func:`kvtier.transfer.job.choose_backup_threads` for the measurements);
         ``staging_bytes`` the device staging area of each direction (staged backend), whose relayout kernels use
         ``relayout_blocks`` (default: every SM); ``index_ring_bytes`` the index arena of each stream (default: two
         transfers of the whole device pool).
@@ -200,14 +202,15 @@ class TransferEngine(PoolUser):
                             index_ring_bytes, layer_signals, backup_threads)
         if launcher is not None and backend in ("kernel", "staged"):
             launcher.check_threads(settings.threads, settings.max_blocks)
-            if backend == "kernel":
-                launcher.check_threads(settings.backup_threads or settings.threads, settings.max_blocks)
+            if backend == "kernel" and settings.backup_threads is not None:
+                launcher.check_threads(settings.backup_threads, settings.max_blocks)
         check_pools(device_pool, host_pool)
         self.device_pool, self.host_pool, self.backend = device_pool, host_pool, backend
         self.runtime, self.device = device_pool.runtime, device_pool.device
         self.geometry, self.plan = device_pool.geometry, plan_for(device_pool.geometry, host_pool.strides)
         self.max_blocks, self.threads, self.index_bytes = settings.max_blocks, settings.threads, settings.index_bytes
-        self.backup_threads = settings.backup_threads or settings.threads
+        self.backup_threads = choose_backup_threads(settings.backup_threads, settings.threads, settings.max_blocks,
+                                                    self.plan.chunk_bytes)
         self._start(device_pool, host_pool)
         self._captures: weakref.WeakSet[CapturedLoad] = weakref.WeakSet()
         self.streams = {D2H: self.runtime.create_stream(self.device), H2D: self.runtime.create_stream(self.device)}

@@ -34,11 +34,9 @@ from kvtier.transfer.job import (
     Transfer,
     check_pools,
     checked_layers,
+    choose_backup_threads,
     order_after,
     user_event,
-)
-from kvtier.transfer.job import (
-    backup_threads as backup_threads_for,
 )
 from kvtier.transfer.plan import layer_spans
 from kvtier.transfer.signals import LayerSignals
@@ -60,7 +58,7 @@ class FamilyEngine(PoolUser):
         self.threads = integer(threads, "threads", low=32, high=1025)
         if self.threads % 32 or index_bytes not in (4, 8):
             raise InvalidArgument(f"threads must be whole warps and index_bytes 4 or 8, got {threads}, {index_bytes}")
-        self.backup_threads = backup_threads_for(backup_threads, self.threads, self.max_blocks)
+        self.backup_threads = choose_backup_threads(backup_threads, self.threads, self.max_blocks)
         if layer_signals is not None and not isinstance(layer_signals, bool):
             raise InvalidArgument(f"layer_signals must be None (automatic), True or False, got {layer_signals!r}")
         signalled = LayerSignals.available(device_pool.runtime, device_pool.device)

@@ -41,12 +41,17 @@ def checked_layers(layers: Sequence[int] | None, count: int) -> list[int]:
 BACKUP_THREADS = 512
 
 
-def backup_threads(given: Any, threads: int, max_blocks: int) -> int:
+NARROW_CHUNK_BYTES = 512
+
+
+def choose_backup_threads(given: Any, threads: int, max_blocks: int, chunk_bytes: int | None = None) -> int:
     """Threads per block of kernel backups: ``given``, or by default ``threads`` capped at 512 when the budget is more
-    than one block. On the H200 two 1024-thread blocks writing to host memory slowed a concurrent bf16 GEMM by 90%,
-    two of 512 threads by 10%, at the same 50 GB/s; one 512-thread block writes only 53% of the link (1024: 72%)."""
+    than one block and the copy's chunks are at least 512 bytes. On the H200 two 1024-thread blocks writing to host
+    memory slowed a concurrent bf16 GEMM by 90%, two of 512 threads by 10%, at the same 50 GB/s; but one 512-thread
+    block writes only 53% of the link (1024: 72%), and 64-byte rows at 2 SMs 66% (1024: 77%)."""
     if given is None:
-        return threads if max_blocks == 1 else min(threads, BACKUP_THREADS)
+        narrow = chunk_bytes is not None and chunk_bytes < NARROW_CHUNK_BYTES
+        return threads if max_blocks == 1 or narrow else min(threads, BACKUP_THREADS)
     value = integer(given, "backup_threads", low=32, high=1025)
     if value % 32:
         raise InvalidArgument(f"backup_threads must be whole warps (a multiple of 32), got {value}")
