@@ -109,8 +109,9 @@ class ChunkCopy:
         if chunks > MAX_COUNT or max(self.src.units_per_page, self.dst.units_per_page) > MAX_COUNT:
             raise KvtierError(f"{chunks} chunks in one launch (units_per_page {self.src.units_per_page}/"
                               f"{self.dst.units_per_page}): the kernel counts in 31 bits; split the transfer")
-        if type(self.layer_group) is not int or self.layer_group < 1:
-            raise KvtierError(f"layer_group must be a positive int (layers walked together), got {self.layer_group!r}")
+        if type(self.layer_group) is not int or not 1 <= self.layer_group <= MAX_COUNT:
+            raise KvtierError(f"layer_group must be an int in [1, {MAX_COUNT}] (layers walked together), got "
+                              f"{self.layer_group!r}")
         if self.layer_done is not None:
             if self.unit_major:
                 raise KvtierError("layer counters need the layer-major walk or a layer_group: a unit-major copy "
@@ -412,8 +413,8 @@ def _transfer_program(mode: str | None, unroll: int, max_threads: int, streaming
     """The transfer kernels as a program: images built AOT or JIT for the device's compute capability, and the
     Python reference for the emulator. One spec per specialization, so the runtime's cache key is stable."""
 
-    def image(capability: tuple[int, int]) -> tuple[bytes, str]:
-        return kernel_image(f"sm_{capability[0]}{capability[1]}", mode, unroll, max_threads, streaming)
+    def image(arch: str) -> tuple[bytes, str]:
+        return kernel_image(arch, mode, unroll, max_threads, streaming)
 
     references: dict[str, Callable[..., Any]] = {
         copy_kernel(size, width): functools.partial(reference.copy_chunks, index_bytes=size, width=width)

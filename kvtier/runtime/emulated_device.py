@@ -205,6 +205,8 @@ class EmulatedStream(Stream):
     def wait(self, event: Event) -> None:
         if not isinstance(event, EmulatedEvent):
             raise WrongRuntime(f"an emulated stream waits on emulated events, not {event!r}")
+        if event.scheduler is not self.scheduler:
+            raise WrongRuntime(f"{event!r} belongs to another emulated runtime than {self!r}")
         event._check_open()
         marker = event.marker
         if marker is not None:
@@ -247,6 +249,12 @@ class EmulatedEvent(Event):
     def record(self, stream: Stream) -> None:
         if not isinstance(stream, EmulatedStream):
             raise WrongRuntime(f"an emulated event can only be recorded on an emulated stream, not {stream!r}")
+        if stream.scheduler is not self.scheduler:
+            raise WrongRuntime(f"{stream!r} belongs to another emulated runtime than this event")
+        if stream.device != self.device:  # as cudaEventRecord
+            raise RuntimeCallError("cudaEventRecord", "cudaErrorInvalidResourceHandle",
+                                   f"an event of device {self.device} cannot be recorded on a stream of device "
+                                   f"{stream.device}")
         self._check_open()
         marker = Marker(stream)
         stream.enqueue(marker)

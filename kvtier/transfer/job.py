@@ -101,7 +101,7 @@ def after_events(runtime: Runtime, device: int, after: Any, *, skip: Stream | No
         source = runtime.as_stream(item)
         if source is skip:
             continue
-        marker = runtime.create_event(device)
+        marker = runtime.create_event(source.device)  # an event records only on a stream of its own device
         marker.record(source)
         events.append(marker)
     if theirs and snapshot is not None:
