@@ -1,5 +1,6 @@
 """One suite for every runtime: each test that takes ``runtime`` runs on emulated:split, emulated:unified and, on a
-machine with a usable GPU, cuda (marked ``gpu``)."""
+machine with a usable GPU, the GPU runtime (marked ``gpu``; its id stays ``cuda``): ``cuda``, or the one
+``KVTIER_GPU_RUNTIME`` names (``hip`` in scripts/amd_check.sh)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ RUNTIMES = ["emulated:split", "emulated:unified", pytest.param("cuda", marks=pyt
 
 def cuda_runtime() -> Runtime | None:
     try:
-        return get("cuda")
+        return get(os.environ.get("KVTIER_GPU_RUNTIME") or "cuda")
     except RuntimeUnavailable:
         return None
 

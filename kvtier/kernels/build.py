@@ -1,4 +1,5 @@
-"""Building the transfer kernels: ahead of time with nvcc (a fatbin per source version) or at first use with NVRTC.
+"""Building the transfer kernels: ahead of time with nvcc (a fatbin per source version) or at first use with NVRTC;
+for AMD GPUs (``--hip``) see :mod:`kvtier.kernels.hip_build`.
 
 AOT: ``python -m kvtier.kernels.build`` writes ``transfer.fatbin`` and ``transfer.json`` (source hash, archs) into
 the package's ``prebuilt`` folder (or ``--out``/``$KVTIER_KERNEL_DIR``). JIT: NVRTC through cuda-bindings, cached on
@@ -76,11 +77,29 @@ def compile_jit(arch: str, unroll: int = DEFAULT_UNROLL, max_threads: int = 1024
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvtier.kernels.hip_build import HIP_ARCHS, build_hip_aot
+
     parser = argparse.ArgumentParser(prog="python -m kvtier.kernels.build", description=__doc__)
     parser.add_argument("--out", type=Path, help=f"output folder (default {prebuilt_dir()})")
-    parser.add_argument("--arch", action="append", help=f"sm_XX to build (default {' '.join(AOT_ARCHS)})")
+    parser.add_argument("--arch", action="append", help=f"sm_XX to build (default {' '.join(AOT_ARCHS)}; with "
+                                                        f"--hip, gfxXXX, default {' '.join(HIP_ARCHS)})")
     parser.add_argument("--nvcc", default="nvcc")
+    parser.add_argument("--hip", action="store_true", help="build code objects for AMD GPUs with hipcc instead")
+    parser.add_argument("--hipcc", default="hipcc")
     args = parser.parse_args(argv)
+    if args.hip:
+        archs = tuple(args.arch or HIP_ARCHS)
+        print(f"building {SOURCE_PATH.name} (source {source_hash()}) for {', '.join(archs)} with {args.hipcc} ...",
+              flush=True)
+        try:
+            manifest = build_hip_aot(args.out or prebuilt_dir(), archs, args.hipcc)
+        except KernelBuildError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        print(f"built {', '.join(manifest['archs'])} ({manifest['hipcc']}) into {args.out or prebuilt_dir()}")
+        for arch, reason in manifest["skipped"].items():
+            print(f"skipped {arch}: {reason}")
+        return 0
     archs = tuple(args.arch or AOT_ARCHS)
     print(f"building {SOURCE_PATH.name} (source {source_hash()}) for {', '.join(archs)} ...", flush=True)
     try:

@@ -31,15 +31,23 @@ def _aot_image(arch: str) -> tuple[bytes | None, str]:
     return fatbin.read_bytes(), f"aot:{fatbin}"
 
 
+def _aot_code_object(arch: str) -> tuple[bytes | None, str]:
+    from kvtier.kernels.build import prebuilt_dir
+    from kvtier.kernels.hip_build import aot_code_object
+
+    return aot_code_object(prebuilt_dir(), arch)
+
+
 def kernel_image(arch: str, mode: str | None = None, unroll: int = DEFAULT_UNROLL,
                  max_threads: int = 1024, streaming: bool = True) -> tuple[bytes, str]:
-    """(image, origin) for a device of ``arch`` (``sm_90``)."""
+    """(image, origin) for a device of ``arch`` (``sm_90``, or ``gfx942`` for an AMD GPU)."""
     mode = (mode or os.environ.get("KVTIER_KERNELS") or "auto").lower()
     if mode not in MODES:
         raise KernelBuildError(f"KVTIER_KERNELS must be one of {MODES}, got {mode!r}")
     specialized = unroll != DEFAULT_UNROLL or max_threads != 1024 or not streaming
+    hip = arch.startswith("gfx")
     if mode != "jit" and not specialized:
-        image, origin = _aot_image(arch)
+        image, origin = (_aot_code_object if hip else _aot_image)(arch)
         if image is not None:
             return image, origin
         if mode == "aot":
@@ -48,6 +56,7 @@ def kernel_image(arch: str, mode: str | None = None, unroll: int = DEFAULT_UNROL
         raise KernelBuildError(f"KVTIER_KERNELS=aot: prebuilt kernels are not specialized (unroll {unroll}, "
                                f"max_threads {max_threads}, streaming {streaming}): only JIT builds those")
     from kvtier.kernels.build import compile_jit
+    from kvtier.kernels.hip_build import compile_jit_hip
 
-    return (compile_jit(arch, unroll, max_threads, streaming),
+    return ((compile_jit_hip if hip else compile_jit)(arch, unroll, max_threads, streaming),
             f"jit:{arch}:unroll{unroll}:threads{max_threads}" + ("" if streaming else ":cached"))

@@ -6,8 +6,8 @@
 //                  + (unit % units_per_page) * unit_stride + piece * piece_stride
 // where `unit` comes from that side's index array. Host-side pointer math (layouts, strides) stays in Python; the
 // kernel only walks chunks. Tables hold device-accessible addresses for the device that runs the kernel.
-// Chunks are walked layer-major, or unit-major (a unit's layers one after another) when the caller says the host
-// keeps a unit's layers adjacent (page_first, page_first_direct): a many-layer copy then reads or writes the host in
+// Chunks are walked in groups of layers (see Walk): one layer at a time, or a unit's layers one after another when
+// the host keeps them adjacent (page_first, page_first_direct), so a many-layer copy reads or writes the host in
 // long contiguous runs instead of one row per layer and unit.
 //
 // Copy loop: 16-byte vectors, UNROLL independent loads in flight per thread before any store (a warp keeps several
@@ -25,6 +25,25 @@
 #endif
 #ifndef KVTIER_STREAMING
 #define KVTIER_STREAMING 1  // streaming (.cs, evict-first) loads and stores; 0: default caching, for measurement
+#endif
+
+// Platform: the same source builds for CUDA (nvcc, NVRTC) and for AMD GPUs (hipcc; see docs/hip.md). The kernels
+// think in 32-lane "warps" (lane = threadIdx.x & 31); a 64-wide CDNA wavefront runs two of them in lockstep, so a warp
+// barrier there only has to keep the compiler from moving shared-memory accesses across it. Streaming hints become
+// nontemporal accesses; the TMA bulk kernels are CUDA sm_90+ only (they trap elsewhere).
+#if defined(__HIPCC__) || defined(__HIPCC_RTC__)
+#if !defined(__HIPCC_RTC__)
+#include <hip/hip_runtime.h>
+#endif
+#define KVTIER_HIP 1
+#define KVTIER_WARP_SYNC() __builtin_amdgcn_wave_barrier()
+#define KVTIER_SHFL_UP(v, d) __shfl_up((v), (d), 32)
+#define KVTIER_TRAP() __builtin_trap()
+#else
+#define KVTIER_HIP 0
+#define KVTIER_WARP_SYNC() __syncwarp()
+#define KVTIER_SHFL_UP(v, d) __shfl_up_sync(0xffffffffu, (v), (d))
+#define KVTIER_TRAP() __trap()
 #endif
 
 typedef unsigned long long u64;
@@ -49,7 +68,9 @@ template <> struct Vector<1> { typedef unsigned char T; };
 
 template <typename T>
 __device__ __forceinline__ T load_stream(const T* p) {
-#if defined(__CUDA_ARCH__) && KVTIER_STREAMING
+#if KVTIER_HIP && KVTIER_STREAMING
+    return __builtin_nontemporal_load(p);
+#elif defined(__CUDA_ARCH__) && KVTIER_STREAMING
     return __ldcs(p);
 #else
     return *p;
@@ -58,13 +79,57 @@ __device__ __forceinline__ T load_stream(const T* p) {
 
 template <typename T>
 __device__ __forceinline__ void store_stream(T* p, T v) {
-#if defined(__CUDA_ARCH__) && KVTIER_STREAMING
+#if KVTIER_HIP && KVTIER_STREAMING
+    __builtin_nontemporal_store(v, p);
+#elif defined(__CUDA_ARCH__) && KVTIER_STREAMING
     __stcs(p, v);
 #else
     *p = v;
 #endif
 }
 
+#if KVTIER_HIP
+// HIP's vector types wrap a native vector (.data), which the nontemporal builtins take.
+template <>
+__device__ __forceinline__ uint4 load_stream<uint4>(const uint4* p) {
+    uint4 v;
+#if KVTIER_STREAMING
+    v.data = __builtin_nontemporal_load(&p->data);
+#else
+    v.data = p->data;
+#endif
+    return v;
+}
+
+template <>
+__device__ __forceinline__ void store_stream<uint4>(uint4* p, uint4 v) {
+#if KVTIER_STREAMING
+    __builtin_nontemporal_store(v.data, &p->data);
+#else
+    p->data = v.data;
+#endif
+}
+
+template <>
+__device__ __forceinline__ uint2 load_stream<uint2>(const uint2* p) {
+    uint2 v;
+#if KVTIER_STREAMING
+    v.data = __builtin_nontemporal_load(&p->data);
+#else
+    v.data = p->data;
+#endif
+    return v;
+}
+
+template <>
+__device__ __forceinline__ void store_stream<uint2>(uint2* p, uint2 v) {
+#if KVTIER_STREAMING
+    __builtin_nontemporal_store(v.data, &p->data);
+#else
+    p->data = v.data;
+#endif
+}
+#else
 template <>
 __device__ __forceinline__ uint4 load_stream<uint4>(const uint4* p) {
 #if defined(__CUDA_ARCH__)
@@ -96,6 +161,7 @@ __device__ __forceinline__ void store_stream<uint4>(uint4* p, uint4 v) {
     *p = v;
 #endif
 }
+#endif
 
 // Exact unsigned division by a divisor fixed for the launch: one 64-bit multiply and a shift instead of a division
 // per chunk and per vector (Granlund-Montgomery: m = ceil(2^(32+l) / d), 2^l >= d, exact for n < 2^32; m < 2^33 so
@@ -179,7 +245,7 @@ __device__ __forceinline__ unsigned walk_group(int layer_group, int n_layers) {
 // (cuStreamWaitValue on the counter, then the layer's event, then the consumer's kernels).
 __device__ __forceinline__ void signal_layer(u64* layer_done, int layer, unsigned chunks) {
     __threadfence();
-    __syncwarp();
+    KVTIER_WARP_SYNC();
     if ((threadIdx.x & 31) == 0) atomicAdd(layer_done + layer, (u64)chunks);
 }
 
@@ -213,7 +279,7 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
     for (unsigned first = worker * (unsigned)group; first < total; first += stride) {
         const unsigned count = total - first < (unsigned)group ? total - first : (unsigned)group;
         for (unsigned i = lane; i < count; i += 32) walk.locate(first + i, &src_ptr[i], &dst_ptr[i]);
-        __syncwarp();
+        KVTIER_WARP_SYNC();
         const unsigned work = count * vectors;
         for (unsigned j0 = lane; j0 < work; j0 += 32 * KVTIER_UNROLL) {
             V r[KVTIER_UNROLL];
@@ -234,7 +300,7 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
                 }
             }
         }
-        __syncwarp();
+        KVTIER_WARP_SYNC();
         if (layer_done) {  // warp-uniform: first, count and stride are the same in every lane
             for (unsigned c = first; c < first + count;) {
                 const int layer = (int)(quotient(by_group_chunks, c) * layers_together);
@@ -288,9 +354,11 @@ KVTIER_COPY_CHUNKS(kvtier_copy_chunks_i32_w1, int, 1)
 #define KVTIER_BULK_STAGES 4
 #endif
 
+#if !KVTIER_HIP
 __device__ __forceinline__ unsigned shared_address(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
+#endif
 
 template <typename Index>
 __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restrict__ src_index,
@@ -320,7 +388,7 @@ __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restr
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
-    __syncwarp();
+    KVTIER_WARP_SYNC();
 
     auto load_step = [&](unsigned t) {
         const unsigned s = t % KVTIER_BULK_STAGES, first = (worker + t * workers) * per_step;
@@ -329,7 +397,7 @@ __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restr
         if (lane == 0)
             asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(n * chunk)
                          : "memory");
-        __syncwarp();
+        KVTIER_WARP_SYNC();
         if (lane < n) {
             char *from, *to;
             walk.locate(first + lane, &from, &to);
@@ -358,13 +426,13 @@ __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restr
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         if (u + KVTIER_BULK_STAGES < mine) {
             asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-            __syncwarp();
+            KVTIER_WARP_SYNC();
             load_step(u + KVTIER_BULK_STAGES);
         }
     }
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 #else
-    __trap();
+    KVTIER_TRAP();
 #endif
 }
 
@@ -403,7 +471,7 @@ __device__ int block_exclusive_scan(int value, int* total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int x = value;
     for (int d = 1; d < 32; d <<= 1) {
-        int y = __shfl_up_sync(0xffffffffu, x, d);
+        int y = KVTIER_SHFL_UP(x, d);
         if (lane >= d) x += y;
     }
     if (lane == 31) sums[warp] = x;
@@ -411,7 +479,7 @@ __device__ int block_exclusive_scan(int value, int* total) {
     if (warp == 0) {
         int s = lane < warps ? sums[lane] : 0;
         for (int d = 1; d < 32; d <<= 1) {
-            int y = __shfl_up_sync(0xffffffffu, s, d);
+            int y = KVTIER_SHFL_UP(s, d);
             if (lane >= d) s += y;
         }
         sums[lane] = s;

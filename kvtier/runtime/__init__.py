@@ -1,7 +1,8 @@
 """Platform runtimes behind one interface, and the choice between them.
 
-``get()`` picks CUDA when a GPU is usable and the emulator otherwise; ``KVTIER_RUNTIME`` (or the CLI's
-``--runtime``) overrides with ``cuda`` or ``emulated:<mode>[:<devices>][:<schedule>]`` (mode ``split`` or
+``get()`` picks CUDA when an NVIDIA GPU is usable, HIP when an AMD GPU is, and the emulator otherwise;
+``KVTIER_RUNTIME`` (or the CLI's ``--runtime``) overrides with ``cuda``, ``hip`` or
+``emulated:<mode>[:<devices>][:<schedule>]`` (mode ``split`` or
 ``unified``, devices 1-64, schedule ``eager`` or ``lazy``), e.g. ``emulated:split``, ``emulated:unified:4:lazy``.
 One runtime object exists per spec in a process, because registrations are process-wide facts.
 """
@@ -30,7 +31,7 @@ __all__ = ["DeviceAttributes", "Event", "Graph", "HostKind", "HostRegisterFlags"
            "ENV_VAR", "SPEC_HELP"]
 
 ENV_VAR = "KVTIER_RUNTIME"
-SPEC_HELP = "'cuda' or 'emulated:<split|unified>[:<devices 1-64>][:<eager|lazy>]'"
+SPEC_HELP = "'cuda', 'hip' or 'emulated:<split|unified>[:<devices 1-64>][:<eager|lazy>]'"
 
 
 def create(spec: str) -> Runtime:
@@ -40,6 +41,10 @@ def create(spec: str) -> Runtime:
         from kvtier.runtime.cuda import CudaRuntime
 
         return CudaRuntime()
+    if name == "hip" and not rest:
+        from kvtier.runtime.hip import HipRuntime
+
+        return HipRuntime()
     if name == "emulated":
         return _emulated(spec, rest)
     raise RuntimeUnavailable(f"unknown runtime {spec!r}: use {SPEC_HELP}")
@@ -78,7 +83,9 @@ def get(spec: str | None = None) -> Runtime:
     spec = (spec or os.environ.get(ENV_VAR) or "auto").strip().lower()
     if spec != "auto":
         return _shared(spec)
-    try:
-        return _shared("cuda")
-    except RuntimeUnavailable:
-        return _shared("emulated:split")
+    for spec in ("cuda", "hip"):
+        try:
+            return _shared(spec)
+        except RuntimeUnavailable:
+            continue
+    return _shared("emulated:split")

@@ -57,6 +57,8 @@ class DeviceAttributes:
     can_map_host_memory: bool
     pageable_memory_access: bool
     host_register_supported: bool
+    arch: str = ""
+    """The compiler target of the device's kernels (``sm_90``, ``gfx942``); empty where there is none."""
 
 
 @dataclass(frozen=True)

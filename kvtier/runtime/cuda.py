@@ -238,7 +238,7 @@ class CudaRuntime(Runtime):
             unified_addressing=flag("cudaDevAttrUnifiedAddressing"),
             can_map_host_memory=flag("cudaDevAttrCanMapHostMemory"),
             pageable_memory_access=flag("cudaDevAttrPageableMemoryAccess"),
-            host_register_supported=flag("cudaDevAttrHostRegisterSupported"))
+            host_register_supported=flag("cudaDevAttrHostRegisterSupported"), arch=f"sm_{prop.major}{prop.minor}")
 
     def synchronize(self, device: int | None = None) -> None:
         with self.using_device(self.current_device() if device is None else device):
@@ -335,7 +335,7 @@ class CudaRuntime(Runtime):
     def _load_program(self, spec: ProgramSpec, device: int) -> Program:
         """Load the image for the device's compute capability into its primary context, once per runtime."""
         driver = _driver()
-        image, origin = spec.image(self.device_attributes(device).compute_capability)
+        image, origin = spec.image(self.device_attributes(device).arch)
         with self.using_device(device):
             module = check_driver(driver.cuModuleLoadData(image), "cuModuleLoadData")
         functions = {name: check_driver(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")

@@ -75,13 +75,13 @@ def argument_values(arg: KernelArg, device: int) -> Any:
 
 @dataclass(frozen=True)
 class ProgramSpec:
-    """A set of kernels as every runtime needs it: a compiled image for a compute capability (CUDA/HIP) and the
-    Python reference of each kernel (the emulator). ``key`` identifies the build: a runtime loads a key once per
+    """A set of kernels as every runtime needs it: a compiled image for a compiler target (``sm_90``, ``gfx942``)
+    and the Python reference of each kernel (the emulator). ``key`` identifies the build: a runtime loads a key once per
     device and keeps it for its lifetime, so engines share modules instead of loading one each."""
 
     key: str
     names: tuple[str, ...]
-    image: Callable[[tuple[int, int]], tuple[bytes, str]]
+    image: Callable[[str], tuple[bytes, str]]
     reference: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
 
 

@@ -1,0 +1,162 @@
+"""Building the transfer kernels for AMD GPUs from the same source: ahead of time with hipcc, or at first use with
+hiprtc.
+
+AOT: ``python -m kvtier.kernels.build --hip`` writes one code object per target (``transfer-gfx90a.hsaco``, ...) and
+``transfer-hip.json`` (source hash, the targets built, and why any target was skipped: an older ROCm's compiler does
+not know gfx942 or gfx950) into the prebuilt folder. JIT: hiprtc through ctypes (``libhiprtc.so`` in ROCm 6+, inside
+``libamdhip64`` before), cached on disk like the CUDA builds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvtier.errors import KernelBuildError
+from kvtier.kernels.source import DEFAULT_UNROLL, SOURCE_PATH, source_hash, source_text
+
+HIP_ARCHS = ("gfx90a", "gfx942", "gfx950")
+HIP_MANIFEST = "transfer-hip.json"
+HIPRTC_LIBRARIES = ("libhiprtc.so", "libhiprtc.so.7", "libhiprtc.so.6", "libamdhip64.so", "libamdhip64.so.5")
+
+
+def code_object_name(arch: str) -> str:
+    return f"transfer-{arch}.hsaco"
+
+
+def hipcc_command(out: Path, arch: str, hipcc: str = "hipcc") -> list[str]:
+    return [hipcc, "--genco", f"--offload-arch={arch}", "-O3", "-std=c++17", f"-DKVTIER_UNROLL={DEFAULT_UNROLL}",
+            "-o", str(out), str(SOURCE_PATH)]
+
+
+def hip_environment() -> dict[str, str]:
+    """hipcc picks NVIDIA when it finds nvcc on PATH: kvtier's HIP builds are for AMD."""
+    return {**os.environ, "HIP_PLATFORM": "amd"}
+
+
+def build_hip_aot(out_dir: Path, archs: tuple[str, ...] = HIP_ARCHS, hipcc: str = "hipcc") -> dict:
+    """Compile a code object per target this toolchain knows; returns the manifest written. Raises KernelBuildError
+    when hipcc is missing or no target builds."""
+    if shutil.which(hipcc) is None:
+        raise KernelBuildError(f"the HIP build needs {hipcc!r} on PATH (ROCm's hipcc, e.g. apt-get install hipcc)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    built, skipped = [], {}
+    for arch in archs:
+        command = hipcc_command(out_dir / code_object_name(arch), arch, hipcc)
+        done = subprocess.run(command, capture_output=True, text=True, env=hip_environment())
+        if done.returncode == 0:
+            built.append(arch)
+        else:
+            lines = [line for line in (done.stderr + done.stdout).splitlines() if "error" in line.lower()]
+            skipped[arch] = (lines[0] if lines else f"hipcc exited {done.returncode}").strip()
+    if not built:
+        raise KernelBuildError(f"hipcc built none of {', '.join(archs)}: {skipped}")
+    manifest = {"source_hash": source_hash(), "archs": built, "skipped": skipped, "unroll": DEFAULT_UNROLL,
+                "hipcc": hipcc_version(hipcc)}
+    (out_dir / HIP_MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def hipcc_version(hipcc: str = "hipcc") -> str:
+    done = subprocess.run([hipcc, "--version"], capture_output=True, text=True, env=hip_environment())
+    return next((line.strip() for line in done.stdout.splitlines() if line.startswith("HIP version")), "unknown")
+
+
+def aot_code_object(folder: Path, arch: str) -> tuple[bytes | None, str]:
+    manifest = folder / HIP_MANIFEST
+    if not manifest.exists():
+        return None, f"no prebuilt HIP kernels in {folder} (build them with `python -m kvtier.kernels.build --hip`)"
+    info = json.loads(manifest.read_text())
+    if info.get("source_hash") != source_hash():
+        return None, (f"prebuilt HIP kernels in {folder} were built from source {info.get('source_hash')}, not the "
+                      f"current {source_hash()}: rebuild with `python -m kvtier.kernels.build --hip`")
+    if arch not in info.get("archs", []):
+        reason = info.get("skipped", {}).get(arch)
+        return None, f"prebuilt HIP kernels cover {info.get('archs')}, not {arch}" + (f" ({reason})" if reason else "")
+    path = folder / code_object_name(arch)
+    return path.read_bytes(), f"aot:{path}"
+
+
+class Hiprtc:
+    """hiprtc's C API, declared once."""
+
+    def __init__(self) -> None:
+        errors = []
+        for name in HIPRTC_LIBRARIES:
+            try:
+                lib = ctypes.CDLL(name)
+                lib.hiprtcCreateProgram  # noqa: B018 (the library must export hiprtc)
+                break
+            except (OSError, AttributeError) as exc:
+                errors.append(str(exc))
+        else:
+            raise KernelBuildError(f"JIT builds for AMD GPUs need hiprtc ({'; '.join(errors)})")
+        p, size = ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)
+        signatures = {
+            "hiprtcCreateProgram": [ctypes.POINTER(p), ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, p, p],
+            "hiprtcCompileProgram": [p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+            "hiprtcGetCodeSize": [p, size], "hiprtcGetCode": [p, ctypes.c_char_p],
+            "hiprtcGetProgramLogSize": [p, size], "hiprtcGetProgramLog": [p, ctypes.c_char_p],
+            "hiprtcDestroyProgram": [ctypes.POINTER(p)], "hiprtcVersion": [ctypes.POINTER(ctypes.c_int)] * 2}
+        for name, argtypes in signatures.items():
+            function = getattr(lib, name)
+            function.argtypes, function.restype = argtypes, ctypes.c_int
+        lib.hiprtcGetErrorString.argtypes, lib.hiprtcGetErrorString.restype = [ctypes.c_int], ctypes.c_char_p
+        self.lib = lib
+
+    def check(self, status: int, call: str, log: str = "") -> None:
+        if status != 0:
+            text = (self.lib.hiprtcGetErrorString(status) or b"").decode(errors="replace")
+            raise KernelBuildError(f"{call}: {text} ({status})\n{log}")
+
+    def version(self) -> tuple[int, int]:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.check(self.lib.hiprtcVersion(ctypes.byref(major), ctypes.byref(minor)), "hiprtcVersion")
+        return major.value, minor.value
+
+    def compile(self, source: str, filename: str, options: list[str]) -> bytes:
+        program = ctypes.c_void_p()
+        self.check(self.lib.hiprtcCreateProgram(ctypes.byref(program), source.encode(), filename.encode(), 0, None,
+                                                None), "hiprtcCreateProgram")
+        try:
+            encoded = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+            status = self.lib.hiprtcCompileProgram(program, len(options), encoded)
+            if status != 0:
+                size = ctypes.c_size_t()
+                self.lib.hiprtcGetProgramLogSize(program, ctypes.byref(size))
+                log = ctypes.create_string_buffer(size.value + 1)
+                self.lib.hiprtcGetProgramLog(program, log)
+                self.check(status, "hiprtcCompileProgram", log.value.decode(errors="replace"))
+            size = ctypes.c_size_t()
+            self.check(self.lib.hiprtcGetCodeSize(program, ctypes.byref(size)), "hiprtcGetCodeSize")
+            code = ctypes.create_string_buffer(size.value)
+            self.check(self.lib.hiprtcGetCode(program, code), "hiprtcGetCode")
+            return code.raw
+        finally:
+            self.lib.hiprtcDestroyProgram(ctypes.byref(program))
+
+
+def compile_jit_hip(arch: str, unroll: int = DEFAULT_UNROLL, max_threads: int = 1024, streaming: bool = True,
+                    cache: Path | None = None) -> bytes:
+    """A code object for ``arch`` (e.g. ``gfx942``) from hiprtc, through the on-disk cache."""
+    from kvtier.kernels.build import cache_dir
+
+    hiprtc = Hiprtc()
+    options = [f"--gpu-architecture={arch}", "-std=c++17", "-O3", f"-DKVTIER_UNROLL={unroll}",
+               f"-DKVTIER_MAX_THREADS={max_threads}", f"-DKVTIER_STREAMING={int(streaming)}"]
+    key = hashlib.sha256(repr((source_hash(), options, hiprtc.version())).encode()).hexdigest()[:24]
+    cached = (cache or cache_dir()) / f"transfer-{arch}-{key}.hsaco"
+    if cached.exists():
+        return cached.read_bytes()
+    code = hiprtc.compile(source_text(), "transfer.cu", options)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=cached.parent, delete=False) as tmp:
+        tmp.write(code)
+    os.replace(tmp.name, cached)
+    return code
