@@ -32,12 +32,11 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
-from transfer import GEOMETRIES, fill  # noqa: E402
+from transfer import GEOMETRIES, bench_runtime, fill  # noqa: E402
 
 from kvtier.cli.doctor_probe import probe_bandwidth  # noqa: E402
 from kvtier.memory import DeviceBuffer, HostBuffer, HostKind  # noqa: E402
 from kvtier.pools import DevicePool, HostPool  # noqa: E402
-from kvtier.runtime import get  # noqa: E402
 from kvtier.transfer import TransferEngine  # noqa: E402
 
 PAIRS = ("kernel/kernel", "staged/staged", "kernel/staged", "staged/kernel")
@@ -245,12 +244,7 @@ def diagnose(runtime, g, dev, pages, args, console) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console(width=200)
-    runtime = get(args.runtime)
-    emulated = runtime.name.startswith("emulated")
-    if emulated:
-        console.print(EMULATED_NOTE.format(name=runtime.name))
-    args.gib = args.gib if args.gib is not None else (1 / 256 if emulated else 1.0)
-    args.repeats = args.repeats if args.repeats is not None else (1 if emulated else 3)
+    runtime, emulated = bench_runtime(args, console, EMULATED_NOTE, emulated_gib=1 / 256)
     size = int(args.gib * (1 << 30))
     probe = min(1 << 30, max(1 << 20, size))
     ceiling = probe_bandwidth(runtime, probe)

@@ -25,12 +25,11 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
-from transfer import GEOMETRIES, fill  # noqa: E402
+from transfer import GEOMETRIES, bench_runtime, fill  # noqa: E402
 
 from kvtier.cli.doctor_probe import probe_bandwidth  # noqa: E402
 from kvtier.memory import HostBuffer, HostKind  # noqa: E402
 from kvtier.pools import DevicePool, HostPool  # noqa: E402
-from kvtier.runtime import get  # noqa: E402
 from kvtier.transfer import TransferEngine  # noqa: E402
 
 EMULATED_NOTE = "note: {name} runs Python reference kernels on the CPU, so these timings are not speeds"
@@ -73,10 +72,7 @@ def measure(loader, engine: TransferEngine, slots: np.ndarray, dst: np.ndarray, 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console(width=160)
-    runtime = get(args.runtime)
-    emulated = runtime.name.startswith("emulated")
-    if emulated:
-        console.print(EMULATED_NOTE.format(name=runtime.name))
+    runtime, emulated = bench_runtime(args, console, EMULATED_NOTE)
     ceiling = probe_bandwidth(runtime, (1 << 20) if emulated else (1 << 30))["h2d_gbps"]
     console.log(f"H2D ceiling {ceiling:.1f} GB/s")
     rng = np.random.default_rng(0)

@@ -307,15 +307,23 @@ def render(runtime, sms: int, rows: list[Row], extras: dict, console: Console) -
     console.print({"bidirectional": extras["bidirectional"], "gemm": extras["gemm"]})
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    console = Console(width=200)
+def bench_runtime(args: argparse.Namespace, console: Console, note: str, emulated_gib: float | None = None):
+    """The runtime a benchmark runs on (``args.runtime``), with the emulator's note printed when it is emulated, and
+    ``--gib`` / ``--repeats`` defaults filled in (cut down on the emulator) where the script has them."""
     runtime = get(args.runtime)
     emulated = runtime.name.startswith("emulated")
     if emulated:
-        console.print(EMULATED_NOTE.format(name=runtime.name))
-    args.gib = args.gib if args.gib is not None else (1 / 64 if emulated else 1.0)
-    args.repeats = args.repeats if args.repeats is not None else (1 if emulated else 3)
+        console.print(note.format(name=runtime.name))
+    if emulated_gib is not None:
+        args.gib = args.gib if args.gib is not None else (emulated_gib if emulated else 1.0)
+        args.repeats = args.repeats if args.repeats is not None else (1 if emulated else 3)
+    return runtime, emulated
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    console = Console(width=200)
+    runtime, emulated = bench_runtime(args, console, EMULATED_NOTE, emulated_gib=1 / 64)
     sms = runtime.device_attributes(0).multiprocessors
     blocks = ("2" if emulated else "2,0") if args.quick else args.blocks
     budgets = list(dict.fromkeys(int(x) or sms for x in blocks.split(",")))

@@ -69,18 +69,9 @@ def hipcc_version(hipcc: str = "hipcc") -> str:
 
 
 def aot_code_object(folder: Path, arch: str) -> tuple[bytes | None, str]:
-    manifest = folder / HIP_MANIFEST
-    if not manifest.exists():
-        return None, f"no prebuilt HIP kernels in {folder} (build them with `python -m kvtier.kernels.build --hip`)"
-    info = json.loads(manifest.read_text())
-    if info.get("source_hash") != source_hash():
-        return None, (f"prebuilt HIP kernels in {folder} were built from source {info.get('source_hash')}, not the "
-                      f"current {source_hash()}: rebuild with `python -m kvtier.kernels.build --hip`")
-    if arch not in info.get("archs", []):
-        reason = info.get("skipped", {}).get(arch)
-        return None, f"prebuilt HIP kernels cover {info.get('archs')}, not {arch}" + (f" ({reason})" if reason else "")
-    path = folder / code_object_name(arch)
-    return path.read_bytes(), f"aot:{path}"
+    from kvtier.kernels.loader import prebuilt
+
+    return prebuilt(folder, HIP_MANIFEST, arch, folder / code_object_name(arch), "python -m kvtier.kernels.build --hip")
 
 
 class Hiprtc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from kvtier.errors import KernelBuildError
 from kvtier.kernels.source import DEFAULT_UNROLL, source_hash
@@ -15,20 +16,27 @@ from kvtier.kernels.source import DEFAULT_UNROLL, source_hash
 MODES = ("auto", "aot", "jit")
 
 
+def prebuilt(folder: Path, manifest: str, arch: str, image: Path, command: str) -> tuple[bytes | None, str]:
+    """(image, origin) of a prebuilt build for ``arch`` when its manifest says it was built from this source for that
+    target, else (None, why not) naming ``command`` to build it."""
+    path = folder / manifest
+    if not path.exists() or not image.exists():
+        return None, f"no prebuilt kernels for {arch} in {folder} (build them with `{command}`)"
+    info = json.loads(path.read_text())
+    if info.get("source_hash") != source_hash():
+        return None, (f"prebuilt kernels in {folder} were built from source {info.get('source_hash')}, not the "
+                      f"current {source_hash()}: rebuild with `{command}`")
+    if arch not in info.get("archs", []):
+        reason = info.get("skipped", {}).get(arch)
+        return None, f"prebuilt kernels cover {info.get('archs')}, not {arch}" + (f" ({reason})" if reason else "")
+    return image.read_bytes(), f"aot:{image}"
+
+
 def _aot_image(arch: str) -> tuple[bytes | None, str]:
     from kvtier.kernels.build import FATBIN_NAME, MANIFEST_NAME, prebuilt_dir
 
     folder = prebuilt_dir()
-    fatbin, manifest = folder / FATBIN_NAME, folder / MANIFEST_NAME
-    if not fatbin.exists() or not manifest.exists():
-        return None, f"no prebuilt kernels in {folder} (build them with `python -m kvtier.kernels.build`)"
-    info = json.loads(manifest.read_text())
-    if info.get("source_hash") != source_hash():
-        return None, (f"prebuilt kernels in {folder} were built from source {info.get('source_hash')}, not the "
-                      f"current {source_hash()}: rebuild with `python -m kvtier.kernels.build`")
-    if arch not in info.get("archs", []):
-        return None, f"prebuilt kernels cover {info.get('archs')}, not {arch}"
-    return fatbin.read_bytes(), f"aot:{fatbin}"
+    return prebuilt(folder, MANIFEST_NAME, arch, folder / FATBIN_NAME, "python -m kvtier.kernels.build")
 
 
 def _aot_code_object(arch: str) -> tuple[bytes | None, str]:

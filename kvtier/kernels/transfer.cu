@@ -90,45 +90,19 @@ __device__ __forceinline__ void store_stream(T* p, T v) {
 
 #if KVTIER_HIP
 // HIP's vector types wrap a native vector (.data), which the nontemporal builtins take.
-template <>
-__device__ __forceinline__ uint4 load_stream<uint4>(const uint4* p) {
-    uint4 v;
 #if KVTIER_STREAMING
-    v.data = __builtin_nontemporal_load(&p->data);
-#else
-    v.data = p->data;
+#define KVTIER_HIP_VECTOR_ACCESS(T)                                                                                \
+    template <> __device__ __forceinline__ T load_stream<T>(const T* p) {                                          \
+        T v;                                                                                                        \
+        v.data = __builtin_nontemporal_load(&p->data);                                                              \
+        return v;                                                                                                   \
+    }                                                                                                               \
+    template <> __device__ __forceinline__ void store_stream<T>(T* p, T v) {                                       \
+        __builtin_nontemporal_store(v.data, &p->data);                                                              \
+    }
+KVTIER_HIP_VECTOR_ACCESS(uint4)
+KVTIER_HIP_VECTOR_ACCESS(uint2)
 #endif
-    return v;
-}
-
-template <>
-__device__ __forceinline__ void store_stream<uint4>(uint4* p, uint4 v) {
-#if KVTIER_STREAMING
-    __builtin_nontemporal_store(v.data, &p->data);
-#else
-    p->data = v.data;
-#endif
-}
-
-template <>
-__device__ __forceinline__ uint2 load_stream<uint2>(const uint2* p) {
-    uint2 v;
-#if KVTIER_STREAMING
-    v.data = __builtin_nontemporal_load(&p->data);
-#else
-    v.data = p->data;
-#endif
-    return v;
-}
-
-template <>
-__device__ __forceinline__ void store_stream<uint2>(uint2* p, uint2 v) {
-#if KVTIER_STREAMING
-    __builtin_nontemporal_store(v.data, &p->data);
-#else
-    p->data = v.data;
-#endif
-}
 #else
 template <>
 __device__ __forceinline__ uint4 load_stream<uint4>(const uint4* p) {
