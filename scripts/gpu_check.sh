@@ -4,11 +4,11 @@
 # probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py,
 # TESTS narrows the AOT suite (default: tests), ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane),
-# STORAGE_ARGS to bench/storage.py, FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, BOTH_ARGS to bench/bidirectional.py, E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark). The storage phase
+# STORAGE_ARGS to bench/storage.py, FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, BOTH_ARGS to bench/bidirectional.py, GEMM_ARGS to bench/gemm_beside.py, E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark). The storage phase
 # needs redis-server on PATH and redis-py importable.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
-PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench both families small enqueue demo cache limits storage e2e"}
+PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench both gemm families small enqueue demo cache limits storage e2e"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
@@ -58,6 +58,10 @@ if want bench; then
 fi
 if want both; then
     python3 bench/bidirectional.py ${BOTH_ARGS:-} --json "$OUT/bidirectional.json" 2>&1 | tee "$OUT/bidirectional.txt" \
+        || status=1
+fi
+if want gemm; then
+    python3 bench/gemm_beside.py ${GEMM_ARGS:-} --json "$OUT/gemm_beside.json" 2>&1 | tee "$OUT/gemm_beside.txt" \
         || status=1
 fi
 if want families; then

@@ -98,8 +98,9 @@ class HipLibrary:
             except OSError as exc:
                 errors.append(str(exc))
         else:
-            raise RuntimeUnavailable(f"hip runtime unusable: no HIP library ({'; '.join(errors)}); install ROCm "
-                                     f"(libamdhip64) or set {LIBRARY_VAR}")
+            raise RuntimeUnavailable(f"hip runtime unusable on this machine (no AMD GPU runtime: no HIP library; "
+                                     f"{'; '.join(errors)}); install ROCm (libamdhip64) or set {LIBRARY_VAR}; the "
+                                     f"emulated runtime (KVTIER_RUNTIME=emulated:split) needs no GPU")
         for name, argtypes in SIGNATURES.items():
             function = getattr(self.lib, name, None)
             if function is not None:
