@@ -23,8 +23,9 @@ from kvtier.runtime.hip import (
     HipRuntime,
     HipStream,
     gfx_name,
-    kfd_architectures,
+    kfd_targets,
     memory_types,
+    pci_location,
 )
 
 
@@ -38,7 +39,7 @@ class FakeLib:
                            ATTRIBUTES["minor"]: 4, ATTRIBUTES["multiprocessors"]: 256,
                            ATTRIBUTES["unified_addressing"]: 1, ATTRIBUTES["can_map_host_memory"]: 1,
                            ATTRIBUTES["pageable_memory_access"]: 0, ATTRIBUTES["stream_wait_value"]: 1}
-        self.pointer_status, self.pointer_type = SUCCESS, 1
+        self.pointer_status, self.pointer_type, self.managed = SUCCESS, 1, 0
 
     def __getattr__(self, name: str):
         if name.startswith("hip"):
@@ -75,12 +76,17 @@ class FakeLib:
     def hipDeviceTotalMem(self, ref, device):
         return self._out(ref, 288 << 30)
 
+    def hipDeviceGetPCIBusId(self, buffer, size, device):
+        buffer.value = ["0000:c1:00.0", "0001:05:00.0"][device].encode()
+        return SUCCESS
+
     def hipHostGetDevicePointer(self, ref, address, flags):
         return self._out(ref, address.value + self.alias_offset)
 
     def hipPointerGetAttributes(self, ref, address):
         attrs = ref._obj
         attrs.type, attrs.device, attrs.devicePointer, attrs.hostPointer = self.pointer_type, 1, 0x1000, 0x2000
+        attrs.isManaged = self.managed
         return self.pointer_status
 
     def hipGetErrorName(self, status):
@@ -96,9 +102,13 @@ def fake_library(**options) -> HipLibrary:
     return library
 
 
+# device 0 sits at PCI 0000:c1:00.0, device 1 at 0001:05:00.0 (FakeLib.hipDeviceGetPCIBusId)
+TARGETS = {(0, 0xC1 << 8): "gfx950", (1, 0x05 << 8): "gfx942"}
+
+
 @pytest.fixture
 def fake(monkeypatch):
-    monkeypatch.setattr("kvtier.runtime.hip.kfd_architectures", lambda: ["gfx950", "gfx942"])
+    monkeypatch.setattr("kvtier.runtime.hip.kfd_targets", lambda: TARGETS)
     return HipRuntime(fake_library())
 
 
@@ -115,13 +125,28 @@ def test_gfx_target_names_from_kfd_versions(version, name):
     assert gfx_name(version) == name
 
 
-def test_device_targets_come_from_the_kfd_topology_in_node_order(tmp_path):
-    for node, version in [("0", 0), ("2", 90010), ("10", 90500), ("1", 90402)]:
+def test_device_targets_come_from_the_kfd_topology_by_pci_address(tmp_path):
+    nodes = [("0", 0, 0, 0), ("2", 90010, 0, 0x8300), ("10", 90500, 1, 0x0508), ("1", 90402, 0, 0xC100)]
+    for node, version, domain, location in nodes:
         (tmp_path / node).mkdir()
-        (tmp_path / node / "properties").write_text(f"cpu_cores_count 0\ngfx_target_version {version}\n")
+        (tmp_path / node / "properties").write_text(f"cpu_cores_count 0\ngfx_target_version {version}\n"
+                                                    f"domain {domain}\nlocation_id {location}\n")
     (tmp_path / "7").mkdir()  # a node without properties is skipped
-    assert kfd_architectures(tmp_path) == ["gfx942", "gfx90a", "gfx950"]
-    assert kfd_architectures(tmp_path / "missing") == []
+    assert kfd_targets(tmp_path) == {(0, 0x8300): "gfx90a", (1, 0x0508): "gfx950", (0, 0xC100): "gfx942"}
+    assert kfd_targets(tmp_path / "missing") == {}
+
+
+@pytest.mark.parametrize("bus_id, location", [("0000:c1:00.0", (0, 0xC100)), ("0001:05:01.2", (1, 0x050A)),
+                                              ("0000:83:00.0\n", (0, 0x8300))])
+def test_pci_bus_ids_as_kfd_locations(bus_id, location):
+    assert pci_location(bus_id) == location
+
+
+def test_devices_hidden_from_hip_still_get_their_own_target(monkeypatch):
+    """HIP_VISIBLE_DEVICES renumbers devices; KFD lists every GPU: the target follows the PCI address, not order."""
+    monkeypatch.setattr("kvtier.runtime.hip.kfd_targets", lambda: {(0, 0x0100): "gfx90a", **TARGETS})
+    runtime = HipRuntime(fake_library())
+    assert [runtime.device_attributes(d).arch for d in range(2)] == ["gfx950", "gfx942"]
 
 
 def test_device_attributes_parse_the_alias_attribute_and_the_target(fake):
@@ -145,7 +170,7 @@ def test_registered_memory_gets_the_alias_hip_returns_not_the_cpu_address(fake):
 
 
 def test_pointer_attributes_on_rocm5_and_rocm6(monkeypatch):
-    monkeypatch.setattr("kvtier.runtime.hip.kfd_architectures", lambda: [])
+    monkeypatch.setattr("kvtier.runtime.hip.kfd_targets", lambda: {})
     old = HipRuntime(fake_library(version=50_221_153))
     old._hip.lib.pointer_status = INVALID_VALUE  # ROCm 5: memory HIP does not know is an error
     assert old.pointer_attributes(0x1234).type is MemoryType.UNREGISTERED
@@ -159,6 +184,8 @@ def test_pointer_attributes_on_rocm5_and_rocm6(monkeypatch):
                                                                                     0x2000)
     new._hip.lib.pointer_type = 0
     assert new.pointer_attributes(0x1234).type is MemoryType.UNREGISTERED
+    old._hip.lib.managed = 1  # ROCm 5 has no managed memory type: the isManaged flag says it
+    assert old.pointer_attributes(0x1234).type is MemoryType.MANAGED
 
 
 def test_errors_carry_hips_name_and_text(fake):
@@ -246,3 +273,11 @@ def test_hiprtc_compiles_the_kernel_source(tmp_path):
     assert code[:4] == b"\x7fELF" and all(name.encode() in code for name in KERNEL_NAMES)
     assert compile_jit_hip("gfx90a", cache=tmp_path) == code  # from the cache
     assert len(list(tmp_path.glob("*.hsaco"))) == 1
+
+
+def test_bulk_copies_are_never_chosen_on_hip(fake):
+    """The TMA bulk kernels exist only for CUDA sm_90+; a gfx942 reports compute capability 9.4 too."""
+    from kvtier.kernels import KernelLauncher
+
+    assert fake.device_attributes(0).compute_capability[0] == 9
+    assert not KernelLauncher(fake, bulk=True)._bulk_capable(0)

@@ -23,7 +23,8 @@ from kvtier.kernels.source import DEFAULT_UNROLL, SOURCE_PATH, source_hash, sour
 
 HIP_ARCHS = ("gfx90a", "gfx942", "gfx950")
 HIP_MANIFEST = "transfer-hip.json"
-HIPRTC_LIBRARIES = ("libhiprtc.so", "libhiprtc.so.7", "libhiprtc.so.6", "libamdhip64.so", "libamdhip64.so.5")
+HIPRTC_LIBRARIES = ("libhiprtc.so", "libhiprtc.so.7", "libhiprtc.so.6", "libhiprtc.so.5", "libamdhip64.so",
+                    "libamdhip64.so.5")
 
 
 def code_object_name(arch: str) -> str:
@@ -74,6 +75,19 @@ def aot_code_object(folder: Path, arch: str) -> tuple[bytes | None, str]:
     return prebuilt(folder, HIP_MANIFEST, arch, folder / code_object_name(arch), "python -m kvtier.kernels.build --hip")
 
 
+def _resolved(name: str) -> str:
+    """A library name as the file the loader opens: the first match on LD_LIBRARY_PATH, ROCm's and the system's
+    folders (the name itself when none matches)."""
+    if os.path.isabs(name):
+        return name
+    folders = [f for f in os.environ.get("LD_LIBRARY_PATH", "").split(":") if f]
+    for folder in (*folders, "/opt/rocm/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"):
+        candidate = os.path.join(folder, name)
+        if os.path.exists(candidate):
+            return os.path.realpath(candidate)
+    return name
+
+
 class Hiprtc:
     """hiprtc's C API, declared once."""
 
@@ -100,6 +114,16 @@ class Hiprtc:
             function.argtypes, function.restype = argtypes, ctypes.c_int
         lib.hiprtcGetErrorString.argtypes, lib.hiprtcGetErrorString.restype = [ctypes.c_int], ctypes.c_char_p
         self.lib = lib
+
+    def identity(self) -> str:
+        """What the JIT cache keys on: hiprtcVersion is a fixed 9.0 in every ROCm release, so the library file itself
+        (path, size, modification time) tells one ROCm from another."""
+        path = _resolved(self.lib._name)
+        try:
+            info = os.stat(path)
+        except OSError:
+            return path
+        return f"{path}:{info.st_size}:{int(info.st_mtime)}"
 
     def check(self, status: int, call: str, log: str = "") -> None:
         if status != 0:
@@ -141,7 +165,7 @@ def compile_jit_hip(arch: str, unroll: int = DEFAULT_UNROLL, max_threads: int = 
     hiprtc = Hiprtc()
     options = [f"--gpu-architecture={arch}", "-std=c++17", "-O3", f"-DKVTIER_UNROLL={unroll}",
                f"-DKVTIER_MAX_THREADS={max_threads}", f"-DKVTIER_STREAMING={int(streaming)}"]
-    key = hashlib.sha256(repr((source_hash(), options, hiprtc.version())).encode()).hexdigest()[:24]
+    key = hashlib.sha256(repr((source_hash(), options, hiprtc.version(), hiprtc.identity())).encode()).hexdigest()[:24]
     cached = (cache or cache_dir()) / f"transfer-{arch}-{key}.hsaco"
     if cached.exists():
         return cached.read_bytes()

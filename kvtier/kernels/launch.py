@@ -357,7 +357,8 @@ class KernelLauncher:
         if capable is None:
             major = self.runtime.device_attributes(device).compute_capability[0]
             # sm_90 / sm_100 parts give a block ~227 KiB of shared memory; consumer parts (sm_120) under 100 KiB
-            capable = self._bulk_devices[device] = self.runtime.name.startswith("emulated") or major in (9, 10)
+            capable = self._bulk_devices[device] = self.runtime.name.startswith("emulated") or (
+                self.runtime.name == "cuda" and major in (9, 10))  # a HIP gfx9 part reports major 9 too
         return capable
 
     def check_threads(self, threads: int, blocks: int = 1) -> None:

@@ -36,7 +36,16 @@
 #include <hip/hip_runtime.h>
 #endif
 #define KVTIER_HIP 1
-#define KVTIER_WARP_SYNC() __builtin_amdgcn_wave_barrier()
+#define KVTIER_WARP_SYNC()                                    \
+    do {                                                      \
+        __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront"); \
+        __builtin_amdgcn_wave_barrier();                      \
+        __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront"); \
+    } while (0)
+// Global-memory pointers: the copy loop reads its chunk pointers from shared memory, so the compiler cannot tell they
+// point to global memory and would issue flat accesses, which count on the same counter as shared-memory reads: every
+// pointer read would then wait for the previous load to land, one load in flight instead of KVTIER_UNROLL.
+#define KVTIER_GLOBAL(T, p) ((__attribute__((address_space(1))) T*)(p))
 #define KVTIER_SHFL_UP(v, d) __shfl_up((v), (d), 32)
 #define KVTIER_TRAP() __builtin_trap()
 #else
@@ -69,7 +78,9 @@ template <> struct Vector<1> { typedef unsigned char T; };
 template <typename T>
 __device__ __forceinline__ T load_stream(const T* p) {
 #if KVTIER_HIP && KVTIER_STREAMING
-    return __builtin_nontemporal_load(p);
+    return __builtin_nontemporal_load(KVTIER_GLOBAL(const T, p));
+#elif KVTIER_HIP
+    return *KVTIER_GLOBAL(const T, p);
 #elif defined(__CUDA_ARCH__) && KVTIER_STREAMING
     return __ldcs(p);
 #else
@@ -80,7 +91,9 @@ __device__ __forceinline__ T load_stream(const T* p) {
 template <typename T>
 __device__ __forceinline__ void store_stream(T* p, T v) {
 #if KVTIER_HIP && KVTIER_STREAMING
-    __builtin_nontemporal_store(v, p);
+    __builtin_nontemporal_store(v, KVTIER_GLOBAL(T, p));
+#elif KVTIER_HIP
+    *KVTIER_GLOBAL(T, p) = v;
 #elif defined(__CUDA_ARCH__) && KVTIER_STREAMING
     __stcs(p, v);
 #else
@@ -93,16 +106,30 @@ __device__ __forceinline__ void store_stream(T* p, T v) {
 #if KVTIER_STREAMING
 #define KVTIER_HIP_VECTOR_ACCESS(T)                                                                                \
     template <> __device__ __forceinline__ T load_stream<T>(const T* p) {                                          \
+        typedef decltype(p->data) D;                                                                                \
         T v;                                                                                                        \
-        v.data = __builtin_nontemporal_load(&p->data);                                                              \
+        v.data = __builtin_nontemporal_load(KVTIER_GLOBAL(const D, &p->data));                                     \
         return v;                                                                                                   \
     }                                                                                                               \
     template <> __device__ __forceinline__ void store_stream<T>(T* p, T v) {                                       \
-        __builtin_nontemporal_store(v.data, &p->data);                                                              \
+        typedef decltype(v.data) D;                                                                                 \
+        __builtin_nontemporal_store(v.data, KVTIER_GLOBAL(D, &p->data));                                           \
     }
+#else
+#define KVTIER_HIP_VECTOR_ACCESS(T)                                                                                \
+    template <> __device__ __forceinline__ T load_stream<T>(const T* p) {                                          \
+        typedef decltype(p->data) D;                                                                                \
+        T v;                                                                                                        \
+        v.data = *KVTIER_GLOBAL(const D, &p->data);                                                                 \
+        return v;                                                                                                   \
+    }                                                                                                               \
+    template <> __device__ __forceinline__ void store_stream<T>(T* p, T v) {                                       \
+        typedef decltype(v.data) D;                                                                                 \
+        *KVTIER_GLOBAL(D, &p->data) = v.data;                                                                       \
+    }
+#endif
 KVTIER_HIP_VECTOR_ACCESS(uint4)
 KVTIER_HIP_VECTOR_ACCESS(uint2)
-#endif
 #else
 template <>
 __device__ __forceinline__ uint4 load_stream<uint4>(const uint4* p) {

@@ -4,7 +4,8 @@ Why ctypes and not AMD's ``hip-python``: each hip-python release is built agains
 with it (the PyPI wheels target ROCm 6-7; Debian 12 ships ROCm 5.2), while the few dozen C functions kvtier calls have
 kept their signatures since ROCm 5. ctypes loads whichever ``libamdhip64.so`` is installed (``KVTIER_HIP_LIBRARY``
 names another). What did change between releases is handled here, in one place each: the ``hipMemoryType`` numbers
-(ROCm 6 took CUDA's), and ``hipPointerGetAttributes`` on unregistered memory (an error before ROCm 6).
+(ROCm 6 took CUDA's; ROCm 5 has no managed type and flags managed memory with ``isManaged``), and
+``hipPointerGetAttributes`` on memory HIP does not know (``hipErrorInvalidValue``, a sticky error kvtier clears).
 
 Every call goes through :meth:`HipLibrary.check`, which raises :class:`RuntimeCallError` with HIP's own error name.
 Verified here: loading, error mapping, argument packing and attribute parsing (unit tests), and the clear "no AMD GPU"
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import weakref
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,7 @@ class PointerAttribute(ctypes.Structure):
 SIGNATURES: dict[str, list[Any]] = {
     "hipGetDeviceCount": [PI], "hipGetDevice": [PI], "hipSetDevice": [INT], "hipRuntimeGetVersion": [PI],
     "hipDeviceGetAttribute": [PI, INT, INT], "hipDeviceGetName": [ctypes.c_char_p, INT, INT],
+    "hipDeviceGetPCIBusId": [ctypes.c_char_p, INT, INT],
     "hipDeviceTotalMem": [ctypes.POINTER(SZ), INT],
     "hipDeviceSynchronize": [], "hipGetLastError": [],
     "hipHostMalloc": [PP, SZ, U], "hipHostFree": [P], "hipHostRegister": [P, SZ, U], "hipHostUnregister": [P],
@@ -143,20 +146,29 @@ def gfx_name(target_version: int) -> str:
     return f"gfx{major}{minor:x}{stepping:x}"
 
 
-def kfd_architectures(nodes: Path = KFD_NODES) -> list[str]:
-    """The GPU targets the kernel driver lists, in node order (CPU nodes report 0 and are skipped): how a device
-    index maps to a code-object target without reading hipDeviceProp_t, whose layout changes between releases."""
-    archs = []
-    for node in sorted(nodes.glob("*"), key=lambda p: int(p.name) if p.name.isdigit() else -1):
+def kfd_targets(nodes: Path = KFD_NODES) -> dict[tuple[int, int], str]:
+    """The GPUs the kernel driver lists, as {(PCI domain, location id): gfx target} (CPU nodes report target 0 and are
+    skipped). How a device maps to a code-object target without reading hipDeviceProp_t, whose layout changes between
+    releases."""
+    targets = {}
+    for node in nodes.glob("*"):
         try:
             properties = dict(line.split(None, 1) for line in (node / "properties").read_text().splitlines()
                               if " " in line)
-        except OSError:
+            target = int(properties.get("gfx_target_version", "0").strip() or 0)
+            where = (int(properties.get("domain", "0")), int(properties.get("location_id", "0")))
+        except (OSError, ValueError):
             continue
-        target = int(properties.get("gfx_target_version", "0").strip() or 0)
         if target:
-            archs.append(gfx_name(target))
-    return archs
+            targets[where] = gfx_name(target)
+    return targets
+
+
+def pci_location(bus_id: str) -> tuple[int, int]:
+    """``0000:c1:00.0`` (hipDeviceGetPCIBusId) as KFD's (domain, location_id = bus << 8 | device << 3 | function)."""
+    domain, bus, rest = bus_id.strip().split(":")
+    device, function = rest.split(".")
+    return int(domain, 16), int(bus, 16) << 8 | int(device, 16) << 3 | int(function, 16)
 
 
 class HipStream(Stream):
@@ -277,7 +289,7 @@ class HipRuntime(Runtime):
         self._count = count.value
         self.version = hip.out("hipRuntimeGetVersion", INT)
         self._memory_types = memory_types(self.version)
-        self._archs = kfd_architectures()
+        self._targets = kfd_targets()
 
     def device_count(self) -> int:
         return self._count
@@ -307,7 +319,14 @@ class HipRuntime(Runtime):
             can_use_host_pointer_for_registered_mem=flag("can_use_host_pointer_for_registered_mem"),
             unified_addressing=flag("unified_addressing"), can_map_host_memory=flag("can_map_host_memory"),
             pageable_memory_access=flag("pageable_memory_access"), host_register_supported=True,
-            arch=self._archs[device] if device < len(self._archs) else "")
+            arch=self._target(device))
+
+    def _target(self, device: int) -> str:
+        """The device's gfx target, matched to its KFD node by PCI address (HIP's device numbers follow
+        HIP_VISIBLE_DEVICES and skip GPUs a container cannot open; KFD lists every GPU); empty when unknown."""
+        bus = ctypes.create_string_buffer(32)
+        self._hip.call("hipDeviceGetPCIBusId", bus, len(bus), device)
+        return self._targets.get(pci_location(bus.value.decode()), "")
 
     def synchronize(self, device: int | None = None) -> None:
         with self.using_device(self.current_device() if device is None else device):
@@ -335,7 +354,7 @@ class HipRuntime(Runtime):
     def pointer_attributes(self, address: int) -> PointerAttributes:
         attrs = PointerAttribute()
         status = self._hip.lib.hipPointerGetAttributes(ctypes.byref(attrs), P(address))
-        if status == INVALID_VALUE:  # ROCm 5: memory HIP does not know
+        if status == INVALID_VALUE:  # memory HIP does not know (a sticky error in HIP: cleared here)
             self._hip.lib.hipGetLastError()
             return PointerAttributes(MemoryType.UNREGISTERED, None, None, None)
         self._hip.check(status, "hipPointerGetAttributes")
@@ -400,6 +419,11 @@ class HipRuntime(Runtime):
         raise WrongRuntime(f"hip runtime needs a HIP event, got {event!r}")
 
     def _current_stream(self, device: int) -> HipStream:
+        """torch's current stream where torch (a ROCm build keeps the ``torch.cuda`` names) has initialised the GPU,
+        else the null stream."""
+        torch = sys.modules.get("torch")
+        if torch is not None and getattr(torch.version, "hip", None) and torch.cuda.is_initialized():
+            return self.wrap_stream(int(torch.cuda.current_stream(device).cuda_stream), device)
         return self.wrap_stream(0, device)
 
     def legacy_stream(self, device: int) -> HipStream:
@@ -414,7 +438,8 @@ class HipRuntime(Runtime):
         arch = self.device_attributes(device).arch
         if not arch:
             raise RuntimeCallError("hipModuleLoadData", "hipErrorNoBinaryForGpu",
-                                   f"cannot tell device {device}'s gfx target (no KFD topology node)")
+                                   f"cannot tell device {device}'s gfx target (no KFD topology node at its PCI "
+                                   f"address under {KFD_NODES})")
         image, origin = spec.image(arch)
         module = P()
         blob = ctypes.create_string_buffer(image, len(image))
@@ -443,12 +468,15 @@ class HipRuntime(Runtime):
         return bool(self._attribute("stream_wait_value", self.check_device(device)))
 
     def _wait_value(self, stream: Stream, address: DeviceAddress, value: int) -> None:
-        self._hip.call("hipStreamWaitValue64", self.as_stream(stream).native, P(address.value), value,
-                       WAIT_VALUE_GTE, 0xFFFFFFFFFFFFFFFF)
+        """hipStreamWaitValue64 on hipMalloc memory: ROCm's default (GPU_STREAMOPS_CP_WAIT=0) waits with a polling
+        kernel, which takes any device memory; GPU_STREAMOPS_CP_WAIT=1 wants hipMallocSignalMemory and refuses."""
+        with self.using_device(stream.device):
+            self._hip.call("hipStreamWaitValue64", self.as_stream(stream).native, P(address.value), value,
+                           WAIT_VALUE_GTE, 0xFFFFFFFFFFFFFFFF)
 
 
 def parse_pointer_attributes(attrs: PointerAttribute, types: dict[int, MemoryType]) -> PointerAttributes:
-    kind = types.get(int(attrs.type), MemoryType.UNREGISTERED)
+    kind = MemoryType.MANAGED if attrs.isManaged else types.get(int(attrs.type), MemoryType.UNREGISTERED)
     if kind is MemoryType.UNREGISTERED:
         return PointerAttributes(kind, None, None, None)
     return PointerAttributes(kind, int(attrs.device), int(attrs.devicePointer or 0) or None,
