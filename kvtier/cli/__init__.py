@@ -13,8 +13,8 @@ from kvtier.runtime import get as get_runtime
 def build_parser() -> argparse.ArgumentParser:
     from kvtier.cli import demo, doctor, shm, storage
 
-    runtime_help = (f"cuda | emulated:split | emulated:unified (default: ${ENV_VAR}, else cuda when a GPU is "
-                    "usable, else emulated:split)")
+    runtime_help = (f"cuda | hip | emulated:split | emulated:unified (default: ${ENV_VAR}, else cuda when an "
+                    "NVIDIA GPU is usable, hip when an AMD GPU is, else emulated:split)")
     parser = argparse.ArgumentParser(prog="kvtier", description="hierarchical KV cache for LLM serving")
     parser.add_argument("--runtime", help=runtime_help)
     commands = parser.add_subparsers(dest="command", required=True)

@@ -224,7 +224,7 @@ def command(runtime: Any, args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=args.json)
-    model = args.model if args.model != "auto" else ("llama3-8b" if runtime.name == "cuda" else "tiny")
+    model = args.model if args.model != "auto" else ("llama3-8b" if runtime.torch_device else "tiny")
     geometry, prefill_default = MODELS[model]
     settings = CacheSettings.from_arguments(args)
     if settings.prefill_tokens_per_s is None and prefill_default is not None:

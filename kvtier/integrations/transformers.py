@@ -305,9 +305,10 @@ class KVTierGeneration:
         device, dtype = parameter.device, parameter.dtype
         geometry = checked_geometry(model, page_size, dtype)
         pages = -(-device_tokens // page_size)
-        if runtime.name == "cuda":
-            if device.type != "cuda":
-                raise InvalidArgument(f"the model is on {device}; the cuda runtime needs it on a CUDA device")
+        if runtime.torch_device is not None:
+            if device.type != runtime.torch_device:
+                raise InvalidArgument(f"the model is on {device}; the {runtime.name} runtime needs it on a GPU "
+                                      f"({runtime.torch_device}) device")
             tensors = [[torch.empty((pages * page_size, geometry.heads, geometry.head_bytes // itemsize(dtype)),
                                     dtype=dtype, device=device) for _ in range(geometry.layers)] for _ in range(2)]
             pool = DevicePool.from_tensors(geometry, tensors, runtime=runtime)

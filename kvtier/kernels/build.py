@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,10 +45,16 @@ def nvcc_command(out: Path, archs: tuple[str, ...], nvcc: str = "nvcc", fmt: str
 
 def build_aot(out_dir: Path | None = None, archs: tuple[str, ...] = AOT_ARCHS, nvcc: str = "nvcc") -> Path:
     """Compile the fatbin; returns its path. Raises KernelBuildError with nvcc's output on failure."""
+    bad = [arch for arch in archs if not re.fullmatch(r"sm_\d{2,3}[af]?", arch)]
+    if bad or not archs:
+        raise KernelBuildError(f"not CUDA targets: {bad or 'none given'} (use names like sm_90; --hip for AMD)")
     if shutil.which(nvcc) is None:
         raise KernelBuildError(f"AOT build needs {nvcc!r} on PATH (the CUDA toolkit); JIT needs only NVRTC")
     out_dir = out_dir or prebuilt_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KernelBuildError(f"cannot write the build into {out_dir}: {exc}") from exc
     fatbin = out_dir / FATBIN_NAME
     command = nvcc_command(fatbin, archs, nvcc)
     done = subprocess.run(command, capture_output=True, text=True)
@@ -60,14 +67,16 @@ def build_aot(out_dir: Path | None = None, archs: tuple[str, ...] = AOT_ARCHS, n
 
 def compile_jit(arch: str, unroll: int = DEFAULT_UNROLL, max_threads: int = 1024, streaming: bool = True) -> bytes:
     """A cubin for ``arch`` (e.g. ``sm_90``) from NVRTC, through the on-disk cache."""
+    from kvtier.kernels.hip_build import cached_image
     from kvtier.runtime.cuda import nvrtc_compile, nvrtc_version
 
     options = [f"--gpu-architecture={arch}", "-std=c++17", f"-DKVTIER_UNROLL={unroll}",
                f"-DKVTIER_MAX_THREADS={max_threads}", f"-DKVTIER_STREAMING={int(streaming)}"]
     key = hashlib.sha256(repr((source_hash(), options, nvrtc_version())).encode()).hexdigest()[:24]
     cached = cache_dir() / f"transfer-{arch}-{key}.cubin"
-    if cached.exists():
-        return cached.read_bytes()
+    image = cached_image(cached, (b"\x7fELF",))
+    if image is not None:
+        return image
     cubin = nvrtc_compile(source_text(), "transfer.cu", options)
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=cached.parent, delete=False) as tmp:

@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -22,6 +23,9 @@ from kvtier.errors import KernelBuildError
 from kvtier.kernels.source import DEFAULT_UNROLL, SOURCE_PATH, source_hash, source_text
 
 HIP_ARCHS = ("gfx90a", "gfx942", "gfx950")
+COMGR_LIBRARIES = ("libamd_comgr.so", "libamd_comgr.so.3", "libamd_comgr.so.2")
+TARGET_NAME = re.compile(r"gfx[0-9a-f]{3,4}(:[a-z-]+[+-])*")
+CODE_MAGIC = (b"\x7fELF", b"__CLANG_OFFLOAD_BUNDLE__")
 HIP_MANIFEST = "transfer-hip.json"
 HIPRTC_LIBRARIES = ("libhiprtc.so", "libhiprtc.so.7", "libhiprtc.so.6", "libhiprtc.so.5", "libamdhip64.so",
                     "libamdhip64.so.5")
@@ -44,9 +48,15 @@ def hip_environment() -> dict[str, str]:
 def build_hip_aot(out_dir: Path, archs: tuple[str, ...] = HIP_ARCHS, hipcc: str = "hipcc") -> dict:
     """Compile a code object per target this toolchain knows; returns the manifest written. Raises KernelBuildError
     when hipcc is missing or no target builds."""
+    bad = [arch for arch in archs if not TARGET_NAME.fullmatch(arch)]
+    if bad or not archs:
+        raise KernelBuildError(f"not AMD GPU targets: {bad or 'none given'} (use names like gfx90a, gfx942)")
     if shutil.which(hipcc) is None:
         raise KernelBuildError(f"the HIP build needs {hipcc!r} on PATH (ROCm's hipcc, e.g. apt-get install hipcc)")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KernelBuildError(f"cannot write the HIP build into {out_dir}: {exc}") from exc
     built, skipped = [], {}
     for arch in archs:
         command = hipcc_command(out_dir / code_object_name(arch), arch, hipcc)
@@ -60,7 +70,10 @@ def build_hip_aot(out_dir: Path, archs: tuple[str, ...] = HIP_ARCHS, hipcc: str 
         raise KernelBuildError(f"hipcc built none of {', '.join(archs)}: {skipped}")
     manifest = {"source_hash": source_hash(), "archs": built, "skipped": skipped, "unroll": DEFAULT_UNROLL,
                 "hipcc": hipcc_version(hipcc)}
-    (out_dir / HIP_MANIFEST).write_text(json.dumps(manifest, indent=2))
+    try:
+        (out_dir / HIP_MANIFEST).write_text(json.dumps(manifest, indent=2))
+    except OSError as exc:
+        raise KernelBuildError(f"cannot write the HIP build into {out_dir}: {exc}") from exc
     return manifest
 
 
@@ -86,6 +99,39 @@ def _resolved(name: str) -> str:
         if os.path.exists(candidate):
             return os.path.realpath(candidate)
     return name
+
+
+def compiler_targets() -> set[str] | None:
+    """The gfx targets the installed code-object compiler (comgr, which hiprtc uses) knows; None when comgr cannot be
+    asked. hiprtc aborts the process (SIGABRT, no error) when handed a target its ROCm predates (gfx942 on 5.2)."""
+    for name in COMGR_LIBRARIES:
+        try:
+            lib = ctypes.CDLL(name)
+            count = ctypes.c_size_t()
+            if lib.amd_comgr_get_isa_count(ctypes.byref(count)) != 0:
+                return None
+            names = set()
+            for index in range(count.value):
+                isa = ctypes.c_char_p()
+                if lib.amd_comgr_get_isa_name(ctypes.c_size_t(index), ctypes.byref(isa)) == 0 and isa.value:
+                    names.add(isa.value.decode().rsplit("--", 1)[-1].split(":")[0])
+            return names
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def cached_image(path: Path, magic: tuple[bytes, ...]) -> bytes | None:
+    """A cached kernel image when the file holds one (it starts with one of ``magic``); a truncated or damaged entry
+    is removed so it is built again."""
+    try:
+        image = path.read_bytes()
+    except OSError:
+        return None
+    if image.startswith(magic) and len(image) > 64:
+        return image
+    path.unlink(missing_ok=True)
+    return None
 
 
 class Hiprtc:
@@ -162,13 +208,18 @@ def compile_jit_hip(arch: str, unroll: int = DEFAULT_UNROLL, max_threads: int = 
     """A code object for ``arch`` (e.g. ``gfx942``) from hiprtc, through the on-disk cache."""
     from kvtier.kernels.build import cache_dir
 
+    known = compiler_targets()
+    if known is not None and arch not in known:
+        raise KernelBuildError(f"this ROCm's compiler does not know {arch!r} (it knows {', '.join(sorted(known))}): "
+                               f"install a ROCm that supports it")
     hiprtc = Hiprtc()
     options = [f"--gpu-architecture={arch}", "-std=c++17", "-O3", f"-DKVTIER_UNROLL={unroll}",
                f"-DKVTIER_MAX_THREADS={max_threads}", f"-DKVTIER_STREAMING={int(streaming)}"]
     key = hashlib.sha256(repr((source_hash(), options, hiprtc.version(), hiprtc.identity())).encode()).hexdigest()[:24]
     cached = (cache or cache_dir()) / f"transfer-{arch}-{key}.hsaco"
-    if cached.exists():
-        return cached.read_bytes()
+    image = cached_image(cached, CODE_MAGIC)
+    if image is not None:
+        return image
     code = hiprtc.compile(source_text(), "transfer.cu", options)
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=cached.parent, delete=False) as tmp:

@@ -22,7 +22,12 @@ def prebuilt(folder: Path, manifest: str, arch: str, image: Path, command: str) 
     path = folder / manifest
     if not path.exists() or not image.exists():
         return None, f"no prebuilt kernels for {arch} in {folder} (build them with `{command}`)"
-    info = json.loads(path.read_text())
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        info = exc
+    if not isinstance(info, dict):
+        return None, f"the manifest {path} is unreadable ({info!r:.80}): rebuild with `{command}`"
     if info.get("source_hash") != source_hash():
         return None, (f"prebuilt kernels in {folder} were built from source {info.get('source_hash')}, not the "
                       f"current {source_hash()}: rebuild with `{command}`")

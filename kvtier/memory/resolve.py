@@ -124,7 +124,7 @@ def _tensor(runtime: Runtime, tensor: Any, target: int) -> DeviceAddress:
     if tensor.device.type == "cpu":
         alias = _host_alias(runtime, start + first, max(end - first, 1), target)
         return DeviceAddress(alias.value - first, target)
-    if tensor.device.type != "cuda" or runtime.name != "cuda":
+    if runtime.torch_device is None or tensor.device.type != runtime.torch_device:
         raise WrongDeviceError(f"a {tensor.device} tensor cannot be used on device {target} of {runtime.name}")
     return _on_device(DeviceAddress(start, tensor.device.index), target)
 

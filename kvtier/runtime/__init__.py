@@ -73,6 +73,9 @@ def _emulated(spec: str, rest: str) -> Runtime:
         raise RuntimeUnavailable(f"bad runtime spec {spec!r}: {exc}") from exc
 
 
+_unavailable: set[str] = set()
+
+
 @functools.cache
 def _shared(spec: str) -> Runtime:
     return create(spec)
@@ -84,8 +87,10 @@ def get(spec: str | None = None) -> Runtime:
     if spec != "auto":
         return _shared(spec)
     for spec in ("cuda", "hip"):
+        if spec in _unavailable:
+            continue
         try:
             return _shared(spec)
         except RuntimeUnavailable:
-            continue
+            _unavailable.add(spec)  # probing HIP without a GPU costs ~300 µs: once per process is enough
     return _shared("emulated:split")

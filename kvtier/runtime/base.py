@@ -147,6 +147,9 @@ class Runtime:
     """One GPU platform: devices, host memory registration, device memory, copies, streams, events and kernels."""
 
     name = "abstract"
+    torch_device: str | None = None
+    """The ``torch.device`` type of this platform's GPU tensors (``"cuda"`` for CUDA and for ROCm builds of torch,
+    which keep CUDA's names); None where torch has no tensors on it (the emulator)."""
 
     def __init__(self) -> None:
         self._host = RangeIndex[HostKind]()

@@ -77,27 +77,29 @@ class CudaStream(Stream):
 
     @property
     def native(self) -> Any:
+        if self._finalizer is not None and not self._finalizer.alive:
+            raise InvalidArgument("this CUDA stream is closed")
         return self._handle
 
     def synchronize(self) -> None:
-        check(self._cudart.cudaStreamSynchronize(self._handle), "cudaStreamSynchronize")
+        check(self._cudart.cudaStreamSynchronize(self.native), "cudaStreamSynchronize")
 
     def wait(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
             raise WrongRuntime(f"a CUDA stream can only wait on a CUDA event, not {event!r}")
-        check(self._cudart.cudaStreamWaitEvent(self._handle, event._handle(), 0), "cudaStreamWaitEvent")
+        check(self._cudart.cudaStreamWaitEvent(self.native, event._handle(), 0), "cudaStreamWaitEvent")
 
     @property
     def capturing(self) -> bool:
-        status = check(self._cudart.cudaStreamIsCapturing(self._handle), "cudaStreamIsCapturing")
+        status = check(self._cudart.cudaStreamIsCapturing(self.native), "cudaStreamIsCapturing")
         return status != self._cudart.cudaStreamCaptureStatus.cudaStreamCaptureStatusNone
 
     def begin_capture(self) -> None:
         mode = self._cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
-        check(self._cudart.cudaStreamBeginCapture(self._handle, mode), "cudaStreamBeginCapture")
+        check(self._cudart.cudaStreamBeginCapture(self.native, mode), "cudaStreamBeginCapture")
 
     def end_capture(self) -> "CudaGraph":
-        graph = check(self._cudart.cudaStreamEndCapture(self._handle), "cudaStreamEndCapture")
+        graph = check(self._cudart.cudaStreamEndCapture(self.native), "cudaStreamEndCapture")
         return CudaGraph(self._cudart, graph)
 
     def close(self) -> None:
@@ -119,6 +121,8 @@ class CudaGraph(Graph):
     def launch(self, stream: Stream) -> None:
         if not isinstance(stream, CudaStream):
             raise WrongRuntime(f"a CUDA graph launches on a CUDA stream, not {stream!r}")
+        if not self._finalizer.alive:
+            raise InvalidArgument("this CUDA graph is closed")
         check(self._cudart.cudaGraphLaunch(self._executable, stream.native), "cudaGraphLaunch")
 
     def close(self) -> None:
@@ -197,6 +201,7 @@ def _retire_event(destroy: Any, handle: Any, spare: list[Any] | None) -> None:
 
 class CudaRuntime(Runtime):
     name = "cuda"
+    torch_device = "cuda"
 
     def __init__(self) -> None:
         super().__init__()

@@ -14,10 +14,12 @@ error; not verified on AMD hardware (none is lent to this project): run ``script
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,12 @@ class HipLibrary:
             raise RuntimeUnavailable(f"hip runtime unusable on this machine (no AMD GPU runtime: no HIP library; "
                                      f"{'; '.join(errors)}); install ROCm (libamdhip64) or set {LIBRARY_VAR}; the "
                                      f"emulated runtime (KVTIER_RUNTIME=emulated:split) needs no GPU")
+        missing = [name for name in ("hipGetDeviceCount", "hipGetErrorName", "hipGetErrorString")
+                   if getattr(self.lib, name, None) is None]
+        if missing:
+            raise RuntimeUnavailable(f"hip runtime unusable on this machine (no AMD GPU runtime: {self.lib._name} is "
+                                     f"not a HIP runtime library, it lacks {', '.join(missing)}); set {LIBRARY_VAR} "
+                                     f"to libamdhip64")
         for name, argtypes in SIGNATURES.items():
             function = getattr(self.lib, name, None)
             if function is not None:
@@ -171,6 +179,18 @@ def pci_location(bus_id: str) -> tuple[int, int]:
     return int(domain, 16), int(bus, 16) << 8 | int(device, 16) << 3 | int(function, 16)
 
 
+@contextlib.contextmanager
+def _current_device(hip: HipLibrary, device: int) -> Iterator[None]:
+    previous = int(hip.out("hipGetDevice", INT))
+    if previous != device:
+        hip.call("hipSetDevice", device)
+    try:
+        yield
+    finally:
+        if previous != device:
+            hip.call("hipSetDevice", previous)
+
+
 class HipStream(Stream):
     def __init__(self, hip: HipLibrary, device: int, handle: int, owned: bool) -> None:
         self._hip, self.device, self.handle = hip, device, int(handle)
@@ -178,15 +198,23 @@ class HipStream(Stream):
 
     @property
     def native(self) -> ctypes.c_void_p:
+        if self._finalizer is not None and not self._finalizer.alive:
+            raise InvalidArgument("this HIP stream is closed")
         return P(self.handle)
 
+    def on_device(self) -> contextlib.AbstractContextManager[None]:
+        """Handle 0 is the null stream of whichever device is current: make this stream's device current for it."""
+        return _current_device(self._hip, self.device) if self.handle == 0 else contextlib.nullcontext()
+
     def synchronize(self) -> None:
-        self._hip.call("hipStreamSynchronize", self.native)
+        with self.on_device():
+            self._hip.call("hipStreamSynchronize", self.native)
 
     def wait(self, event: Event) -> None:
         if not isinstance(event, HipEvent):
             raise WrongRuntime(f"a HIP stream can only wait on a HIP event, not {event!r}")
-        self._hip.call("hipStreamWaitEvent", self.native, event._handle(), 0)
+        with self.on_device():
+            self._hip.call("hipStreamWaitEvent", self.native, event._handle(), 0)
 
     @property
     def capturing(self) -> bool:
@@ -220,7 +248,10 @@ class HipGraph(Graph):
     def launch(self, stream: Stream) -> None:
         if not isinstance(stream, HipStream):
             raise WrongRuntime(f"a HIP graph launches on a HIP stream, not {stream!r}")
-        self._hip.call("hipGraphLaunch", P(self._executable), stream.native)
+        if not self._finalizer.alive:
+            raise InvalidArgument("this HIP graph is closed")
+        with stream.on_device():
+            self._hip.call("hipGraphLaunch", P(self._executable), stream.native)
 
     def close(self) -> None:
         self._finalizer()
@@ -247,7 +278,8 @@ class HipEvent(Event):
     def record(self, stream: Stream) -> None:
         if not isinstance(stream, HipStream):
             raise WrongRuntime(f"a HIP event can only be recorded on a HIP stream, not {stream!r}")
-        self._hip.call("hipEventRecord", self._handle(), stream.native)
+        with stream.on_device():
+            self._hip.call("hipEventRecord", self._handle(), stream.native)
 
     def query(self) -> bool:
         status = self._hip.lib.hipEventQuery(self._handle())
@@ -276,6 +308,7 @@ class HipProgram(Program):
 
 class HipRuntime(Runtime):
     name = "hip"
+    torch_device = "cuda"  # ROCm builds of torch keep CUDA's names
 
     def __init__(self, library: HipLibrary | None = None) -> None:
         super().__init__()
@@ -373,28 +406,35 @@ class HipRuntime(Runtime):
         self._hip.call("hipMemcpy", P(dst.value), P(src.value), nbytes, MEMCPY_DEFAULT)
 
     def _memcpy_async(self, dst: Address, src: Address, nbytes: int, stream: Stream) -> None:
-        self._hip.call("hipMemcpyAsync", P(dst.value), P(src.value), nbytes, MEMCPY_DEFAULT,
-                       self.as_stream(stream).native)
+        target = self.as_stream(stream)
+        with target.on_device():
+            self._hip.call("hipMemcpyAsync", P(dst.value), P(src.value), nbytes, MEMCPY_DEFAULT, target.native)
 
     def _memcpy_runs(self, dst: Address, dst_offsets: np.ndarray, src: Address, src_offsets: np.ndarray,
                      sizes: np.ndarray, stream: Stream, batched: bool) -> None:
         """One hipMemcpy2DAsync per strided group, one hipMemcpyAsync per other copy (HIP has no batched copy that
         kvtier relies on)."""
-        native = self.as_stream(stream).native
+        target = self.as_stream(stream)
+        native = target.native
         groups = self.groups(dst, dst_offsets, src, src_offsets, sizes)
         first = groups[:, 0]
-        for d, s, n, count, dst_pitch, src_pitch in zip((dst.value + dst_offsets[first]).tolist(),
-                                                        (src.value + src_offsets[first]).tolist(),
-                                                        sizes[first].tolist(), *groups[:, 1:].T.tolist(), strict=True):
-            if count > 1:
-                self._hip.call("hipMemcpy2DAsync", P(d), dst_pitch, P(s), src_pitch, n, count, MEMCPY_DEFAULT, native)
-            elif n:
-                self._hip.call("hipMemcpyAsync", P(d), P(s), n, MEMCPY_DEFAULT, native)
+        with target.on_device():
+            for d, s, n, count, dst_pitch, src_pitch in zip((dst.value + dst_offsets[first]).tolist(),
+                                                            (src.value + src_offsets[first]).tolist(),
+                                                            sizes[first].tolist(), *groups[:, 1:].T.tolist(),
+                                                            strict=True):
+                if count > 1:
+                    self._hip.call("hipMemcpy2DAsync", P(d), dst_pitch, P(s), src_pitch, n, count, MEMCPY_DEFAULT,
+                                   native)
+                elif n:
+                    self._hip.call("hipMemcpyAsync", P(d), P(s), n, MEMCPY_DEFAULT, native)
 
     def _memcpy_2d_async(self, dst: Address, dst_pitch: int, src: Address, src_pitch: int, width: int, height: int,
                          stream: Stream) -> None:
-        self._hip.call("hipMemcpy2DAsync", P(dst.value), dst_pitch, P(src.value), src_pitch, width, height,
-                       MEMCPY_DEFAULT, self.as_stream(stream).native)
+        target = self.as_stream(stream)
+        with target.on_device():
+            self._hip.call("hipMemcpy2DAsync", P(dst.value), dst_pitch, P(src.value), src_pitch, width, height,
+                           MEMCPY_DEFAULT, target.native)
 
     def create_stream(self, device: int | None = None) -> HipStream:
         device = self.current_device() if device is None else device
