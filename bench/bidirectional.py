@@ -5,7 +5,8 @@ is full-duplex busy. For each host layout, pair of backends (the load's and the 
 (random or contiguous), this queues a backup of N pages and a per-layer load of N other pages together and reports:
 ``both`` GB/s = 2 N pages / time until both are done, its share of the contiguous both-ways memcpy ceiling (measured
 at the start and at the end of the run, the higher counts: a cold machine's first probe can read 25% low), and the
-time each direction took on its own clock (``load ms``, ``backup ms``, polled). With
+time each direction took on its own clock (``load ms``, ``backup ms``, polled), and when both calls had returned
+(``queued ms``: queuing is host work on the caller's thread, so a slow queue delays the second direction). With
 ``--gemm``, a bf16 8192³ GEMM runs on the default stream meanwhile and its slowdown against the GEMM alone is reported
 (a serving engine computes while the cache moves pages).
 
@@ -24,6 +25,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,11 +53,13 @@ class Row:
     backup: str
     slots: str
     blocks: int
+    queue: str
     gbytes_each_way: float
     both_gbps: float
     pct: float
     load_ms: float
     backup_ms: float
+    queued_ms: float
     gemm_slowdown_pct: float | None = None
 
 
@@ -72,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gemm", action="store_true", help="also measure a concurrent bf16 GEMM's slowdown (cuda)")
     parser.add_argument("--diagnose", action="store_true",
                         help="kernel copies beside a contiguous DMA the other way, at SM budgets 2, 4, 8 and 16")
+    parser.add_argument("--pieces", action="store_true",
+                        help="also time plain memcpys cut into pieces, host offsets in order or shuffled, one way and "
+                             "both ways (isolates what random host slots cost the staged backend)")
+    parser.add_argument("--queue", choices=["one", "two", "both"], default="one",
+                        help="one: one thread queues the backup, then the load; two: two threads queue them at once, "
+                             "one engine per direction (as an engine with a load thread and a write-back thread "
+                             "does); both: each row both ways (default: %(default)s)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     args.pair_list = [tuple(p.split("/")) for p in args.pairs.split(",")]
@@ -83,16 +94,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_both(engines: dict[str, TransferEngine], src: np.ndarray, slots: np.ndarray, half: int, extra=None
-             ) -> tuple[float, float, float]:
-    """Seconds until (load done, backup done, both done) for one backup of ``half`` pages beside one load of
-    ``half`` others, polled on the host clock. ``extra`` (optional) runs right after both are queued, e.g. GEMMs; it
+def run_both(engines: dict[str, TransferEngine], src: np.ndarray, slots: np.ndarray, half: int, extra=None,
+             threads: bool = False) -> tuple[float, float, float, float]:
+    """Seconds until (load done, backup done, both done, both queued) for one backup of ``half`` pages beside one load
+    of ``half`` others, polled on the host clock. ``extra`` (optional) runs right after both are queued, e.g. GEMMs; it
     must end before either transfer does (checked: otherwise it did not run beside both directions)."""
     for engine in engines.values():
         engine.synchronize()
+    calls = {"backup": lambda: engines["backup"].backup(src[:half], slots[:half]),
+             "load": lambda: engines["load"].load(slots[half:], src[half:])}
     start = time.perf_counter()
-    backup = engines["backup"].backup(src[:half], slots[:half])
-    load = engines["load"].load(slots[half:], src[half:])
+    if not threads:
+        transfers = {name: call() for name, call in calls.items()}
+    else:
+        with ThreadPoolExecutor(2) as pool:
+            futures = {name: pool.submit(call) for name, call in calls.items()}
+            transfers = {name: future.result() for name, future in futures.items()}
+    backup, load = transfers["backup"], transfers["load"]
+    queued = time.perf_counter() - start
     if extra is not None:
         extra()
         if load.done() or backup.done():
@@ -102,16 +121,16 @@ def run_both(engines: dict[str, TransferEngine], src: np.ndarray, slots: np.ndar
         for name, transfer in (("load", load), ("backup", backup)):
             if name not in ends and transfer.done():
                 ends[name] = time.perf_counter() - start
-    return ends["load"], ends["backup"], max(ends.values())
+    return ends["load"], ends["backup"], max(ends.values()), queued
 
 
 class Outlasted(Exception):
     """The concurrent work ended after a transfer did, so part of it ran beside only one direction or none."""
 
 
-def median_both(engines, src, slots, half, repeats) -> tuple[float, float, float]:
-    runs = [run_both(engines, src, slots, half) for _ in range(repeats + 1)][1:]
-    return tuple(statistics.median(r[i] for r in runs) for i in range(3))  # type: ignore[return-value]
+def median_both(engines, src, slots, half, repeats, threads) -> tuple[float, float, float, float]:
+    runs = [run_both(engines, src, slots, half, threads=threads) for _ in range(repeats + 1)][1:]
+    return tuple(statistics.median(r[i] for r in runs) for i in range(4))  # type: ignore[return-value]
 
 
 class Gemm:
@@ -135,7 +154,7 @@ class Gemm:
         end.synchronize()
         return start.elapsed_time(end) / n
 
-    def slowdown_pct(self, engines, src, slots, half, both_seconds: float) -> float | None:
+    def slowdown_pct(self, engines, src, slots, half, both_seconds: float, threads: bool) -> float | None:
         """GEMMs while a backup and a load run. Copy kernels hold SMs, so the GEMMs slow down and may outlast the
         transfers: start with as many as fill a quarter of ``both_seconds`` (the pair's time alone) and halve the
         count until both directions run for the whole of the GEMMs. None when even one GEMM outlasts them."""
@@ -145,7 +164,8 @@ class Gemm:
             try:
                 for _ in range(3):
                     box: list[float] = []
-                    run_both(engines, src, slots, half, extra=lambda box=box, n=n: box.append(self.ms(n)))
+                    run_both(engines, src, slots, half, extra=lambda box=box, n=n: box.append(self.ms(n)),
+                             threads=threads)
                     times.append(box[0])
             except Outlasted:
                 n //= 2
@@ -154,11 +174,13 @@ class Gemm:
         return None
 
 
-def engines_for(dev, host, load: str, backup: str, blocks: int) -> dict[str, TransferEngine]:
+def engines_for(dev, host, load: str, backup: str, blocks: int, queue: str) -> dict[str, TransferEngine]:
+    """One engine for both directions when one thread queues both with one backend; else one engine per direction,
+    each queued from its own thread (an engine takes one call at a time)."""
     def make(backend: str) -> TransferEngine:
         return TransferEngine(dev, host, backend=backend, **({"max_blocks": blocks} if backend == "kernel" else {}))
 
-    if load == backup:
+    if load == backup and queue == "one":
         engine = make(load)
         return {"load": engine, "backup": engine}
     return {"load": make(load), "backup": make(backup)}
@@ -177,21 +199,25 @@ def measure_layout(runtime, name, g, layout, dev, pages, args, ceiling, gemm, co
     orders = {"random": rng.choice(host.pages, 2 * pages, replace=False), "contiguous": np.arange(2 * pages)}
     nbytes = pages * g.bytes_per_page
     for load, backup in args.pair_list:
-        engines = engines_for(dev, host, load, backup, args.blocks)
-        try:
-            for kind, slots in orders.items():
-                t_load, t_backup, t_both = median_both(engines, src, slots, pages, args.repeats)
-                gbps = 2 * nbytes / t_both / 1e9
-                row = Row(name, layout, load, backup, kind, args.blocks, nbytes / 1e9, gbps,
-                          100 * gbps / ceiling["bidirectional_gbps"], 1e3 * t_load, 1e3 * t_backup)
-                if gemm is not None and kind == "random":
-                    row.gemm_slowdown_pct = gemm.slowdown_pct(engines, src, slots, pages, t_both)
-                rows.append(row)
-                console.log(f"{name} {layout} {load}/{backup} {kind}: {gbps:.1f} GB/s ({row.pct:.0f}%), load "
-                            f"{row.load_ms:.1f} ms, backup {row.backup_ms:.1f} ms"
-                            + ("" if row.gemm_slowdown_pct is None else f", GEMM +{row.gemm_slowdown_pct:.1f}%"))
-        finally:
-            close_all(engines)
+        for queue in ("one", "two") if args.queue == "both" else (args.queue,):
+            engines = engines_for(dev, host, load, backup, args.blocks, queue)
+            threads = queue == "two"
+            try:
+                for kind, slots in orders.items():
+                    t_load, t_backup, t_both, t_queued = median_both(engines, src, slots, pages, args.repeats, threads)
+                    gbps = 2 * nbytes / t_both / 1e9
+                    row = Row(name, layout, load, backup, kind, args.blocks, f"{queue} thread{'s' * threads}",
+                              nbytes / 1e9, gbps, 100 * gbps / ceiling["bidirectional_gbps"], 1e3 * t_load,
+                              1e3 * t_backup, 1e3 * t_queued)
+                    if gemm is not None and kind == "random":
+                        row.gemm_slowdown_pct = gemm.slowdown_pct(engines, src, slots, pages, t_both, threads)
+                    rows.append(row)
+                    console.log(f"{name} {layout} {load}/{backup} {kind} {row.queue}: {gbps:.1f} GB/s ({row.pct:.0f}%),"
+                                f" load {row.load_ms:.1f} ms, backup {row.backup_ms:.1f} ms, queued "
+                                f"{row.queued_ms:.1f} ms"
+                                + ("" if row.gemm_slowdown_pct is None else f", GEMM +{row.gemm_slowdown_pct:.1f}%"))
+            finally:
+                close_all(engines)
     host.close()
     return rows
 
@@ -241,6 +267,51 @@ def diagnose(runtime, g, dev, pages, args, console) -> list[dict]:
     return out
 
 
+PIECES = (32 << 10, 256 << 10, 1 << 20, 4 << 20, 0)
+
+
+def dma_pieces(runtime, nbytes: int, repeats: int, console) -> list[dict]:
+    """Contiguous memcpys cut into pieces of one size, one call each (as the staged backend queues them), host offsets
+    in order or shuffled; H2D alone, D2H alone and both at once (calls interleaved), wall time from the first call
+    to both streams done. Piece size 0 means one copy."""
+    streams = [runtime.create_stream(0), runtime.create_stream(0)]
+    out = []
+    with HostBuffer.allocate(2 * nbytes, HostKind.PINNED, runtime=runtime) as host, \
+            DeviceBuffer(2 * nbytes, 0, runtime=runtime) as dev:
+        h, d = host.cpu_address, dev.address
+        rng = np.random.default_rng(5)
+        try:
+            for piece in (p for p in PIECES if p < nbytes):
+                size = piece or nbytes
+                count = nbytes // size
+                for order in ("in order", "shuffled") if count > 1 else ("in order",):
+                    host_at = np.arange(count) * size
+                    if order == "shuffled":
+                        host_at = rng.permutation(host_at)
+                    calls = {"H2D": [(d + i * size, h + int(o)) for i, o in enumerate(host_at)],
+                             "D2H": [(h + nbytes + int(o), d + nbytes + i * size) for i, o in enumerate(host_at)]}
+                    for mode in ("H2D", "D2H", "both"):
+                        lanes = [calls["H2D"], calls["D2H"]] if mode == "both" else [calls[mode]]
+                        times = []
+                        for _ in range(repeats + 1):
+                            for stream in streams:
+                                stream.synchronize()
+                            start = time.perf_counter()
+                            for pair in zip(*lanes, strict=True):
+                                for stream, (dst, src) in zip(streams, pair, strict=False):
+                                    runtime.memcpy_async(dst, src, size, stream=stream)
+                            for stream in streams:
+                                stream.synchronize()
+                            times.append(time.perf_counter() - start)
+                        gbps = len(lanes) * nbytes / statistics.median(times[1:]) / 1e9
+                        out.append({"piece_bytes": size, "order": order, "mode": mode, "gbps": gbps})
+                        console.log(f"pieces of {size >> 10} KiB {order} {mode}: {gbps:.1f} GB/s")
+        finally:
+            for stream in streams:
+                stream.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console(width=200)
@@ -268,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
             diagnosis[name] = diagnose(runtime, g, dev, pages, args, console)
         dev.close()
     seed.close()
+    pieces = dma_pieces(runtime, probe, args.repeats or 3, console) if args.pieces else []
     after = probe_bandwidth(runtime, probe)
     console.log(f"ceiling again after the runs: H2D {after['h2d_gbps']:.1f}, D2H {after['d2h_gbps']:.1f}, "
                 f"both {after['bidirectional_gbps']:.1f} GB/s; the higher of the two counts")
@@ -277,12 +349,13 @@ def main(argv: list[str] | None = None) -> None:
     ceiling = {key: max(ceiling[key], after[key]) for key in ceiling}
     table = Table(title=f"both directions at once ({runtime.device_attributes(0).name}; both-ways ceiling "
                         f"{ceiling['bidirectional_gbps']:.1f} GB/s)")
-    for column in ("geometry", "layout", "load", "backup", "slots", "SMs", "GB each way", "both GB/s", "% ceiling",
-                   "load ms", "backup ms", "GEMM slowdown %"):
+    for column in ("geometry", "layout", "load", "backup", "slots", "SMs", "queued by", "GB each way", "both GB/s",
+                   "% ceiling", "load ms", "backup ms", "queued ms", "GEMM slowdown %"):
         table.add_column(column)
     for r in rows:
-        table.add_row(r.geometry, r.layout, r.load, r.backup, r.slots, str(r.blocks), f"{r.gbytes_each_way:.2f}",
-                      f"{r.both_gbps:.1f}", f"{r.pct:.0f}", f"{r.load_ms:.1f}", f"{r.backup_ms:.1f}",
+        table.add_row(r.geometry, r.layout, r.load, r.backup, r.slots, str(r.blocks), r.queue,
+                      f"{r.gbytes_each_way:.2f}", f"{r.both_gbps:.1f}", f"{r.pct:.0f}", f"{r.load_ms:.1f}",
+                      f"{r.backup_ms:.1f}", f"{r.queued_ms:.1f}",
                       "" if r.gemm_slowdown_pct is None else f"{r.gemm_slowdown_pct:.1f}")
     console.print(table)
     for name, results in diagnosis.items():
@@ -290,9 +363,19 @@ def main(argv: list[str] | None = None) -> None:
         for d in results:
             console.print(f"  {d['blocks']:>2} SMs {d['direction']:<6} alone {d['alone_gbps']:.1f} GB/s, beside "
                           f"{d['beside_dma_gbps']:.1f} GB/s ({d['loss_pct']:.0f}% lost)")
+    if pieces:
+        table = Table(title="plain memcpys in pieces, one call each (GB/s; % of the same direction's ceiling)")
+        for column in ("piece", "host offsets", "H2D", "D2H", "both"):
+            table.add_column(column)
+        keys = {"H2D": "h2d_gbps", "D2H": "d2h_gbps", "both": "bidirectional_gbps"}
+        for (size, order) in dict.fromkeys((p["piece_bytes"], p["order"]) for p in pieces):
+            cells = {p["mode"]: f"{p['gbps']:.1f} ({100 * p['gbps'] / ceiling[keys[p['mode']]]:.0f}%)"
+                     for p in pieces if (p["piece_bytes"], p["order"]) == (size, order)}
+            table.add_row(f"{size >> 10} KiB", order, cells["H2D"], cells["D2H"], cells["both"])
+        console.print(table)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"runtime": runtime.name, "ceiling": ceiling, "rows": [asdict(r) for r in rows],
+            json.dump({"runtime": runtime.name, "ceiling": ceiling, "rows": [asdict(r) for r in rows], "pieces": pieces,
                        "diagnosis": diagnosis, "gemm_alone_ms": None if gemm is None else gemm.alone}, out, indent=1)
     if emulated:
         console.print(EMULATED_NOTE.format(name=runtime.name))

@@ -19,6 +19,8 @@ from kvtier.errors import KernelBuildError, KvtierError, RuntimeUnavailable
 from kvtier.runtime.hip import HipLibrary, HipRuntime
 
 ROOT = Path(__file__).resolve().parent.parent
+# Children see this checkout first and keep whatever else the parent had on its path (the device carries wheels there).
+CHILD_PATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 NON_HIP_LIBRARY = next((p for p in ("/lib/x86_64-linux-gnu/libz.so.1", "/usr/lib/x86_64-linux-gnu/libz.so.1",
                                     "/lib64/libz.so.1", "/usr/lib64/libz.so.1") if os.path.exists(p)), None)
 needs_non_hip_library = pytest.mark.skipif(NON_HIP_LIBRARY is None, reason="no libz.so.1 to stand in for a non-HIP .so")
@@ -75,7 +77,7 @@ def test_auto_selection_falls_back_to_the_emulator_with_a_non_hip_library(monkey
 def test_cli_runtime_hip_with_a_non_hip_library_exits_2_without_a_traceback():
     """``KVTIER_HIP_LIBRARY=<libz> kvtier --runtime hip doctor`` prints a Python traceback (AttributeError) and exits 1;
     the CLI contract is one 'kvtier doctor: ...' line on stderr and exit code 2."""
-    env = {**os.environ, "KVTIER_HIP_LIBRARY": NON_HIP_LIBRARY, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "KVTIER_HIP_LIBRARY": NON_HIP_LIBRARY, "PYTHONPATH": CHILD_PATH}
     done = subprocess.run([sys.executable, "-m", "kvtier", "--runtime", "hip", "doctor"], capture_output=True,
                           text=True, env=env, cwd=ROOT, timeout=60)
     assert "Traceback" not in done.stderr, done.stderr[-500:]
@@ -160,7 +162,7 @@ def test_jit_for_a_target_hiprtc_does_not_know_raises_instead_of_aborting(tmp_pa
             "except KernelBuildError as exc:\n"
             "    print('KernelBuildError', exc)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": CHILD_PATH})
     assert done.returncode == 0 and "KernelBuildError" in done.stdout, (done.returncode, done.stderr[-300:])
 
 

@@ -90,14 +90,20 @@ def test_enqueue_on_the_emulator():
 def test_bidirectional_on_the_emulator(tmp_path):
     out = tmp_path / "both.json"
     done = run(str(BENCH / "bidirectional.py"), "--runtime", "emulated:split", "--layout", "layer_first",
-               "--pairs", "kernel/staged,staged/staged", "--json", str(out), timeout=180)
+               "--pairs", "kernel/staged,staged/staged", "--queue", "both", "--pieces", "--json", str(out),
+               timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "not speeds" in done.stdout
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["load"], r["backup"], r["slots"]) for r in rows] == [
-        ("kernel", "staged", "random"), ("kernel", "staged", "contiguous"),
-        ("staged", "staged", "random"), ("staged", "staged", "contiguous")]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [(r["load"], r["backup"], r["queue"], r["slots"]) for r in rows] == [
+        (load, backup, queue, slots) for load, backup in (("kernel", "staged"), ("staged", "staged"))
+        for queue in ("one thread", "two threads") for slots in ("random", "contiguous")]
     assert all(r["both_gbps"] > 0 and r["load_ms"] > 0 and r["backup_ms"] > 0 for r in rows)
+    assert all(0 < r["queued_ms"] <= max(r["load_ms"], r["backup_ms"]) for r in rows)
+    pieces = data["pieces"]
+    assert {p["mode"] for p in pieces} == {"H2D", "D2H", "both"} and all(p["gbps"] > 0 for p in pieces)
+    assert {(p["piece_bytes"], p["order"]) for p in pieces} >= {(32 << 10, "in order"), (32 << 10, "shuffled")}
 
 
 def test_bidirectional_refuses_a_bad_pair():

@@ -209,6 +209,53 @@ def test_strided_groups_cover_every_copy_once_with_exact_spacing(steps):
 
 
 @pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("direction", ["H2D", "D2H"])
+def test_runs_mixing_strided_groups_singles_and_empty_copies(runtime, batched, direction):
+    """One call whose copies form strided groups (equal size, evenly spaced), singles of other sizes, and empty
+    copies: with ``batched`` the singles go in one batched call beside the groups' strided copies; every byte of the
+    destination is checked, the bytes no copy names keep their poison."""
+    rng = np.random.default_rng()
+    plan = []  # (dst, src, size)
+    at_dst, at_src = 0, 0
+    for _ in range(12):
+        kind = rng.integers(0, 3)
+        if kind == 0:  # a strided group
+            size, count, gap = int(rng.integers(1, 9)) * 64, int(rng.integers(2, 6)), int(rng.integers(0, 4)) * 64
+            plan += [(at_dst + i * (size + gap), at_src + i * (size + 2 * gap), size) for i in range(count)]
+            at_dst, at_src = at_dst + count * (size + gap), at_src + count * (size + 2 * gap)
+        elif kind == 1:  # a single of an odd size
+            size = int(rng.integers(1, 700))
+            plan.append((at_dst, at_src, size))
+            at_dst, at_src = at_dst + size + 8, at_src + size + 24
+        else:
+            plan.append((at_dst, at_src, 0))
+    order = rng.permutation(len(plan)) if rng.integers(0, 2) else np.arange(len(plan))
+    dst_at, src_at, sizes = (np.array([plan[i][k] for i in order], np.int64) for k in range(3))
+    span_dst, span_src = max(at_dst, 1), max(at_src, 1)
+    with HostBuffer.allocate(max(span_dst, span_src), HostKind.PINNED, runtime=runtime) as host, \
+            DeviceBuffer(max(span_dst, span_src), 0, runtime=runtime) as dev:
+        source = random_bytes(max(span_dst, span_src))
+        poison = np.full(max(span_dst, span_src), 0xA5, np.uint8)
+        view = host.as_tensor().numpy()
+        if direction == "H2D":
+            view[:], (dst, src) = source, (dev.address, host.cpu_address)
+            dev.upload(poison)
+        else:
+            view[:], (dst, src) = poison, (host.cpu_address, dev.address)
+            dev.upload(source)
+        stream = runtime.create_stream(0)
+        runtime.memcpy_runs_async(dst, dst_at, src, src_at, sizes, stream=stream, batched=batched)
+        stream.synchronize()
+        stream.close()
+        got = np.frombuffer(dev.download(), np.uint8) if direction == "H2D" else view.copy()
+        del view
+    expected = poison.copy()
+    for d, s_, n in zip(dst_at, src_at, sizes, strict=True):
+        expected[d:d + n] = source[s_:s_ + n]
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("batched", [False, True])
 def test_runs_between_typed_bases_scatter_and_gather(runtime, batched):
     n, piece = 64, 1024
     rng = np.random.default_rng()

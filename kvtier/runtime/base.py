@@ -289,10 +289,10 @@ class Runtime:
     def memcpy_runs_async(self, dst: Address, dst_offsets: Any, src: Address, src_offsets: Any, sizes: Any, *,
                           stream: Stream, batched: bool = False) -> None:
         """Many copies between two typed bases: ``sizes[i]`` bytes from ``src + src_offsets[i]`` to
-        ``dst + dst_offsets[i]``. ``batched`` asks for the platform's batched copy (cudaMemcpyBatchAsync) where it
-        has one. Otherwise runs of equal size, equally spaced on both sides (one layer of consecutive pages in a
-        page-major host layout) go as one strided copy each (cudaMemcpy2DAsync: the copy engines move 32 KiB rows at
-        the link's ceiling, where one call per row is bound by the calls), the rest one memcpy_async each. Offsets
+        ``dst + dst_offsets[i]``. Runs of equal size, equally spaced on both sides (one layer of consecutive pages in
+        a page-major host layout) go as one strided copy each (cudaMemcpy2DAsync: the copy engines move 32 KiB rows
+        at the link's ceiling, where one call per row is bound by the calls); the rest go one memcpy_async each, or
+        with ``batched`` in the platform's batched copy (cudaMemcpyBatchAsync) where it has one. Offsets
         keep the domain of their base: there is no raw address."""
         self._copy_size(dst, src, 0, "memcpy_runs_async")
         given = [np.asarray(a) for a in (dst_offsets, src_offsets, sizes)]
