@@ -4,11 +4,11 @@
 # probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py,
 # TESTS narrows the AOT suite (default: tests), ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane),
-# STORAGE_ARGS to bench/storage.py, FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, BOTH_ARGS to bench/bidirectional.py, GEMM_ARGS to bench/gemm_beside.py, E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark). The storage phase
+# STORAGE_ARGS to bench/storage.py, FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, BOTH_ARGS to bench/bidirectional.py, GEMM_ARGS to bench/gemm_beside.py, SGLANG_ARGS to bench/sglang_compat.py, E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark). The storage phase
 # needs redis-server on PATH and redis-py importable.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
-PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench both gemm families small enqueue demo cache limits storage e2e"}
+PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench both gemm families small enqueue demo cache limits storage e2e sglang"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
@@ -38,7 +38,7 @@ if want sanitizer; then
         -m gpu tests/test_transfer.py tests/test_kernels.py -k "cuda and (kernel and fp8 or odd_shapes)" 2>&1 \
         | tail -40 | tee "$OUT/sanitizer.log" || status=1
     KVTIER_KERNELS=aot compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 python3 -m pytest -q \
-        -p no:cacheprovider -m gpu tests/test_families.py tests/test_hisparse.py tests/test_layer_signals.py -k cuda 2>&1 | tail -5 \
+        -p no:cacheprovider -m gpu tests/test_families.py tests/test_hisparse.py tests/test_layer_signals.py tests/test_sglang_compat.py -k cuda 2>&1 | tail -5 \
         | tee -a "$OUT/sanitizer.log" || status=1
 fi
 if want spans; then
@@ -63,6 +63,10 @@ fi
 if want gemm; then
     python3 bench/gemm_beside.py ${GEMM_ARGS:-} --json "$OUT/gemm_beside.json" 2>&1 | tee "$OUT/gemm_beside.txt" \
         || status=1
+fi
+if want sglang; then
+    python3 bench/sglang_compat.py ${SGLANG_ARGS:-} --json "$OUT/sglang_compat.json" 2>&1 \
+        | tee "$OUT/sglang_compat.txt" || status=1
 fi
 if want families; then
     python3 bench/families.py ${FAMILY_ARGS:-} --json "$OUT/families.json" 2>&1 | tee "$OUT/families.txt" || status=1

@@ -66,6 +66,8 @@ def _copy(memory: Any, sides: list[Any], units: list[Any], order: list[tuple[int
           chunk_bytes: int, width: int) -> None:
     """Copy chunk (plane, unit i, piece) for each (plane, i) of ``order``, pieces innermost."""
     for plane, i in order:
+        if any(int(unit[i]) < 0 for unit in units):
+            continue  # absent on one side: skipped, as the kernel does
         for piece in range(n_pieces):
             addresses = []
             for (bases, page_stride, unit_stride, piece_stride, per_page), unit in zip(sides, units, strict=True):

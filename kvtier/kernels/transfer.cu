@@ -4,8 +4,9 @@
 // (tensor, layer, unit, piece) one contiguous run of `chunk_bytes` on both sides. A side locates a chunk as
 //     table[tensor * table_layers + layer] + (unit / units_per_page) * page_stride
 //                  + (unit % units_per_page) * unit_stride + piece * piece_stride
-// where `unit` comes from that side's index array. Host-side pointer math (layouts, strides) stays in Python; the
-// kernel only walks chunks. Tables hold device-accessible addresses for the device that runs the kernel.
+// where `unit` comes from that side's index array; a negative unit on either side marks an absent entry, whose chunks
+// are skipped (the copy kernels; the experimental bulk kernels take validated indices only). Host-side pointer math
+// (layouts, strides) stays in Python; the kernel only walks chunks. Tables hold device-accessible addresses for the device that runs the kernel.
 // Chunks are walked in groups of layers (see Walk): one layer at a time, or a unit's layers one after another when
 // the host keeps them adjacent (page_first, page_first_direct), so a many-layer copy reads or writes the host in
 // long contiguous runs instead of one row per layer and unit.
@@ -231,8 +232,13 @@ struct Walk {
         const unsigned tensor = quotient(by_units, outer);
         const unsigned unit = outer - tensor * n_units;
         const int row = (int)tensor * table_layers + layer_begin + (int)(k * group_layers + in_group);
-        *from = chunk_address(src, src_per_page, row, src_index[unit], piece);
-        *to = chunk_address(dst, dst_per_page, row, dst_index[unit], piece);
+        const Index su = src_index[unit], du = dst_index[unit];
+        if (su < 0 || du < 0) {  // a unit marked absent on either side is skipped (its chunks still count)
+            *from = *to = nullptr;
+            return;
+        }
+        *from = chunk_address(src, src_per_page, row, su, piece);
+        *to = chunk_address(dst, dst_per_page, row, du, piece);
     }
 };
 
@@ -289,7 +295,8 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
                 unsigned j = j0 + k * 32;
                 if (j < work) {
                     unsigned c = quotient(by_vectors, j);
-                    r[k] = load_stream((const V*)(src_ptr[c]) + (j - c * vectors));
+                    const char* from = src_ptr[c];
+                    if (from) r[k] = load_stream((const V*)(from) + (j - c * vectors));
                 }
             }
 #pragma unroll
@@ -297,7 +304,8 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
                 unsigned j = j0 + k * 32;
                 if (j < work) {
                     unsigned c = quotient(by_vectors, j);
-                    store_stream((V*)(dst_ptr[c]) + (j - c * vectors), r[k]);
+                    char* to = dst_ptr[c];
+                    if (to) store_stream((V*)(to) + (j - c * vectors), r[k]);
                 }
             }
         }

@@ -77,6 +77,24 @@ def get_device_accessible_ptr(obj: Any, device: Any, *, runtime: Runtime | None 
     raise AddressDomainError(f"cannot resolve a device address for {type(obj).__name__}")
 
 
+def resolve_foreign_address(value: int, device: Any, *, runtime: Runtime | None = None) -> DeviceAddress:
+    """The address kernels on ``device`` use for ``value``, a raw address kvtier did not hand out (a ``data_ptr()``
+    someone wrote into a pointer table): host memory registered or pinned by anyone resolves to its alias for the
+    device, memory of that device passes as it is. Pageable host memory is refused even where the device could
+    read it (slowly, through page faults), and so is memory of another device: either means the table was built
+    from the wrong tensor."""
+    target = device_index(device)
+    runtime = runtime or get_runtime()
+    runtime.check_device(target)
+    value = int(value)
+    if runtime.host_range(value) is None:
+        kind = runtime.pointer_attributes(value).type
+        if kind not in (MemoryType.DEVICE, MemoryType.HOST, MemoryType.MANAGED):
+            raise NotDeviceAccessible(f"0x{value:x} is pageable (or unmapped) host memory: kernels on device {target} "
+                                      f"read only pinned or registered host memory and device memory")
+    return _host_alias(runtime, value, 1, target)
+
+
 def tensor_extent(tensor: Any) -> tuple[int, int]:
     """(first, end) byte offsets, relative to ``data_ptr()``, of every byte a tensor's elements touch."""
     if tensor.numel() == 0:

@@ -1,0 +1,256 @@
+"""Each ``kvtier.compat.sglang.kvcacheio`` function against the equivalent kvtier engine call, same memory, same run.
+
+For each geometry and host layout the script allocates one device pool and one host pool, moves N random pages (1 GiB
+by default) with a ``TransferEngine`` (kernel backend at ``--blocks`` SMs, or the DMA backend the compat function
+corresponds to), then the same pages with the compat function over the very same memory (token indices, tables of
+``data_ptr()``s, ``block_quota`` = ``--blocks``), and reports both rates against the same run's contiguous ceiling.
+Per-layer rows call the compat function once per layer, as SGLang's load-back does; the engine row is one per-layer
+load. ``page_head`` is compared with kvtier's own head-major layout, which orders a head's tokens and layers the other
+way round (same 256-byte pieces).
+
+Run on a GPU machine: ``python bench/sglang_compat.py [--json out.json]``; ``--runtime emulated:split`` is a smoke test
+on the CPU emulator (the numbers are not speeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).parent))
+from transfer import GEOMETRIES, bench_runtime, fill  # noqa: E402
+
+from kvtier.cli.doctor_probe import probe_bandwidth  # noqa: E402
+from kvtier.compat import DeviceArray  # noqa: E402
+from kvtier.compat.sglang import kvcacheio  # noqa: E402
+from kvtier.memory import HostBuffer, HostKind  # noqa: E402
+from kvtier.pools import DevicePool, HostPool  # noqa: E402
+from kvtier.transfer import TransferEngine  # noqa: E402
+
+EMULATED_NOTE = "note: {name} runs Python reference kernels on the CPU, so these numbers are not speeds"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runtime", help="cuda, emulated:split or emulated:unified (default: kvtier's choice)")
+    parser.add_argument("--geometry", action="append", choices=["llama3-8b-p16", "dsv3-mla-p16"],
+                        help="repeatable (default: both)")
+    parser.add_argument("--blocks", type=int, default=2, help="SM budget of both sides (default: 2)")
+    parser.add_argument("--gib", type=float, help="GiB per transfer (default: 1; 1/256 on an emulated runtime)")
+    parser.add_argument("--repeats", type=int, help="timed repeats after one warm-up (default: 3; 1 emulated)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if args.blocks < 1 or (args.gib is not None and args.gib <= 0):
+        parser.error("--blocks must be >= 1 and --gib positive")
+    return args
+
+
+class Memory:
+    """Device layers as the compat functions take them (CUDA tensors, or DeviceArrays on the emulator) over one
+    pool, and host views of one host pool, all as uint8 rows."""
+
+    def __init__(self, runtime, name: str, g, pages: int, seed: HostBuffer) -> None:
+        import torch
+
+        self.runtime, self.name, self.g, self.cuda = runtime, name, g, runtime.name == "cuda"
+        tokens = pages * g.page_size
+        if self.cuda:
+            self.layers = [[torch.empty((tokens, g.row_bytes), dtype=torch.uint8, device="cuda")
+                            for _ in range(g.layers)] for _ in range(g.tensors)]
+            self.pool = DevicePool.from_tensors(g, self.layers, runtime=runtime)
+        else:
+            self.pool = DevicePool.allocate(g, pages, 0, runtime=runtime)
+            self.layers = [[DeviceArray(op, (tokens, g.row_bytes), torch.uint8) for op in row]
+                           for row in self.pool.layers]
+        fill(runtime, self.pool, seed)
+
+    def tensor(self, x):
+        import torch
+
+        return torch.as_tensor(np.ascontiguousarray(x, dtype=np.int64), device="cuda") if self.cuda else \
+            DeviceArray.from_tensor(torch.as_tensor(np.ascontiguousarray(x, dtype=np.int64)), runtime=self.runtime)
+
+    def table(self, operands):
+        import torch
+
+        raw = torch.tensor([x.data_ptr() for x in operands], dtype=torch.uint64)
+        return raw.to("cuda") if self.cuda else DeviceArray.from_tensor(raw, runtime=self.runtime)
+
+    def done(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+        else:
+            self.runtime.synchronize(0)
+
+
+def host_views(host: HostPool, tensors: int, shape) -> list:
+    """Each tensor's region of the host buffer as a uint8 tensor of ``shape``."""
+    flat = host.buffer.as_tensor()
+    size = int(np.prod(shape))
+    return [flat[host.tensor_offset(t):host.tensor_offset(t) + size].view(shape) for t in range(tensors)]
+
+
+def seconds(op, finish, repeats: int) -> float:
+    times = []
+    for i in range(repeats + 1):
+        finish()
+        start = time.perf_counter()
+        op()
+        finish()
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_host, pages_dev, pages_host, blocks):
+    """(name, direction, call) of the compat functions that move these pages on this host layout."""
+    g, L, item, ps = mem.g, mem.g.layers, mem.g.row_bytes, mem.g.page_size
+    mla = g.tensors == 1
+    si, di = mem.tensor(tokens_dev), mem.tensor(tokens_host)
+    hi, dd = mem.tensor(tokens_host), mem.tensor(tokens_dev)
+    quota = {"block_quota": blocks}
+    K = mem.layers[0]
+    V = mem.layers[1] if not mla else None
+    host_tokens = host.pages * ps
+    cases = []
+    if layout == "page_first":
+        hk = host_views(host, g.tensors, (host_tokens, L, item))
+        tables = [mem.table(row) for row in mem.layers]
+        if mla:
+            cases.append(("transfer_kv_all_layer_mla_lf_pf", "backup",
+                          lambda: kvcacheio.transfer_kv_all_layer_mla_lf_pf(tables[0], hk[0], si, di, item, L * item,
+                                                                            L, **quota)))
+            cases.append(("transfer_kv_per_layer_mla_pf_lf", "load",
+                          lambda: [kvcacheio.transfer_kv_per_layer_mla_pf_lf(hk[0], K[layer], hi, dd, layer, item,
+                                                                             L * item, **quota)
+                                   for layer in range(L)]))
+        else:
+            cases.append(("transfer_kv_all_layer_lf_pf", "backup", lambda: kvcacheio.transfer_kv_all_layer_lf_pf(
+                tables[0], hk[0], tables[1], hk[1], si, di, item, L * item, L, **quota)))
+            cases.append(("transfer_kv_per_layer_pf_lf", "load", lambda: [kvcacheio.transfer_kv_per_layer_pf_lf(
+                hk[0], K[layer], hk[1], V[layer], hi, dd, layer, item, L * item, **quota) for layer in range(L)]))
+    elif layout == "layer_first":
+        hl = host_views(host, g.tensors, (L, host_tokens, item))
+        dev_tables = [mem.table(row) for row in mem.layers]
+        host_tables = [mem.table([h[layer] for layer in range(L)]) for h in hl]
+        if mla:
+            cases.append(("transfer_kv_all_layer_mla", "backup", lambda: kvcacheio.transfer_kv_all_layer_mla(
+                dev_tables[0], host_tables[0], si, di, item, L, **quota)))
+            cases.append(("transfer_kv_per_layer_mla", "load", lambda: [kvcacheio.transfer_kv_per_layer_mla(
+                hl[0][layer], K[layer], hi, dd, item, **quota) for layer in range(L)]))
+        else:
+            cases.append(("transfer_kv_all_layer", "backup", lambda: kvcacheio.transfer_kv_all_layer(
+                dev_tables[0], host_tables[0], dev_tables[1], host_tables[1], si, di, item, L, **quota)))
+            cases.append(("transfer_kv_per_layer", "load", lambda: [kvcacheio.transfer_kv_per_layer(
+                hl[0][layer], K[layer], hl[1][layer], V[layer], hi, dd, item, **quota) for layer in range(L)]))
+        flat = [h[layer] for h in hl for layer in range(L)]
+        device_flat = [x for row in mem.layers for x in row]
+        cases.append(("transfer_kv_direct", "load-dma", lambda: kvcacheio.transfer_kv_direct(
+            flat, device_flat, hi, dd, ps)))
+    elif layout == "page_head" and not mla:
+        heads = g.heads
+        hh = host_views(host, g.tensors, (host.pages, heads, ps, L, item // heads))
+        tables = [mem.table(row) for row in mem.layers]
+        cases.append(("transfer_kv_all_layer_lf_ph", "backup", lambda: kvcacheio.transfer_kv_all_layer_lf_ph(
+            tables[0], hh[0], tables[1], hh[1], si, di, item, L * item, L, ps, heads, **quota)))
+        cases.append(("transfer_kv_per_layer_ph_lf", "load", lambda: [kvcacheio.transfer_kv_per_layer_ph_lf(
+            hh[0], K[layer], hh[1], V[layer], hi, dd, layer, item, L * item, ps, heads, **quota)
+            for layer in range(L)]))
+    elif layout == "page_first_direct":
+        hd = host_views(host, g.tensors, (host.pages, L, ps, item))
+        device_flat = [x for row in mem.layers for x in row]
+        cases.append(("transfer_kv_all_layer_direct_lf_pf", "backup-dma", lambda: (
+            kvcacheio.transfer_kv_all_layer_direct_lf_pf(device_flat, hd, si, di, ps))))
+        cases.append(("transfer_kv_per_layer_direct_pf_lf", "load-dma", lambda: [
+            kvcacheio.transfer_kv_per_layer_direct_pf_lf(hd, [row[layer] for row in mem.layers], hi, dd, layer, ps)
+            for layer in range(L)]))
+    return cases
+
+
+def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceiling, args, console) -> list[dict]:
+    """Both sides of every compat function of this layout (in a function of its own, so the host views the calls
+    hold are gone before the host pool closes)."""
+    rows = []
+    g, name = mem.g, mem.name
+    for function, op, call in compat_cases(mem, host, layout, *tokens, pages_dev, pages_host, args.blocks):
+        backend, engine_op = ops[op]
+        engine = engines[backend]
+        t_engine = seconds(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize, args.repeats)
+        t_compat = seconds(call, mem.done, args.repeats)
+        key = "d2h_gbps" if op.startswith("backup") else "h2d_gbps"
+        nbytes = len(pages_dev) * g.bytes_per_page
+        row = {"geometry": name, "layout": layout, "function": function, "direction": op,
+               "engine": f"{backend}:{args.blocks}" if backend == "kernel" else "batch",
+               "engine_gbps": nbytes / t_engine / 1e9, "compat_gbps": nbytes / t_compat / 1e9}
+        row["engine_pct"] = 100 * row["engine_gbps"] / ceiling[key]
+        row["compat_pct"] = 100 * row["compat_gbps"] / ceiling[key]
+        row["compat_vs_engine_pct"] = 100 * t_engine / t_compat
+        rows.append(row)
+        console.log(f"{name} {layout} {function}: compat {row['compat_gbps']:.1f} GB/s "
+                    f"({row['compat_pct']:.0f}%), engine {row['engine_gbps']:.1f} ({row['engine_pct']:.0f}%)")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    console = Console(width=200)
+    runtime, emulated = bench_runtime(args, console, EMULATED_NOTE, emulated_gib=1 / 256)
+    size = int(args.gib * (1 << 30))
+    ceiling = probe_bandwidth(runtime, min(1 << 30, max(1 << 20, size)))
+    console.log(f"ceiling: H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f} GB/s")
+    seed = HostBuffer.allocate(min(256 << 20, max(1 << 20, size)), HostKind.PINNED, runtime=runtime)
+    seed.as_tensor().numpy()[:] = np.random.default_rng().integers(0, 256, seed.nbytes, dtype=np.uint8)
+    rows = []
+    rng = np.random.default_rng(0)
+    for name in args.geometry or ["llama3-8b-p16", "dsv3-mla-p16"]:
+        g = GEOMETRIES[name]
+        pages = max(1, size // g.bytes_per_page)
+        mem = Memory(runtime, name, g, 2 * pages, seed)
+        for layout in ("page_first", "layer_first", "page_head", "page_first_direct"):
+            if layout == "page_head" and g.tensors == 1:
+                continue
+            host = HostPool.allocate(g, layout, pages=2 * pages, runtime=runtime)
+            pages_dev = rng.choice(mem.pool.pages, pages, replace=False)
+            pages_host = rng.choice(host.pages, pages, replace=False)
+            tokens = [(p[:, None] * g.page_size + np.arange(g.page_size)).reshape(-1) for p in (pages_dev, pages_host)]
+            engines = {"kernel": TransferEngine(mem.pool, host, backend="kernel", max_blocks=args.blocks),
+                       "dma": TransferEngine(mem.pool, host, backend="batch")}
+            ops = {"backup": ("kernel", lambda e, d=pages_dev, h=pages_host: e.backup(d, h)),
+                   "load": ("kernel", lambda e, d=pages_dev, h=pages_host: e.load(h, d)),
+                   "backup-dma": ("dma", lambda e, d=pages_dev, h=pages_host: e.backup(d, h)),
+                   "load-dma": ("dma", lambda e, d=pages_dev, h=pages_host: e.load(h, d))}
+            rows += measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceiling, args, console)
+            for engine in engines.values():
+                engine.close()
+            host.close()
+        mem.pool.close()
+    seed.close()
+    table = Table(title=f"kvtier.compat.sglang.kvcacheio against the engine ({runtime.device_attributes(0).name}; "
+                        f"ceiling H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f} GB/s)")
+    for column in ("geometry", "host layout", "compat function", "engine call", "compat GB/s (%)",
+                   "engine GB/s (%)", "compat / engine %"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(r["geometry"], r["layout"], r["function"], f"{r['engine']} {r['direction'].split('-')[0]}",
+                      f"{r['compat_gbps']:.1f} ({r['compat_pct']:.0f}%)",
+                      f"{r['engine_gbps']:.1f} ({r['engine_pct']:.0f}%)", f"{r['compat_vs_engine_pct']:.0f}")
+    console.print(table)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"runtime": runtime.name, "ceiling": ceiling, "blocks": args.blocks, "rows": rows}, out, indent=1)
+    if emulated:
+        console.print(EMULATED_NOTE.format(name=runtime.name))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Operands of a compat call: the runtime and device it runs on, tensors and raw pointer tables as device addresses.
+
+Everything a kernel will read goes through the one resolver here: tensors (pinned, registered or device) with
+``get_device_accessible_ptr``, every entry of a raw ``uint64`` pointer table with ``resolve_foreign_address``. Kernel
+pointer tables are built once per distinct set of entries and kept (a serving engine passes the same few layer bases
+on every call), so a warmed-up call allocates nothing and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.compat.device_array import DeviceArray
+from kvtier.errors import InvalidArgument, KvtierError, WrongRuntime
+from kvtier.kernels.launch import KernelLauncher
+from kvtier.memory import DeviceAddress, get_device_accessible_ptr, resolve_foreign_address, tensor_extent
+from kvtier.pools import PointerTable, build_pointer_table
+from kvtier.runtime import Runtime, Stream
+from kvtier.runtime import get as get_runtime
+
+TABLES_KEPT = 4096
+"""Kernel pointer tables kept per runtime; past this the least recently used is freed (after a device sync)."""
+CHECK_ENV = "KVTIER_COMPAT_CHECKS"
+"""Set to 1 to read device-resident indices back (a sync) and check them against the tensors they index."""
+
+
+@dataclass
+class Call:
+    """Where one compat call runs: runtime, device, the caller's current stream there, and the launcher."""
+
+    runtime: Runtime
+    device: int
+    stream: Stream
+    launcher: KernelLauncher
+
+
+class _PerRuntime:
+    def __init__(self, runtime: Runtime) -> None:
+        self.launcher = KernelLauncher(runtime)
+        self.tables: OrderedDict[tuple, PointerTable] = OrderedDict()
+        self.foreign: OrderedDict[tuple, tuple[DeviceAddress, ...]] = OrderedDict()
+        self.lock = threading.Lock()
+
+
+_state: weakref.WeakKeyDictionary[Runtime, _PerRuntime] = weakref.WeakKeyDictionary()
+_state_lock = threading.Lock()
+
+
+def _per_runtime(runtime: Runtime) -> _PerRuntime:
+    with _state_lock:
+        state = _state.get(runtime)
+        if state is None:
+            state = _state[runtime] = _PerRuntime(runtime)
+        return state
+
+
+def is_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def call_for(operands: Sequence[Any], indices: Sequence[Any]) -> Call:
+    """The runtime of the call's kvtier arrays (all the same one), else kvtier's default; the device of its index
+    tensors, else the runtime's current device."""
+    runtimes = {id(x.runtime): x.runtime for x in operands if isinstance(x, DeviceArray)}
+    if len(runtimes) > 1:
+        raise WrongRuntime("a call's DeviceArrays belong to different runtimes")
+    runtime = next(iter(runtimes.values())) if runtimes else get_runtime()
+    devices = set()
+    for index in indices:
+        if isinstance(index, DeviceArray):
+            devices.add(index.device_index)
+        elif is_tensor(index) and index.device.type != "cpu":
+            devices.add(index.device.index if index.device.index is not None else runtime.current_device())
+    if len(devices) > 1:
+        raise InvalidArgument(f"the index tensors are on different devices ({sorted(devices)})")
+    device = devices.pop() if devices else runtime.current_device()
+    runtime.check_device(device)
+    return Call(runtime, device, runtime.current_stream(device), _per_runtime(runtime).launcher)
+
+
+def kernel_operand(x: Any) -> Any:
+    """What the launch boundary resolves for ``x``: the region of a DeviceArray, a tensor as it is."""
+    return x.region if isinstance(x, DeviceArray) else x
+
+
+def address(call: Call, x: Any, what: str) -> DeviceAddress:
+    """``x`` (a tensor or DeviceArray) as an address kernels on the call's device may use; the whole extent is
+    checked to lie in memory the device reaches."""
+    if not (is_tensor(x) or isinstance(x, DeviceArray)):
+        raise InvalidArgument(f"{what} must be a tensor, got {type(x).__name__}")
+    try:
+        return get_device_accessible_ptr(kernel_operand(x), call.device, runtime=call.runtime)
+    except KvtierError as error:
+        raise type(error)(f"{what}: {error}") from None
+
+
+def extent(x: Any) -> int:
+    """Bytes a tensor or DeviceArray spans from its ``data_ptr()`` on."""
+    return x.nbytes if isinstance(x, DeviceArray) else tensor_extent(x)[1]
+
+
+def table_values(table: Any, what: str) -> np.ndarray:
+    """The raw entries of a ``uint64`` pointer table: a tensor (any device; a device one is read back) or a
+    DeviceArray."""
+    import torch
+
+    if isinstance(table, DeviceArray):
+        values = table.cpu()
+    elif is_tensor(table):
+        values = table.detach().to("cpu")
+    else:
+        raise InvalidArgument(f"{what} must be a uint64 tensor of addresses, got {type(table).__name__}")
+    if values.dtype not in (torch.uint64, torch.int64) or values.dim() != 1:
+        raise InvalidArgument(f"{what} must be a 1-D uint64 (or int64) tensor of addresses, got {values.dtype} "
+                              f"of shape {tuple(values.shape)}")
+    return values.contiguous().view(torch.int64).numpy().view(np.uint64).copy()
+
+
+def table_entries(call: Call, table: Any, what: str) -> tuple[DeviceAddress, ...]:
+    """Every entry of a raw pointer table resolved for the call's device. A tensor table is read and resolved once
+    per version (torch counts in-place changes); a DeviceArray's on every call."""
+    state = _per_runtime(call.runtime)
+    key = None
+    if is_tensor(table):
+        key = (call.device, table.data_ptr(), table.numel(), str(table.device), table._version)
+        with state.lock:
+            found = state.foreign.get(key)
+            if found is not None:
+                state.foreign.move_to_end(key)
+                return found
+    values = table_values(table, what)
+    entries = []
+    for i, value in enumerate(values.tolist()):
+        try:
+            entries.append(resolve_foreign_address(value, call.device, runtime=call.runtime))
+        except KvtierError as error:
+            raise type(error)(f"{what}[{i}] = 0x{value:x}: {error}") from None
+    resolved = tuple(entries)
+    if key is not None:
+        with state.lock:
+            state.foreign[key] = resolved
+            while len(state.foreign) > TABLES_KEPT:
+                state.foreign.popitem(last=False)
+    return resolved
+
+
+def pointer_table(call: Call, entries: Sequence[DeviceAddress]) -> PointerTable:
+    """A kernel pointer table holding ``entries``, built on first use and kept."""
+    state = _per_runtime(call.runtime)
+    key = (call.device, tuple(e.value for e in entries))
+    with state.lock:
+        table = state.tables.get(key)
+        if table is not None and not table.closed:
+            state.tables.move_to_end(key)
+            return table
+    table = build_pointer_table(call.runtime, call.device, list(entries))
+    with state.lock:
+        state.tables[key] = table
+        evicted = [state.tables.popitem(last=False)[1] for _ in range(len(state.tables) - TABLES_KEPT)]
+    if evicted:
+        call.runtime.synchronize(call.device)  # a queued kernel may still read an evicted table
+        for old in evicted:
+            old.close()
+    return table
+
+
+def host_indices(x: Any) -> np.ndarray | None:
+    """Index values readable without waiting for the device (a CPU tensor), or with ``KVTIER_COMPAT_CHECKS=1`` any
+    index operand (read back after a sync); else None."""
+    if is_tensor(x) and x.device.type == "cpu":
+        return x.detach().numpy().reshape(-1).astype(np.int64)
+    if os.environ.get(CHECK_ENV) == "1":
+        values = x.cpu() if isinstance(x, DeviceArray) else x.detach().to("cpu")
+        return values.numpy().reshape(-1).astype(np.int64)
+    return None
+
+
+def check_indices(src: Any, dst: Any) -> int:
+    """The index operands' common length and item size; both contiguous int64 (or int32) of one dtype."""
+    import torch
+
+    for name, x in (("src_indices", src), ("dst_indices", dst)):
+        if not (is_tensor(x) or isinstance(x, DeviceArray)):
+            raise InvalidArgument(f"{name} must be a tensor, got {type(x).__name__}")
+        if x.dtype not in (torch.int64, torch.int32):
+            raise InvalidArgument(f"{name} must be int64 (or int32), got {x.dtype}")
+        if not x.is_contiguous():
+            raise InvalidArgument(f"{name} must be contiguous: the kernel reads it as one array")
+    if src.dtype != dst.dtype:
+        raise InvalidArgument(f"src_indices ({src.dtype}) and dst_indices ({dst.dtype}) must have one dtype")
+    if src.numel() != dst.numel():
+        raise InvalidArgument(f"src_indices ({src.numel()}) and dst_indices ({dst.numel()}) must have the same "
+                              f"length")
+    return src.element_size()

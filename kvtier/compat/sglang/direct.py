@@ -1,0 +1,158 @@
+"""The ``*_direct`` functions of SGLang's kvcacheio: DMA copies of token runs and whole pages, no kernel.
+
+SGLang issues one ``Tensor.copy_`` per run and layer (a page at a time for ``page_first_direct`` hosts), reading the
+indices on the host first. kvtier reads them the same way, then queues each layer's runs in one
+``memcpy_runs_async`` call on the caller's current stream: equally spaced runs become one strided copy, the rest go
+batched. Operands resolve through the one resolver, so host tensors must be pinned or registered (the copy engines
+read them asynchronously).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.compat.device_array import DeviceArray
+from kvtier.compat.operands import Call, address, call_for, extent, is_tensor
+from kvtier.errors import InvalidArgument
+
+
+def _index_values(x: Any, name: str) -> np.ndarray:
+    import torch
+
+    if not (is_tensor(x) or isinstance(x, DeviceArray)):
+        raise InvalidArgument(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.int64, torch.int32):
+        raise InvalidArgument(f"{name} must be int64 (or int32), got {x.dtype}")
+    values = x.cpu() if isinstance(x, DeviceArray) else x.detach().to("cpu")
+    return values.numpy().reshape(-1).astype(np.int64)
+
+
+def _indices(src_indices: Any, dst_indices: Any, page_size: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size <= 0:
+        raise InvalidArgument(f"page_size must be a positive integer, got {page_size!r}")
+    src, dst = _index_values(src_indices, "src_indices"), _index_values(dst_indices, "dst_indices")
+    if src.size != dst.size:
+        raise InvalidArgument(f"src_indices ({src.size}) and dst_indices ({dst.size}) must have the same length")
+    if src.size % page_size:
+        raise InvalidArgument(f"{src.size} indices are not whole pages of page_size={page_size}")
+    if src.size and min(src.min(), dst.min()) < 0:
+        raise InvalidArgument("direct transfers take non-negative indices only")
+    return src, dst, int(page_size)
+
+
+def _tensors(xs: Sequence[Any], name: str) -> list[Any]:
+    if not isinstance(xs, (list, tuple)) or not xs:
+        raise InvalidArgument(f"{name} must be a non-empty list of tensors")
+    for i, x in enumerate(xs):
+        if not (is_tensor(x) or isinstance(x, DeviceArray)):
+            raise InvalidArgument(f"{name}[{i}] must be a tensor, got {type(x).__name__}")
+        if not x.is_contiguous() or x.dim() < 1:
+            raise InvalidArgument(f"{name}[{i}] must be a contiguous tensor of at least one dimension")
+    return list(xs)
+
+
+def _bytes(x: Any, dim: int) -> int:
+    """Bytes between consecutive entries of dimension ``dim``."""
+    return int(x.stride(dim)) * x.element_size()
+
+
+def _queue(call: Call, dst: Any, dst_name: str, dst_offsets: np.ndarray, src: Any, src_name: str,
+           src_offsets: np.ndarray, size: int) -> None:
+    """``size`` bytes at each offset pair, after checking every one lies inside both tensors."""
+    if not dst_offsets.size:
+        return
+    for x, offsets, name in ((dst, dst_offsets, dst_name), (src, src_offsets, src_name)):
+        end = int(offsets.max()) + size
+        if end > extent(x):
+            raise InvalidArgument(f"{name}: a copy reaches byte {end} of a tensor of {extent(x)} bytes: index out "
+                                  f"of range")
+    call.runtime.memcpy_runs_async(address(call, dst, dst_name), dst_offsets, address(call, src, src_name),
+                                   src_offsets, np.full(dst_offsets.size, size, np.int64), stream=call.stream,
+                                   batched=True)
+
+
+def _same(a: int, b: int, what: str) -> int:
+    if a != b:
+        raise InvalidArgument(f"{what}: {a} bytes on the source side but {b} on the destination side")
+    return a
+
+
+def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any], src_indices: Any, dst_indices: Any,
+                       page_size: int) -> None:
+    """For each layer, tokens ``src_indices`` of ``src_layers[l]`` → tokens ``dst_indices`` of ``dst_layers[l]``
+    (dimension 0 is the token), each run of consecutive indices on both sides as one copy."""
+    src_layers, dst_layers = _tensors(src_layers, "src_layers"), _tensors(dst_layers, "dst_layers")
+    if len(src_layers) != len(dst_layers):
+        raise InvalidArgument(f"src_layers ({len(src_layers)}) and dst_layers ({len(dst_layers)}) must have the same "
+                              f"number of layers")
+    src, dst, _ = _indices(src_indices, dst_indices, page_size)
+    call = call_for([*src_layers, *dst_layers], [*src_layers, *dst_layers])
+    if not src.size:
+        return
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    for layer, (s, d) in enumerate(zip(src_layers, dst_layers, strict=True)):
+        row = _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows")
+        for length in np.unique(lengths):
+            chosen = starts[lengths == length]
+            _queue(call, d, f"dst_layers[{layer}]", dst[chosen] * row, s, f"src_layers[{layer}]", src[chosen] * row,
+                   int(length) * row)
+
+
+def _kv_split(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: str, lf_name: str) -> tuple[bool, int]:
+    """(MLA, layers per call): one ``page_first`` tensor means MLA, two mean K and V with the layer-first list holding
+    K's layers then V's."""
+    if len(page_first) not in (1, 2):
+        raise InvalidArgument(f"{pf_name} must hold one tensor (MLA) or two (K and V), got {len(page_first)}")
+    mla = len(page_first) == 1
+    if not mla and len(layer_first) % 2:
+        raise InvalidArgument(f"{lf_name} must hold K's layers then V's (an even count), got {len(layer_first)}")
+    return mla, len(layer_first) if mla else len(layer_first) // 2
+
+
+def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: str, lf_name: str,
+                 pages: np.ndarray, tokens: np.ndarray, first_layer: int, page_size: int, to_page_first: bool) -> None:
+    mla, layers = _kv_split(page_first, layer_first, pf_name, lf_name)
+    call = call_for([*page_first, *layer_first], [*page_first, *layer_first])
+    for t, host in enumerate(page_first):
+        if host.dim() < 3:
+            raise InvalidArgument(f"{pf_name}[{t}] must be [pages, layers, page_size, ...], got {host.dim()} dims")
+        if first_layer + layers > host.shape[1]:
+            raise InvalidArgument(f"layers [{first_layer}, {first_layer + layers}) exceed the {host.shape[1]} of "
+                                  f"{pf_name}[{t}]")
+        for j in range(layers):
+            other = layer_first[j if mla else j + t * layers]
+            other_name = f"{lf_name}[{j if mla else j + t * layers}]"
+            size = _same(page_size * _bytes(host, 2), page_size * _bytes(other, 0), f"{other_name} pages")
+            host_offsets = pages * _bytes(host, 0) + (first_layer + j) * _bytes(host, 1)
+            other_offsets = tokens * _bytes(other, 0)
+            if to_page_first:
+                _queue(call, host, f"{pf_name}[{t}]", host_offsets, other, other_name, other_offsets, size)
+            else:
+                _queue(call, other, other_name, other_offsets, host, f"{pf_name}[{t}]", host_offsets, size)
+
+
+def transfer_kv_per_layer_direct_pf_lf(src_ptrs: Sequence[Any], dst_ptrs: Sequence[Any], src_indices: Any,
+                                       dst_indices: Any, layer_id: int, page_size: int) -> None:
+    """Pages of a ``page_first_direct`` source (``src_ptrs``: K and V as ``[pages, layers, page_size, ...]``, or one
+    MLA tensor) from layer ``layer_id`` on into layer-first ``dst_ptrs`` (K's layers then V's), a page per copy."""
+    src_ptrs, dst_ptrs = _tensors(src_ptrs, "src_ptrs"), _tensors(dst_ptrs, "dst_ptrs")
+    if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) or layer_id < 0:
+        raise InvalidArgument(f"layer_id must be a non-negative integer, got {layer_id!r}")
+    src, dst, page_size = _indices(src_indices, dst_indices, page_size)
+    _page_copies(src_ptrs, dst_ptrs, "src_ptrs", "dst_ptrs", src[::page_size] // page_size, dst[::page_size],
+                 int(layer_id), page_size, to_page_first=False)
+
+
+def transfer_kv_all_layer_direct_lf_pf(src_ptrs: Sequence[Any], dst_ptrs: Sequence[Any], src_indices: Any,
+                                       dst_indices: Any, page_size: int) -> None:
+    """Every layer of layer-first ``src_ptrs`` (K's layers then V's) into pages of a ``page_first_direct``
+    destination (``dst_ptrs``: K and V, or one MLA tensor), a page per copy."""
+    src_ptrs, dst_ptrs = _tensors(src_ptrs, "src_ptrs"), _tensors(dst_ptrs, "dst_ptrs")
+    src, dst, page_size = _indices(src_indices, dst_indices, page_size)
+    _page_copies(dst_ptrs, src_ptrs, "dst_ptrs", "src_ptrs", dst[::page_size] // page_size, src[::page_size], 0,
+                 page_size, to_page_first=True)

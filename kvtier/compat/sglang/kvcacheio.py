@@ -1,0 +1,278 @@
+"""SGLang's ``sgl_kernel.kvcacheio`` on kvtier's resolver and launch boundary: swap the import, keep the calls.
+
+Names, argument order, defaults and results are SGLang's: indices are token (item) indices, ``item_size`` is the bytes
+of one token of one layer, ``*_layout_dim`` the bytes of one token across all layers of a ``page_first`` host buffer,
+tables are ``uint64`` tensors of ``data_ptr()`` values, negative indices are skipped, and kernels run on the caller's
+current torch stream. What kvtier adds: every tensor and every table entry is resolved for the device of the call (a
+pinned CPU tensor's ``data_ptr()`` is a CPU address, which a kernel must not dereference where host memory has a
+separate device alias: AMD MI355X, WSL2), a pageable or foreign-device address is refused by name before anything is
+copied, and the kernels are kvtier's own (prebuilt or JIT for the device; no torch ABI coupling). Indices on the CPU
+are checked against the tensors they index; device-resident ones are checked with ``KVTIER_COMPAT_CHECKS=1``.
+
+``block_quota`` is the SM budget (blocks, as in SGLang) and ``num_warps_per_block`` the warps of each block. Kernel
+pointer tables are built on a call's first use of a set of layer bases and kept: warm a shape up once before capturing
+it in a CUDA graph. See docs/sglang.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.compat.operands import (
+    Call,
+    address,
+    call_for,
+    check_indices,
+    extent,
+    host_indices,
+    kernel_operand,
+    pointer_table,
+    table_entries,
+)
+from kvtier.compat.sglang.direct import (
+    transfer_kv_all_layer_direct_lf_pf,
+    transfer_kv_direct,
+    transfer_kv_per_layer_direct_pf_lf,
+)
+from kvtier.errors import InvalidArgument
+from kvtier.kernels.launch import ChunkCopy, ChunkSide
+from kvtier.memory import DeviceAddress
+
+_is_hip = getattr(torch.version, "hip", None) is not None
+WARPS = 16 if _is_hip else 32
+
+__all__ = [
+    "transfer_kv_per_layer", "transfer_kv_per_layer_pf_lf", "transfer_kv_per_layer_ph_lf", "transfer_kv_all_layer",
+    "transfer_kv_all_layer_lf_pf", "transfer_kv_all_layer_lf_ph", "transfer_kv_direct",
+    "transfer_kv_per_layer_direct_pf_lf", "transfer_kv_all_layer_direct_lf_pf", "transfer_kv_per_layer_mla",
+    "transfer_kv_per_layer_mla_pf_lf", "transfer_kv_all_layer_mla", "transfer_kv_all_layer_mla_lf_pf",
+]
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a copy: per KV tensor a tensor (whose layer ``l`` starts ``l * layer_stride`` bytes in) or a raw
+    pointer table (one entry per layer); item ``i`` of a layer lies at ``(i // units_per_page) * page_stride +
+    (i % units_per_page) * unit_stride``, head ``h`` a further ``h * piece_stride``."""
+
+    name: str
+    operands: tuple[Any, ...]
+    page_stride: int
+    layers: Sequence[int] = (0,)
+    layer_stride: int = 0
+    unit_stride: int = 0
+    piece_stride: int = 0
+    units_per_page: int = 1
+    tables: bool = False
+
+    def entries(self, call: Call, n_layers: int) -> list:
+        names = ("k", "v") if len(self.operands) == 2 else ("",)
+        out: list[DeviceAddress] = []
+        for operand, kv in zip(self.operands, names, strict=True):
+            what = f"{self.name}{'_' + kv if kv else ''}{'_layers' if self.tables else ''}"
+            if self.tables:
+                rows = table_entries(call, operand, what)
+                if len(rows) != n_layers:
+                    raise InvalidArgument(f"{what} holds {len(rows)} layer addresses, not num_layers={n_layers}")
+                out += rows
+            else:
+                base = address(call, operand, what)
+                out += [base + layer * self.layer_stride for layer in self.layers]
+        return out
+
+    def check_bounds(self, units: np.ndarray, chunk_bytes: int, pieces: int) -> None:
+        """Every byte the copy touches lies inside each tensor operand (tables' extents are unknown here)."""
+        if self.tables or not units.size:
+            return
+        pages, slots = np.divmod(units, self.units_per_page)
+        far = int((pages * self.page_stride + slots * self.unit_stride).max())
+        end = far + max(self.layers) * self.layer_stride + (pieces - 1) * self.piece_stride + chunk_bytes
+        for operand in self.operands:
+            if end > extent(operand):
+                worst = int(units[np.argmax(pages * self.page_stride + slots * self.unit_stride)])
+                raise InvalidArgument(f"{self.name} index {worst} reaches byte {end} of a tensor of "
+                                      f"{extent(operand)} bytes: out of range")
+
+
+def _positive(value: Any, name: str, multiple: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0 or value % multiple:
+        raise InvalidArgument(f"{name} must be a positive integer{f' divisible by {multiple}' if multiple > 1 else ''}"
+                              f", got {value!r}")
+    return int(value)
+
+
+def _layer(value: Any, name: str = "layer_id") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidArgument(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _layout_holds(layout_dim: int, layers: int, item_size: int, name: str) -> None:
+    if layers * item_size > layout_dim:
+        raise InvalidArgument(f"{name}={layout_dim} bytes per token cannot hold {layers} layers of item_size="
+                              f"{item_size}: layers would overlap the next token")
+
+
+def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers: int, chunk_bytes: int,
+          pieces: int = 1, block_quota: Any, num_warps_per_block: Any, unit_major: bool = False) -> None:
+    """One kernel launch on the caller's current stream: for each KV tensor, layer, index pair and piece, copy
+    ``chunk_bytes``."""
+    block_quota = _positive(block_quota, "block_quota")
+    warps = _positive(num_warps_per_block, "num_warps_per_block")
+    index_bytes = check_indices(src_indices, dst_indices)
+    call = call_for([*src.operands, *dst.operands, src_indices, dst_indices], [src_indices, dst_indices])
+    call.launcher.check_threads(warps * 32, block_quota)
+    entries = [side.entries(call, n_layers) for side in (src, dst)]
+    host = [host_indices(src_indices), host_indices(dst_indices)]
+    if host[0] is not None and host[1] is not None:
+        valid = (host[0] >= 0) & (host[1] >= 0)
+        src.check_bounds(host[0][valid], chunk_bytes, pieces)
+        dst.check_bounds(host[1][valid], chunk_bytes, pieces)
+    n_units = src_indices.numel()
+    if n_units == 0:
+        return
+    sides = [ChunkSide(pointer_table(call, e), s.page_stride, s.unit_stride, s.piece_stride, s.units_per_page)
+             for e, s in zip(entries, (src, dst), strict=True)]
+    copy = ChunkCopy(sides[0], sides[1], kernel_operand(src_indices), kernel_operand(dst_indices), index_bytes,
+                     n_units, 0, n_layers, pieces, chunk_bytes, len(src.operands), n_layers, unit_major=unit_major)
+    call.launcher.copy_chunks(copy, device=call.device, stream=call.stream, max_blocks=block_quota,
+                              threads=warps * 32)
+
+
+def _heads(item_size: int, head_num: Any, layout_dim: int | None = None) -> tuple[int, int]:
+    head_num = _positive(head_num, "head_num")
+    if item_size % head_num or (layout_dim is not None and layout_dim % head_num):
+        raise InvalidArgument(f"head_num={head_num} must divide item_size={item_size}"
+                              + ("" if layout_dim is None else f" and the layout dim {layout_dim}"))
+    return head_num, item_size // head_num
+
+
+def _page_head(name: str, operands: tuple[Any, ...], layers: Sequence[int], item_size: int, layout_dim: int,
+               page_size: int, head_num: int) -> Side:
+    """A ``page_head`` host buffer, ``[pages, heads, page_size, layers, head bytes]`` per tensor."""
+    per_head = layout_dim // head_num
+    return Side(name, operands, page_size * layout_dim, layers, item_size // head_num, per_head, per_head * page_size,
+                page_size)
+
+
+# -- per layer, K and V ----------------------------------------------------------------------------------------------
+def transfer_kv_per_layer(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any,
+                          item_size: int, block_quota: int = 2, num_warps_per_block: int = WARPS) -> None:
+    """One layer, layer-first on both sides: item ``i`` at ``i * item_size`` of each tensor."""
+    item_size = _positive(item_size, "item_size", 8)
+    _copy(Side("src", (src_k, src_v), item_size), Side("dst", (dst_k, dst_v), item_size), src_indices, dst_indices,
+          n_layers=1, chunk_bytes=item_size, block_quota=block_quota, num_warps_per_block=num_warps_per_block)
+
+
+def transfer_kv_per_layer_pf_lf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any,
+                                layer_id: int, item_size: int, src_layout_dim: int, block_quota: int = 2,
+                                num_warps_per_block: int = WARPS) -> None:
+    """Layer ``layer_id`` of a ``page_first`` source (item ``i`` at ``i * src_layout_dim + layer_id * item_size``)
+    into a layer-first destination."""
+    item_size, layer_id = _positive(item_size, "item_size", 8), _layer(layer_id)
+    src_layout_dim = _positive(src_layout_dim, "src_layout_dim")
+    _layout_holds(src_layout_dim, layer_id + 1, item_size, "src_layout_dim")
+    _copy(Side("src", (src_k, src_v), src_layout_dim, (layer_id,), item_size),
+          Side("dst", (dst_k, dst_v), item_size), src_indices, dst_indices, n_layers=1, chunk_bytes=item_size,
+          block_quota=block_quota, num_warps_per_block=num_warps_per_block)
+
+
+def transfer_kv_per_layer_ph_lf(src_k: Any, dst_k: Any, src_v: Any, dst_v: Any, src_indices: Any, dst_indices: Any,
+                                layer_id: int, item_size: int, src_layout_dim: int, page_size: int, head_num: int,
+                                block_quota: int = 2, num_warps_per_block: int = WARPS) -> None:
+    """Layer ``layer_id`` of a ``page_head`` source (``[pages, heads, page_size, layers, head bytes]``) into a
+    layer-first destination, head by head."""
+    item_size, layer_id = _positive(item_size, "item_size", 8), _layer(layer_id)
+    src_layout_dim, page_size = _positive(src_layout_dim, "src_layout_dim"), _positive(page_size, "page_size")
+    head_num, head_bytes = _heads(item_size, head_num, src_layout_dim)
+    _layout_holds(src_layout_dim, layer_id + 1, item_size, "src_layout_dim")
+    _copy(_page_head("src", (src_k, src_v), (layer_id,), item_size, src_layout_dim, page_size, head_num),
+          Side("dst", (dst_k, dst_v), item_size, piece_stride=head_bytes), src_indices, dst_indices, n_layers=1,
+          chunk_bytes=head_bytes, pieces=head_num, block_quota=block_quota, num_warps_per_block=num_warps_per_block)
+
+
+# -- all layers, K and V ---------------------------------------------------------------------------------------------
+def transfer_kv_all_layer(src_k_layers: Any, dst_k_layers: Any, src_v_layers: Any, dst_v_layers: Any,
+                          src_indices: Any, dst_indices: Any, item_size: int, num_layers: int, block_quota: int = 2,
+                          num_warps_per_block: int = WARPS) -> None:
+    """Every layer, layer-first on both sides, each side's layers found through ``uint64`` tables of their
+    ``data_ptr()``s."""
+    item_size, num_layers = _positive(item_size, "item_size", 8), _positive(num_layers, "num_layers")
+    _copy(Side("src", (src_k_layers, src_v_layers), item_size, tables=True),
+          Side("dst", (dst_k_layers, dst_v_layers), item_size, tables=True), src_indices, dst_indices,
+          n_layers=num_layers, chunk_bytes=item_size, block_quota=block_quota,
+          num_warps_per_block=num_warps_per_block)
+
+
+def transfer_kv_all_layer_lf_pf(src_k_layers: Any, dst_k: Any, src_v_layers: Any, dst_v: Any, src_indices: Any,
+                                dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int,
+                                block_quota: int = 2, num_warps_per_block: int = WARPS) -> None:
+    """Every layer from layer-first tensors (through tables) into a ``page_first`` destination; the copy walks a
+    token's layers together, so it writes each destination token as one run."""
+    item_size, num_layers = _positive(item_size, "item_size", 8), _positive(num_layers, "num_layers")
+    dst_layout_dim = _positive(dst_layout_dim, "dst_layout_dim")
+    _layout_holds(dst_layout_dim, num_layers, item_size, "dst_layout_dim")
+    _copy(Side("src", (src_k_layers, src_v_layers), item_size, tables=True),
+          Side("dst", (dst_k, dst_v), dst_layout_dim, range(num_layers), item_size), src_indices, dst_indices,
+          n_layers=num_layers, chunk_bytes=item_size, block_quota=block_quota,
+          num_warps_per_block=num_warps_per_block, unit_major=True)
+
+
+def transfer_kv_all_layer_lf_ph(src_k_layers: Any, dst_k: Any, src_v_layers: Any, dst_v: Any, src_indices: Any,
+                                dst_indices: Any, item_size: int, dst_layout_dim: int, num_layers: int,
+                                page_size: int, head_num: int, block_quota: int = 2,
+                                num_warps_per_block: int = WARPS) -> None:
+    """Every layer from layer-first tensors (through tables) into a ``page_head`` destination, head by head."""
+    item_size, num_layers = _positive(item_size, "item_size", 8), _positive(num_layers, "num_layers")
+    dst_layout_dim, page_size = _positive(dst_layout_dim, "dst_layout_dim"), _positive(page_size, "page_size")
+    head_num, head_bytes = _heads(item_size, head_num, dst_layout_dim)
+    _layout_holds(dst_layout_dim, num_layers, item_size, "dst_layout_dim")
+    _copy(Side("src", (src_k_layers, src_v_layers), item_size, piece_stride=head_bytes, tables=True),
+          _page_head("dst", (dst_k, dst_v), range(num_layers), item_size, dst_layout_dim, page_size, head_num),
+          src_indices, dst_indices, n_layers=num_layers, chunk_bytes=head_bytes, pieces=head_num,
+          block_quota=block_quota, num_warps_per_block=num_warps_per_block)
+
+
+# -- MLA (one tensor) ------------------------------------------------------------------------------------------------
+def transfer_kv_per_layer_mla(src: Any, dst: Any, src_indices: Any, dst_indices: Any, item_size: int,
+                              block_quota: int = 2, num_warps_per_block: int = WARPS) -> None:
+    item_size = _positive(item_size, "item_size", 8)
+    _copy(Side("src", (src,), item_size), Side("dst", (dst,), item_size), src_indices, dst_indices, n_layers=1,
+          chunk_bytes=item_size, block_quota=block_quota, num_warps_per_block=num_warps_per_block)
+
+
+def transfer_kv_per_layer_mla_pf_lf(src: Any, dst: Any, src_indices: Any, dst_indices: Any, layer_id: int,
+                                    item_size: int, src_layout_dim: int, block_quota: int = 2,
+                                    num_warps_per_block: int = WARPS) -> None:
+    item_size, layer_id = _positive(item_size, "item_size", 8), _layer(layer_id)
+    src_layout_dim = _positive(src_layout_dim, "src_layout_dim")
+    _layout_holds(src_layout_dim, layer_id + 1, item_size, "src_layout_dim")
+    _copy(Side("src", (src,), src_layout_dim, (layer_id,), item_size), Side("dst", (dst,), item_size), src_indices,
+          dst_indices, n_layers=1, chunk_bytes=item_size, block_quota=block_quota,
+          num_warps_per_block=num_warps_per_block)
+
+
+def transfer_kv_all_layer_mla(src_layers: Any, dst_layers: Any, src_indices: Any, dst_indices: Any, item_size: int,
+                              num_layers: int, block_quota: int = 2, num_warps_per_block: int = WARPS) -> None:
+    item_size, num_layers = _positive(item_size, "item_size", 8), _positive(num_layers, "num_layers")
+    _copy(Side("src", (src_layers,), item_size, tables=True), Side("dst", (dst_layers,), item_size, tables=True),
+          src_indices, dst_indices, n_layers=num_layers, chunk_bytes=item_size, block_quota=block_quota,
+          num_warps_per_block=num_warps_per_block)
+
+
+def transfer_kv_all_layer_mla_lf_pf(src_layers: Any, dst: Any, src_indices: Any, dst_indices: Any, item_size: int,
+                                    dst_layout_dim: int, num_layers: int, block_quota: int = 2,
+                                    num_warps_per_block: int = WARPS) -> None:
+    item_size, num_layers = _positive(item_size, "item_size", 8), _positive(num_layers, "num_layers")
+    dst_layout_dim = _positive(dst_layout_dim, "dst_layout_dim")
+    _layout_holds(dst_layout_dim, num_layers, item_size, "dst_layout_dim")
+    _copy(Side("src", (src_layers,), item_size, tables=True),
+          Side("dst", (dst,), dst_layout_dim, range(num_layers), item_size), src_indices, dst_indices,
+          n_layers=num_layers, chunk_bytes=item_size, block_quota=block_quota,
+          num_warps_per_block=num_warps_per_block, unit_major=True)
+

@@ -1,0 +1,445 @@
+"""kvtier.compat.sglang.kvcacheio against torch references, on the emulators (split, unified) and CUDA.
+
+Device tensors are DeviceArrays on the emulators (torch has no emulated device) and CUDA tensors on the GPU; host
+tensors are views of kvtier pinned buffers (and, on CUDA, torch-pinned tensors too). Every destination is poisoned
+first and checked whole: copied items must hold the source, every other byte its poison. Pointer tables are built
+from raw ``data_ptr()`` values, which in split mode are CPU addresses for host memory: the call must still be right.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.compat import DeviceArray
+from kvtier.compat.sglang import kvcacheio
+from kvtier.errors import InvalidArgument, KvtierError, NotDeviceAccessible, WrongDeviceError
+from kvtier.memory import HostBuffer, HostKind
+
+LAYERS, HEADS, DIM, PAGE = 3, 2, 8, 4
+ITEM = HEADS * DIM * 2  # bytes of one token of one layer (int16 elements)
+DEVICE_TOKENS, HOST_TOKENS = 48, 64
+POISON = 0x5A5A
+
+
+class Memory:
+    """Tensors for one runtime: ``device`` (DeviceArray or CUDA), ``host`` (pinned), tables and indices."""
+
+    def __init__(self, runtime, torch_pinned: bool = False) -> None:
+        self.runtime, self.cuda = runtime, runtime.name == "cuda"
+        self.torch_pinned = torch_pinned and self.cuda
+        self.keep: list = []
+
+    def device(self, shape, data: bool = True):
+        values = torch.randint(-30000, 30000, shape, dtype=torch.int16) if data else \
+            torch.full(shape, POISON, dtype=torch.int16)
+        if self.cuda:
+            return values.to("cuda")
+        array = DeviceArray.from_tensor(values, runtime=self.runtime)
+        self.keep.append(array)
+        return array
+
+    def host(self, shape, data: bool = True):
+        count = 1
+        for n in shape:
+            count *= n
+        if self.torch_pinned:
+            tensor = torch.empty(shape, dtype=torch.int16, pin_memory=True)
+        else:
+            buffer = HostBuffer.allocate(2 * count, HostKind.PINNED, runtime=self.runtime)
+            self.keep.append(buffer)
+            tensor = buffer.as_tensor(torch.int16).view(shape)
+        tensor.copy_(torch.randint(-30000, 30000, shape, dtype=torch.int16) if data else
+                     torch.full(shape, POISON, dtype=torch.int16))
+        return tensor
+
+    def indices(self, values):
+        tensor = torch.tensor(values, dtype=torch.int64)
+        if self.cuda:
+            return tensor.to("cuda")
+        array = DeviceArray.from_tensor(tensor, runtime=self.runtime)
+        self.keep.append(array)
+        return array
+
+    def table(self, tensors):
+        """A uint64 table of the tensors' raw ``data_ptr()``s, where SGLang keeps it (on the device)."""
+        raw = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+        if self.cuda:
+            return raw.to("cuda")
+        array = DeviceArray.from_tensor(raw, runtime=self.runtime)
+        self.keep.append(array)
+        return array
+
+    def cpu(self, x):
+        if isinstance(x, DeviceArray):
+            return x.cpu()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return x.detach().to("cpu").clone()
+
+    def close(self) -> None:
+        for thing in self.keep:
+            thing.close()
+
+
+@pytest.fixture(params=[False, pytest.param(True, id="torch-pinned")])
+def memory(runtime, request):
+    if request.param and runtime.name != "cuda":
+        pytest.skip("torch pins host memory only with CUDA")
+    mem = Memory(runtime, torch_pinned=request.param)
+    yield mem
+    mem.close()
+
+
+def pairs(n_src: int, n_dst: int, count: int = 20, absent: bool = True):
+    """Random distinct source and destination items; with ``absent``, one pair has src -1 and another dst -1."""
+    src = torch.randperm(n_src)[:count].tolist()
+    dst = torch.randperm(n_dst)[:count].tolist()
+    if absent:
+        src[3], dst[7] = -1, -1
+    return src, dst
+
+
+def copied(src, dst):
+    return [(s, d) for s, d in zip(src, dst, strict=True) if s >= 0 and d >= 0]
+
+
+def assert_poison_except(got, expected):
+    assert torch.equal(got, expected), f"{(got != expected).sum().item()} elements differ"
+
+
+# -- per layer -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("to_host", [False, True])
+def test_per_layer_between_layer_first_tensors(memory, to_host):
+    make_src, make_dst = (memory.device, memory.host) if to_host else (memory.host, memory.device)
+    n_src, n_dst = (DEVICE_TOKENS, HOST_TOKENS) if to_host else (HOST_TOKENS, DEVICE_TOKENS)
+    src_k, src_v = make_src((n_src, HEADS, DIM)), make_src((n_src, HEADS, DIM))
+    dst_k, dst_v = make_dst((n_dst, HEADS, DIM), data=False), make_dst((n_dst, HEADS, DIM), data=False)
+    src, dst = pairs(n_src, n_dst)
+    kvcacheio.transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, memory.indices(src), memory.indices(dst), ITEM)
+    for s_tensor, d_tensor in ((src_k, dst_k), (src_v, dst_v)):
+        expected = torch.full((n_dst, HEADS, DIM), POISON, dtype=torch.int16)
+        source = memory.cpu(s_tensor)
+        for s, d in copied(src, dst):
+            expected[d] = source[s]
+        assert_poison_except(memory.cpu(d_tensor), expected)
+
+
+def test_per_layer_pf_lf_loads_one_layer_of_a_page_first_host(memory):
+    host_k, host_v = memory.host((HOST_TOKENS, LAYERS, HEADS, DIM)), memory.host((HOST_TOKENS, LAYERS, HEADS, DIM))
+    dev_k = memory.device((DEVICE_TOKENS, HEADS, DIM), data=False)
+    dev_v = memory.device((DEVICE_TOKENS, HEADS, DIM), data=False)
+    src, dst = pairs(HOST_TOKENS, DEVICE_TOKENS)
+    layer = 2
+    kvcacheio.transfer_kv_per_layer_pf_lf(host_k, dev_k, host_v, dev_v, memory.indices(src), memory.indices(dst),
+                                          layer, ITEM, LAYERS * ITEM)
+    for host, dev in ((host_k, dev_k), (host_v, dev_v)):
+        expected = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16)
+        for s, d in copied(src, dst):
+            expected[d] = host[s, layer]
+        assert_poison_except(memory.cpu(dev), expected)
+
+
+def page_head(memory, data=True):
+    """A page_head host tensor: [pages, heads, page_size, layers, dim]."""
+    return memory.host((HOST_TOKENS // PAGE, HEADS, PAGE, LAYERS, DIM), data=data)
+
+
+def ph_token(host, token, layer):
+    """Token ``token``'s heads of ``layer`` in a page_head tensor, as [heads, dim]."""
+    return host[token // PAGE, :, token % PAGE, layer]
+
+
+def test_per_layer_ph_lf_loads_one_layer_of_a_page_head_host(memory):
+    host_k, host_v = page_head(memory), page_head(memory)
+    dev_k = memory.device((DEVICE_TOKENS, HEADS, DIM), data=False)
+    dev_v = memory.device((DEVICE_TOKENS, HEADS, DIM), data=False)
+    src, dst = pairs(HOST_TOKENS, DEVICE_TOKENS)
+    layer = 1
+    kvcacheio.transfer_kv_per_layer_ph_lf(host_k, dev_k, host_v, dev_v, memory.indices(src), memory.indices(dst),
+                                          layer, ITEM, LAYERS * ITEM, PAGE, HEADS)
+    for host, dev in ((host_k, dev_k), (host_v, dev_v)):
+        expected = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16)
+        for s, d in copied(src, dst):
+            expected[d] = ph_token(host, s, layer)
+        assert_poison_except(memory.cpu(dev), expected)
+
+
+# -- all layers ----------------------------------------------------------------------------------------------------
+def device_layers(memory, data=True):
+    return [memory.device((DEVICE_TOKENS, HEADS, DIM), data=data) for _ in range(LAYERS)]
+
+
+@pytest.mark.parametrize("to_host", [True, False])
+def test_all_layer_through_tables_of_raw_pointers(memory, to_host):
+    """Both sides layer-first and found through uint64 tables; the host side's table holds CPU addresses (split
+    mode: not what a kernel may dereference)."""
+    dev_k, dev_v = device_layers(memory, data=to_host), device_layers(memory, data=to_host)
+    host = memory.host((2, LAYERS, HOST_TOKENS, HEADS, DIM), data=not to_host)
+    host_k, host_v = [host[0, layer] for layer in range(LAYERS)], [host[1, layer] for layer in range(LAYERS)]
+    sides = [(dev_k, dev_v, DEVICE_TOKENS), (host_k, host_v, HOST_TOKENS)]
+    (src_k, src_v, n_src), (dst_k, dst_v, n_dst) = sides[::-1] if not to_host else sides
+    src, dst = pairs(n_src, n_dst)
+    kvcacheio.transfer_kv_all_layer(memory.table(src_k), memory.table(dst_k), memory.table(src_v),
+                                    memory.table(dst_v), memory.indices(src), memory.indices(dst), ITEM, LAYERS)
+    for s_layers, d_layers in ((src_k, dst_k), (src_v, dst_v)):
+        for layer in range(LAYERS):
+            expected = torch.full((n_dst, HEADS, DIM), POISON, dtype=torch.int16)
+            source = memory.cpu(s_layers[layer])
+            for s, d in copied(src, dst):
+                expected[d] = source[s]
+            assert_poison_except(memory.cpu(d_layers[layer]), expected)
+
+
+def test_all_layer_lf_pf_backs_up_into_a_page_first_host(memory):
+    dev_k, dev_v = device_layers(memory), device_layers(memory)
+    host_k = memory.host((HOST_TOKENS, LAYERS, HEADS, DIM), data=False)
+    host_v = memory.host((HOST_TOKENS, LAYERS, HEADS, DIM), data=False)
+    src, dst = pairs(DEVICE_TOKENS, HOST_TOKENS)
+    kvcacheio.transfer_kv_all_layer_lf_pf(memory.table(dev_k), host_k, memory.table(dev_v), host_v,
+                                          memory.indices(src), memory.indices(dst), ITEM, LAYERS * ITEM, LAYERS)
+    for layers, host in ((dev_k, host_k), (dev_v, host_v)):
+        expected = torch.full((HOST_TOKENS, LAYERS, HEADS, DIM), POISON, dtype=torch.int16)
+        for layer in range(LAYERS):
+            source = memory.cpu(layers[layer])
+            for s, d in copied(src, dst):
+                expected[d, layer] = source[s]
+        assert_poison_except(memory.cpu(host), expected)
+
+
+def test_all_layer_lf_ph_backs_up_into_a_page_head_host(memory):
+    dev_k, dev_v = device_layers(memory), device_layers(memory)
+    host_k, host_v = page_head(memory, data=False), page_head(memory, data=False)
+    src, dst = pairs(DEVICE_TOKENS, HOST_TOKENS)
+    kvcacheio.transfer_kv_all_layer_lf_ph(memory.table(dev_k), host_k, memory.table(dev_v), host_v,
+                                          memory.indices(src), memory.indices(dst), ITEM, LAYERS * ITEM, LAYERS,
+                                          PAGE, HEADS)
+    for layers, host in ((dev_k, host_k), (dev_v, host_v)):
+        expected = torch.full(tuple(host.shape), POISON, dtype=torch.int16)
+        for layer in range(LAYERS):
+            source = memory.cpu(layers[layer])
+            for s, d in copied(src, dst):
+                ph_token(expected, d, layer)[:] = source[s]
+        assert_poison_except(memory.cpu(host), expected)
+
+
+# -- MLA -----------------------------------------------------------------------------------------------------------
+MLA_DIM = 36  # 72-byte rows: 8-byte accesses, not 16
+
+
+def test_mla_per_layer_and_pf_lf(memory):
+    item = MLA_DIM * 2
+    src_t, dst_t = memory.host((HOST_TOKENS, MLA_DIM)), memory.device((DEVICE_TOKENS, MLA_DIM), data=False)
+    src, dst = pairs(HOST_TOKENS, DEVICE_TOKENS)
+    kvcacheio.transfer_kv_per_layer_mla(src_t, dst_t, memory.indices(src), memory.indices(dst), item)
+    expected = torch.full((DEVICE_TOKENS, MLA_DIM), POISON, dtype=torch.int16)
+    for s, d in copied(src, dst):
+        expected[d] = src_t[s]
+    assert_poison_except(memory.cpu(dst_t), expected)
+
+    host = memory.host((HOST_TOKENS, LAYERS, MLA_DIM))
+    dev = memory.device((DEVICE_TOKENS, MLA_DIM), data=False)
+    kvcacheio.transfer_kv_per_layer_mla_pf_lf(host, dev, memory.indices(src), memory.indices(dst), 1, item,
+                                              LAYERS * item)
+    expected = torch.full((DEVICE_TOKENS, MLA_DIM), POISON, dtype=torch.int16)
+    for s, d in copied(src, dst):
+        expected[d] = host[s, 1]
+    assert_poison_except(memory.cpu(dev), expected)
+
+
+def test_mla_all_layer_and_lf_pf(memory):
+    item = MLA_DIM * 2
+    dev = [memory.device((DEVICE_TOKENS, MLA_DIM)) for _ in range(LAYERS)]
+    host = memory.host((LAYERS, HOST_TOKENS, MLA_DIM), data=False)
+    host_layers = [host[layer] for layer in range(LAYERS)]
+    src, dst = pairs(DEVICE_TOKENS, HOST_TOKENS)
+    kvcacheio.transfer_kv_all_layer_mla(memory.table(dev), memory.table(host_layers), memory.indices(src),
+                                        memory.indices(dst), item, LAYERS)
+    expected = torch.full((LAYERS, HOST_TOKENS, MLA_DIM), POISON, dtype=torch.int16)
+    for layer in range(LAYERS):
+        source = memory.cpu(dev[layer])
+        for s, d in copied(src, dst):
+            expected[layer, d] = source[s]
+    assert_poison_except(memory.cpu(host), expected)
+
+    pf = memory.host((HOST_TOKENS, LAYERS, MLA_DIM), data=False)
+    kvcacheio.transfer_kv_all_layer_mla_lf_pf(memory.table(dev), pf, memory.indices(src), memory.indices(dst), item,
+                                              LAYERS * item, LAYERS)
+    expected = torch.full((HOST_TOKENS, LAYERS, MLA_DIM), POISON, dtype=torch.int16)
+    for layer in range(LAYERS):
+        source = memory.cpu(dev[layer])
+        for s, d in copied(src, dst):
+            expected[d, layer] = source[s]
+    assert_poison_except(memory.cpu(pf), expected)
+
+
+# -- direct --------------------------------------------------------------------------------------------------------
+def page_aligned(n_src: int, n_dst: int, pages: int = 5, runs: bool = True):
+    """Whole pages of tokens: random source and destination pages, two adjacent on both sides (one longer run)."""
+    src_pages = torch.randperm(n_src // PAGE)[:pages].tolist()
+    dst_pages = torch.randperm(n_dst // PAGE)[:pages].tolist()
+    if runs and src_pages[0] + 1 < n_src // PAGE and dst_pages[0] + 1 < n_dst // PAGE:
+        src_pages[1:] = [p for p in src_pages[1:] if p != src_pages[0] + 1][:pages - 2]
+        dst_pages[1:] = [p for p in dst_pages[1:] if p != dst_pages[0] + 1][:pages - 2]
+        src_pages.insert(1, src_pages[0] + 1)
+        dst_pages.insert(1, dst_pages[0] + 1)
+    src = [p * PAGE + i for p in src_pages for i in range(PAGE)]
+    dst = [p * PAGE + i for p in dst_pages for i in range(PAGE)]
+    return src, dst
+
+
+def test_direct_copies_token_runs_of_every_layer(memory):
+    dev = [memory.device((DEVICE_TOKENS, HEADS, DIM), data=False) for _ in range(2 * LAYERS)]
+    host = memory.host((2 * LAYERS, HOST_TOKENS, HEADS, DIM))
+    host_layers = [host[i] for i in range(2 * LAYERS)]
+    src, dst = page_aligned(HOST_TOKENS, DEVICE_TOKENS)
+    kvcacheio.transfer_kv_direct(host_layers, dev, memory.indices(src), memory.indices(dst), PAGE)
+    for i in range(2 * LAYERS):
+        expected = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16)
+        for s, d in zip(src, dst, strict=True):
+            expected[d] = host[i, s]
+        assert_poison_except(memory.cpu(dev[i]), expected)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_direct_page_first_both_ways(memory, mla):
+    tensors = 1 if mla else 2
+    pf = [memory.host((HOST_TOKENS // PAGE, LAYERS, PAGE, HEADS, DIM)) for _ in range(tensors)]
+    dev = [memory.device((DEVICE_TOKENS, HEADS, DIM), data=False) for _ in range(tensors)]  # one layer: K (and V)
+    src, dst = page_aligned(HOST_TOKENS, DEVICE_TOKENS, runs=False)
+    layer = 2
+    kvcacheio.transfer_kv_per_layer_direct_pf_lf(pf, dev, memory.indices(src), memory.indices(dst), layer, PAGE)
+    for t in range(tensors):
+        expected = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16)
+        for s, d in zip(src, dst, strict=True):
+            expected[d] = pf[t][s // PAGE, layer, s % PAGE]
+        assert_poison_except(memory.cpu(dev[t]), expected)
+
+    layers = [memory.device((DEVICE_TOKENS, HEADS, DIM)) for _ in range(tensors * LAYERS)]  # K's layers, then V's
+    out = [memory.host((HOST_TOKENS // PAGE, LAYERS, PAGE, HEADS, DIM), data=False) for _ in range(tensors)]
+    back_src, back_dst = page_aligned(DEVICE_TOKENS, HOST_TOKENS, runs=False)
+    kvcacheio.transfer_kv_all_layer_direct_lf_pf(layers, out, memory.indices(back_src), memory.indices(back_dst),
+                                                 PAGE)
+    for t in range(tensors):
+        expected = torch.full(tuple(out[t].shape), POISON, dtype=torch.int16)
+        for layer in range(LAYERS):
+            source = memory.cpu(layers[t * LAYERS + layer])
+            for s, d in zip(back_src, back_dst, strict=True):
+                expected[d // PAGE, layer, d % PAGE] = source[s]
+        assert_poison_except(memory.cpu(out[t]), expected)
+
+
+# -- refusals: clear errors, nothing copied ------------------------------------------------------------------------
+def test_a_pageable_table_entry_is_refused_by_name_and_nothing_is_copied(memory):
+    dev_k, dev_v = device_layers(memory), device_layers(memory)
+    host = memory.host((2, LAYERS, HOST_TOKENS, HEADS, DIM), data=False)
+    host_k, host_v = [host[0, layer] for layer in range(LAYERS)], [host[1, layer] for layer in range(LAYERS)]
+    pageable = torch.zeros((HOST_TOKENS, HEADS, DIM), dtype=torch.int16)
+    src, dst = pairs(DEVICE_TOKENS, HOST_TOKENS)
+    with pytest.raises(NotDeviceAccessible, match=r"dst_v_layers\[1\]"):
+        kvcacheio.transfer_kv_all_layer(memory.table(dev_k), memory.table(host_k), memory.table(dev_v),
+                                        memory.table([host_v[0], pageable, host_v[2]]), memory.indices(src),
+                                        memory.indices(dst), ITEM, LAYERS)
+    assert torch.equal(memory.cpu(host), torch.full(tuple(host.shape), POISON, dtype=torch.int16))
+
+
+def test_tables_must_hold_num_layers(memory):
+    dev_k, dev_v = device_layers(memory), device_layers(memory)
+    src, dst = pairs(DEVICE_TOKENS, DEVICE_TOKENS)
+    with pytest.raises(InvalidArgument, match="num_layers"):
+        kvcacheio.transfer_kv_all_layer(memory.table(dev_k), memory.table(dev_k[:2]), memory.table(dev_v),
+                                        memory.table(dev_v[:2]), memory.indices(src), memory.indices(dst), ITEM,
+                                        LAYERS)
+
+
+@pytest.mark.parametrize("bad", [{"item_size": 12}, {"item_size": 0}, {"block_quota": 0},
+                                 {"num_warps_per_block": 33}])
+def test_bad_sizes_are_refused(memory, bad):
+    src_t, dst_t = memory.device((DEVICE_TOKENS, HEADS, DIM)), memory.device((DEVICE_TOKENS, HEADS, DIM), data=False)
+    src, dst = pairs(DEVICE_TOKENS, DEVICE_TOKENS, absent=False)
+    args = {"item_size": ITEM, **bad}
+    with pytest.raises(KvtierError):
+        kvcacheio.transfer_kv_per_layer_mla(src_t, dst_t, memory.indices(src), memory.indices(dst), **args)
+    assert torch.equal(memory.cpu(dst_t), torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16))
+
+
+def test_mismatched_indices_are_refused(memory):
+    src_t, dst_t = memory.device((DEVICE_TOKENS, HEADS, DIM)), memory.device((DEVICE_TOKENS, HEADS, DIM))
+    with pytest.raises(InvalidArgument, match="same length"):
+        kvcacheio.transfer_kv_per_layer_mla(src_t, dst_t, memory.indices([1, 2, 3]), memory.indices([1, 2]), ITEM)
+
+
+def test_host_indices_out_of_range_are_refused_before_the_copy(memory):
+    """Indices the host can read (a pinned CPU tensor) are checked against the tensors they index."""
+    src_t, dst_t = memory.host((HOST_TOKENS, HEADS, DIM)), memory.device((DEVICE_TOKENS, HEADS, DIM), data=False)
+    buffer = HostBuffer.allocate(2 * 8 * 3, HostKind.PINNED, runtime=memory.runtime)
+    memory.keep.append(buffer)
+    indices = buffer.as_tensor(torch.int64)
+    indices[:3] = torch.tensor([0, 1, HOST_TOKENS])  # source 64 of 64 tokens
+    indices[3:] = torch.tensor([0, 1, 2])
+    with pytest.raises(InvalidArgument, match="out of range"):
+        kvcacheio.transfer_kv_per_layer_mla(src_t, dst_t, indices[:3], indices[3:], ITEM)
+    assert torch.equal(memory.cpu(dst_t), torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16))
+    indices[2] = HOST_TOKENS - 1
+    kvcacheio.transfer_kv_per_layer_mla(src_t, dst_t, indices[:3], indices[3:], ITEM)
+    assert torch.equal(memory.cpu(dst_t)[:3], src_t[[0, 1, HOST_TOKENS - 1]])
+
+
+def test_a_pageable_tensor_operand_is_refused(memory):
+    if memory.runtime.device_attributes(0).pageable_memory_access:
+        pytest.skip("this device reads pageable host memory")
+    pageable = torch.zeros((HOST_TOKENS, HEADS, DIM), dtype=torch.int16)
+    dst_t = memory.device((DEVICE_TOKENS, HEADS, DIM), data=False)
+    src, dst = pairs(HOST_TOKENS, DEVICE_TOKENS, absent=False)
+    with pytest.raises(NotDeviceAccessible, match="src"):
+        kvcacheio.transfer_kv_per_layer_mla(pageable, dst_t, memory.indices(src), memory.indices(dst), ITEM)
+
+
+def test_memory_of_another_device_in_a_table_is_refused(runtime):
+    if runtime.device_count() < 2:
+        pytest.skip("needs two devices")
+    mem = Memory(runtime)
+    try:
+        dev = device_layers(mem)
+        if mem.cuda:
+            other = torch.zeros((DEVICE_TOKENS, HEADS, DIM), dtype=torch.int16, device="cuda:1")
+        else:
+            other = DeviceArray.empty((DEVICE_TOKENS, HEADS, DIM), torch.int16, device=1, runtime=runtime)
+            mem.keep.append(other)
+        src, dst = pairs(DEVICE_TOKENS, DEVICE_TOKENS)
+        with pytest.raises(WrongDeviceError, match=r"dst_layers\[2\]"):
+            kvcacheio.transfer_kv_all_layer_mla(mem.table(dev), mem.table([dev[0], dev[1], other]),
+                                                mem.indices(src), mem.indices(dst), ITEM, LAYERS)
+    finally:
+        mem.close()
+
+
+# -- CUDA only -----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_a_per_layer_call_replays_from_a_cuda_graph(cuda):
+    mem = Memory(cuda)
+    try:
+        host_k, host_v = mem.host((HOST_TOKENS, LAYERS, HEADS, DIM)), mem.host((HOST_TOKENS, LAYERS, HEADS, DIM))
+        dev_k = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16, device="cuda")
+        dev_v = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16, device="cuda")
+        src_i = torch.zeros(16, dtype=torch.int64, device="cuda")
+        dst_i = torch.zeros(16, dtype=torch.int64, device="cuda")
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):  # warm up: builds and keeps the kernel's tables
+            kvcacheio.transfer_kv_per_layer_pf_lf(host_k, dev_k, host_v, dev_v, src_i, dst_i, 1, ITEM, LAYERS * ITEM)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            kvcacheio.transfer_kv_per_layer_pf_lf(host_k, dev_k, host_v, dev_v, src_i, dst_i, 1, ITEM, LAYERS * ITEM)
+        src, dst = pairs(HOST_TOKENS, DEVICE_TOKENS, count=16)
+        dev_k.fill_(POISON), dev_v.fill_(POISON)
+        src_i.copy_(torch.tensor(src)), dst_i.copy_(torch.tensor(dst))
+        graph.replay()
+        torch.cuda.synchronize()
+        for host, dev in ((host_k, dev_k), (host_v, dev_v)):
+            expected = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16)
+            for s, d in copied(src, dst):
+                expected[d] = host[s, 1]
+            assert_poison_except(dev.cpu(), expected)
+    finally:
+        mem.close()
