@@ -208,10 +208,12 @@ def test_a_wait_nothing_will_satisfy_is_reported_not_hung():
 SHAPES = [(2, 5, 1, 3, 7, 1, 9216), (1, 4, 0, 4, 33, 3, 64), (2, 3, 2, 1, 5, 2, 48)]
 
 
+@pytest.mark.parametrize("absent", [False, True], ids=["all", "absent-units"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"shape{i}" for i in range(len(SHAPES))])
-def test_each_layer_counter_grows_by_the_layers_chunk_count(runtime, shape):
+def test_each_layer_counter_grows_by_the_layers_chunk_count(runtime, shape, absent):
     """The counters of the launched layers grow by ``chunks_per_layer`` (chunks after the 4 KiB cut), the others
-    not at all, and the bytes are copied as without counters."""
+    not at all, and the bytes are copied as without counters. Units marked absent (a negative index on either side)
+    are skipped but still counted, so a waiter on the layer is released."""
     tensors, table_layers, first, layers, units, pieces, chunk = shape
     rng = np.random.default_rng()
     unit_bytes = pieces * chunk
@@ -223,14 +225,20 @@ def test_each_layer_counter_grows_by_the_layers_chunk_count(runtime, shape):
     memories[0].upload(source)
     memories[1].upload(np.zeros(memories[1].nbytes, np.uint8))
     order = rng.permutation(units)
-    index = DeviceBuffer(8 * units, 0, runtime=runtime)
-    index.upload(order.astype(np.int64))
+    marked = [order.copy(), order.copy()]
+    if absent:
+        marked[0][0] = -1                       # absent on the source side
+        marked[1][units // 2] = -3              # absent on the destination side (any negative value)
+    index_buffers = []
+    for values in marked:
+        index_buffers.append(DeviceBuffer(8 * units, 0, runtime=runtime))
+        index_buffers[-1].upload(values.astype(np.int64))
     start = rng.integers(0, 1 << 40, table_layers).astype(np.uint64)
     counters = DeviceBuffer(8 * table_layers, 0, runtime=runtime)
     counters.upload(start)
     sides = [ChunkSide(t, 0, unit_bytes, chunk, 1 << 20) for t in tables]
-    call = ChunkCopy(sides[0], sides[1], index, index, 8, units, first, layers, pieces, chunk, tensors, table_layers,
-                     layer_done=counters)
+    call = ChunkCopy(sides[0], sides[1], index_buffers[0], index_buffers[1], 8, units, first, layers, pieces, chunk,
+                     tensors, table_layers, layer_done=counters)
     stream = runtime.create_stream(0)
     prepared = KernelLauncher(runtime).copy_chunks(call, device=0, stream=stream)
     stream.synchronize()
@@ -241,12 +249,13 @@ def test_each_layer_counter_grows_by_the_layers_chunk_count(runtime, shape):
     got, want = np.frombuffer(memories[1].download(), np.uint8), np.zeros(memories[1].nbytes, np.uint8)
     for row in [t * table_layers + first + layer for t in range(tensors) for layer in range(layers)]:
         base = row * layer_bytes
-        for unit in order.tolist():
-            want[base + unit * unit_bytes:base + (unit + 1) * unit_bytes] = \
-                source[base + unit * unit_bytes:base + (unit + 1) * unit_bytes]
+        for src_unit, dst_unit in zip(*marked, strict=True):
+            if src_unit >= 0 and dst_unit >= 0:
+                want[base + unit_bytes * dst_unit:base + unit_bytes * (dst_unit + 1)] = \
+                    source[base + unit_bytes * src_unit:base + unit_bytes * (src_unit + 1)]
     np.testing.assert_array_equal(got, want)
     stream.close()
-    for handle in (index, counters, *tables, *memories):
+    for handle in (*index_buffers, counters, *tables, *memories):
         handle.close()
 
 

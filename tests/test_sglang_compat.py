@@ -443,3 +443,26 @@ def test_a_per_layer_call_replays_from_a_cuda_graph(cuda):
             assert_poison_except(dev.cpu(), expected)
     finally:
         mem.close()
+
+
+# -- DeviceArray -----------------------------------------------------------------------------------------------------
+def test_device_array_answers_the_tensor_api_the_compat_layer_reads(split):
+    data = torch.randint(-30000, 30000, (4, 3, 5), dtype=torch.int16)
+    array = DeviceArray.from_tensor(data, runtime=split)
+    try:
+        assert array.shape == (4, 3, 5) and array.stride() == (15, 5, 1) and array.element_size() == 2
+        assert array.numel() == 60 and array.nbytes == 120 and array.dim() == 3 and len(array) == 4
+        assert torch.equal(array.cpu(), data) and torch.equal(array[2].cpu(), data[2])
+        assert torch.equal(array[-1].cpu(), data[-1])
+        assert array[1].data_ptr() == array.data_ptr() + 30
+        with pytest.raises(InvalidArgument, match="out of range"):
+            array[4]
+        with pytest.raises(InvalidArgument, match="dimension 0"):
+            array.select(1, 0)
+        with pytest.raises(InvalidArgument, match="bytes"):
+            array.copy_(torch.zeros(7, dtype=torch.int16))
+        array[3].copy_(torch.ones((3, 5), dtype=torch.int16))
+        assert torch.equal(array.cpu()[3], torch.ones((3, 5), dtype=torch.int16))
+        assert torch.equal(array.cpu()[:3], data[:3])
+    finally:
+        array.close()
