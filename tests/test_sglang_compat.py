@@ -466,3 +466,30 @@ def test_device_array_answers_the_tensor_api_the_compat_layer_reads(split):
         assert torch.equal(array.cpu()[:3], data[:3])
     finally:
         array.close()
+
+
+def test_a_new_table_tensor_at_a_freed_ones_address_is_read_again(split):
+    """Raw tables are read once per tensor and version. A new tensor over the same bytes (a freed table's address
+    reused, version 0 again) with other entries must be read again: keyed on the address and version alone, the
+    second call copied from the first table's layers (wrong KV)."""
+    import numpy as np
+
+    mem = Memory(split)
+    try:
+        first, second = device_layers(mem), device_layers(mem)
+        dst = device_layers(mem, data=False)
+        src, dst_i = pairs(DEVICE_TOKENS, DEVICE_TOKENS, absent=False)
+        raw = np.array([t.data_ptr() for t in first], dtype=np.uint64)
+        table = torch.from_numpy(raw)
+        dst_table = mem.table(dst)
+        kvcacheio.transfer_kv_all_layer_mla(table, dst_table, mem.indices(src), mem.indices(dst_i), ITEM, LAYERS)
+        del table
+        raw[:] = [t.data_ptr() for t in second]           # numpy writes: torch sees no new version
+        table = torch.from_numpy(raw)
+        kvcacheio.transfer_kv_all_layer_mla(table, dst_table, mem.indices(src), mem.indices(dst_i), ITEM, LAYERS)
+        for layer in range(LAYERS):
+            source, got = second[layer].cpu(), dst[layer].cpu()
+            for s, d in zip(src, dst_i, strict=True):
+                assert torch.equal(got[d], source[s]), f"layer {layer} token {d} came from a stale table"
+    finally:
+        mem.close()

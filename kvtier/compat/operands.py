@@ -46,7 +46,7 @@ class _PerRuntime:
     def __init__(self, runtime: Runtime) -> None:
         self.launcher = KernelLauncher(runtime)
         self.tables: OrderedDict[tuple, PointerTable] = OrderedDict()
-        self.foreign: OrderedDict[tuple, tuple[DeviceAddress, ...]] = OrderedDict()
+        self.foreign: OrderedDict[tuple, tuple[Any, tuple[DeviceAddress, ...]]] = OrderedDict()
         self.lock = threading.Lock()
 
 
@@ -126,16 +126,17 @@ def table_values(table: Any, what: str) -> np.ndarray:
 
 def table_entries(call: Call, table: Any, what: str) -> tuple[DeviceAddress, ...]:
     """Every entry of a raw pointer table resolved for the call's device. A tensor table is read and resolved once
-    per version (torch counts in-place changes); a DeviceArray's on every call."""
+    per tensor and version (torch counts in-place changes; a new tensor at a freed one's address is a new table); a
+    DeviceArray's on every call."""
     state = _per_runtime(call.runtime)
     key = None
     if is_tensor(table):
-        key = (call.device, table.data_ptr(), table.numel(), str(table.device), table._version)
+        key = (call.device, id(table), table.data_ptr(), table.numel(), str(table.device), table._version)
         with state.lock:
             found = state.foreign.get(key)
-            if found is not None:
+            if found is not None and found[0]() is table:
                 state.foreign.move_to_end(key)
-                return found
+                return found[1]
     values = table_values(table, what)
     entries = []
     for i, value in enumerate(values.tolist()):
@@ -146,7 +147,7 @@ def table_entries(call: Call, table: Any, what: str) -> tuple[DeviceAddress, ...
     resolved = tuple(entries)
     if key is not None:
         with state.lock:
-            state.foreign[key] = resolved
+            state.foreign[key] = (weakref.ref(table), resolved)
             while len(state.foreign) > TABLES_KEPT:
                 state.foreign.popitem(last=False)
     return resolved
