@@ -493,3 +493,14 @@ def test_a_new_table_tensor_at_a_freed_ones_address_is_read_again(split):
                 assert torch.equal(got[d], source[s]), f"layer {layer} token {d} came from a stale table"
     finally:
         mem.close()
+
+
+def test_pageable_indices_are_refused_by_name(split):
+    mem = Memory(split)
+    try:
+        src_t, dst_t = mem.device((DEVICE_TOKENS, HEADS, DIM)), mem.device((DEVICE_TOKENS, HEADS, DIM), data=False)
+        with pytest.raises(NotDeviceAccessible, match="src_indices"):
+            kvcacheio.transfer_kv_per_layer_mla(src_t, dst_t, torch.tensor([1, 2]), mem.indices([3, 4]), ITEM)
+        assert torch.equal(dst_t.cpu(), torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16))
+    finally:
+        mem.close()

@@ -128,6 +128,9 @@ def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers:
     call = call_for([*src.operands, *dst.operands, src_indices, dst_indices], [src_indices, dst_indices])
     call.launcher.check_threads(warps * 32, block_quota)
     entries = [side.entries(call, n_layers) for side in (src, dst)]
+    if src_indices.numel():
+        for x, what in ((src_indices, "src_indices"), (dst_indices, "dst_indices")):
+            address(call, x, what)
     host = [host_indices(src_indices), host_indices(dst_indices)]
     if host[0] is not None and host[1] is not None:
         valid = (host[0] >= 0) & (host[1] >= 0)
