@@ -124,11 +124,20 @@ class DeviceArray:
         return self.shape[0]
 
     def copy_(self, tensor: Any) -> DeviceArray:
-        """Upload a CPU tensor (or numpy array) of the same number of bytes."""
+        """Copy in a CPU tensor, a numpy array or another DeviceArray of the same number of bytes."""
         import torch
 
-        data = tensor.detach().contiguous().view(torch.uint8).numpy() if isinstance(tensor, torch.Tensor) else \
-            np.ascontiguousarray(tensor).view(np.uint8)
+        if isinstance(tensor, DeviceArray):
+            if tensor.nbytes != self.nbytes:
+                raise InvalidArgument(f"cannot copy {tensor.nbytes} bytes into a DeviceArray of {self.nbytes}")
+            self.runtime.memcpy(self.address, tensor.address, self.nbytes)
+            return self
+        if isinstance(tensor, torch.Tensor):
+            if tensor.device.type != "cpu":
+                raise InvalidArgument(f"DeviceArray.copy_ takes a CPU tensor, not one on {tensor.device}")
+            data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        else:
+            data = np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)
         if data.nbytes != self.nbytes:
             raise InvalidArgument(f"cannot copy {data.nbytes} bytes into a DeviceArray of {self.nbytes}")
         self.buffer.upload(data.reshape(-1), self.offset)

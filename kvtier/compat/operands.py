@@ -46,7 +46,7 @@ class _PerRuntime:
     def __init__(self, runtime: Runtime) -> None:
         self.launcher = KernelLauncher(runtime)
         self.tables: OrderedDict[tuple, PointerTable] = OrderedDict()
-        self.foreign: OrderedDict[tuple, tuple[Any, tuple[DeviceAddress, ...]]] = OrderedDict()
+        self.foreign: OrderedDict[tuple, tuple[Any, list[int]]] = OrderedDict()
         self.lock = threading.Lock()
 
 
@@ -68,22 +68,27 @@ def is_tensor(x: Any) -> bool:
 
 def call_for(operands: Sequence[Any], indices: Sequence[Any]) -> Call:
     """The runtime of the call's kvtier arrays (all the same one), else kvtier's default; the device of its index
-    tensors, else the runtime's current device."""
+    tensors where they are on one, else of its first device-resident operand, else the runtime's current device. An
+    operand on another device is refused by name when it is resolved."""
     runtimes = {id(x.runtime): x.runtime for x in operands if isinstance(x, DeviceArray)}
     if len(runtimes) > 1:
         raise WrongRuntime("a call's DeviceArrays belong to different runtimes")
     runtime = next(iter(runtimes.values())) if runtimes else get_runtime()
-    devices = set()
-    for index in indices:
-        if isinstance(index, DeviceArray):
-            devices.add(index.device_index)
-        elif is_tensor(index) and index.device.type != "cpu":
-            devices.add(index.device.index if index.device.index is not None else runtime.current_device())
+    devices = {d for d in (_device_of(x, runtime) for x in indices) if d is not None}
     if len(devices) > 1:
         raise InvalidArgument(f"the index tensors are on different devices ({sorted(devices)})")
-    device = devices.pop() if devices else runtime.current_device()
+    placed = (d for d in (_device_of(x, runtime) for x in operands) if d is not None)
+    device = devices.pop() if devices else next(placed, runtime.current_device())
     runtime.check_device(device)
     return Call(runtime, device, runtime.current_stream(device), _per_runtime(runtime).launcher)
+
+
+def _device_of(x: Any, runtime: Runtime) -> int | None:
+    if isinstance(x, DeviceArray):
+        return x.device_index
+    if is_tensor(x) and x.device.type != "cpu":
+        return x.device.index if x.device.index is not None else runtime.current_device()
+    return None
 
 
 def kernel_operand(x: Any) -> Any:
@@ -124,33 +129,39 @@ def table_values(table: Any, what: str) -> np.ndarray:
     return values.contiguous().view(torch.int64).numpy().view(np.uint64).copy()
 
 
-def table_entries(call: Call, table: Any, what: str) -> tuple[DeviceAddress, ...]:
-    """Every entry of a raw pointer table resolved for the call's device. A tensor table is read and resolved once
-    per tensor and version (torch counts in-place changes; a new tensor at a freed one's address is a new table); a
-    DeviceArray's on every call."""
+def table_entries(call: Call, table: Any, what: str) -> tuple[list[int], list[DeviceAddress]]:
+    """A raw pointer table's entries, as given and resolved for the call's device. A tensor table is read back once
+    per tensor object and version (torch counts in-place changes; a new tensor at a freed one's address is another
+    table), a DeviceArray's on every call; the entries are resolved on every call, so memory closed or moved since
+    is refused or followed, never reached through a stale alias."""
     state = _per_runtime(call.runtime)
     key = None
     if is_tensor(table):
-        key = (call.device, id(table), table.data_ptr(), table.numel(), str(table.device), table._version)
+        try:
+            key = (call.device, id(table), table.data_ptr(), table.numel(), str(table.device), table._version)
+        except RuntimeError:    # an inference tensor keeps no version: read it every time
+            key = None
+    values = None
+    if key is not None:
         with state.lock:
             found = state.foreign.get(key)
             if found is not None and found[0]() is table:
                 state.foreign.move_to_end(key)
-                return found[1]
-    values = table_values(table, what)
+                values = found[1]
+    if values is None:
+        values = table_values(table, what).tolist()
+        if key is not None:
+            with state.lock:
+                state.foreign[key] = (weakref.ref(table), values)
+                while len(state.foreign) > TABLES_KEPT:
+                    state.foreign.popitem(last=False)
     entries = []
-    for i, value in enumerate(values.tolist()):
+    for i, value in enumerate(values):
         try:
             entries.append(resolve_foreign_address(value, call.device, runtime=call.runtime))
         except KvtierError as error:
             raise type(error)(f"{what}[{i}] = 0x{value:x}: {error}") from None
-    resolved = tuple(entries)
-    if key is not None:
-        with state.lock:
-            state.foreign[key] = (weakref.ref(table), resolved)
-            while len(state.foreign) > TABLES_KEPT:
-                state.foreign.popitem(last=False)
-    return resolved
+    return values, entries
 
 
 def pointer_table(call: Call, entries: Sequence[DeviceAddress]) -> PointerTable:

@@ -238,6 +238,13 @@ class Runtime:
         with self._lock:
             return self._host.find(address, nbytes)
 
+    def allocation_end(self, address: int) -> int | None:
+        """Where the allocation or registration holding ``address`` ends, where the runtime knows it (kvtier's host
+        ranges here; device allocations too where the platform tells), else None: what bounds a raw pointer that
+        came with no size (an entry of someone else's pointer table)."""
+        found = self.host_range(address)
+        return None if found is None else found.end
+
     def host_overlap(self, address: int, nbytes: int) -> Range[HostKind] | None:
         """A kvtier-registered or kvtier-allocated host range overlapping [address, address + nbytes), if any."""
         with self._lock:

@@ -275,6 +275,13 @@ class CudaRuntime(Runtime):
         return PointerAttributes(kind, int(attrs.device), int(attrs.devicePointer) or None,
                                  int(attrs.hostPointer) or None)
 
+    def allocation_end(self, address: int) -> int | None:
+        end = super().allocation_end(address)
+        if end is not None:
+            return end
+        err, base, size = _driver().cuMemGetAddressRange(address)   # device allocations (torch's: a whole segment)
+        return None if int(err) else int(base) + int(size)
+
     def device_alloc(self, nbytes: int, device: int) -> int:
         with self.using_device(device):
             return int(check(self._cudart.cudaMalloc(nbytes), "cudaMalloc"))

@@ -219,6 +219,16 @@ class EmulatedRuntime(Runtime):
                 return device, found[0], found[1]
         return None
 
+    def allocation_end(self, address: int) -> int | None:
+        end = super().allocation_end(address)
+        if end is not None:
+            return end
+        for address_map in self._maps:
+            entry = address_map.ranges.find(address, 1)
+            if entry is not None:
+                return entry.end
+        return None
+
     def pointer_attributes(self, address: int) -> PointerAttributes:
         mapped = self._find_mapped(address)
         if mapped is not None and mapped[2].kind is MappingKind.DEVICE_MEMORY:

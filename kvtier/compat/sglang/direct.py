@@ -10,6 +10,7 @@ read them asynchronously).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy as np
 from kvtier.compat.device_array import DeviceArray
 from kvtier.compat.operands import Call, address, call_for, extent, is_tensor
 from kvtier.errors import InvalidArgument
+from kvtier.memory import DeviceAddress
 
 
 def _index_values(x: Any, name: str) -> np.ndarray:
@@ -59,19 +61,37 @@ def _bytes(x: Any, dim: int) -> int:
     return int(x.stride(dim)) * x.element_size()
 
 
-def _queue(call: Call, dst: Any, dst_name: str, dst_offsets: np.ndarray, src: Any, src_name: str,
-           src_offsets: np.ndarray, size: int) -> None:
-    """``size`` bytes at each offset pair, after checking every one lies inside both tensors."""
+@dataclass(frozen=True)
+class Copies:
+    """One layer's copies, checked and resolved: ``size`` bytes at each offset pair."""
+
+    dst: DeviceAddress
+    dst_offsets: np.ndarray
+    src: DeviceAddress
+    src_offsets: np.ndarray
+    size: int
+
+
+def _plan(call: Call, dst: Any, dst_name: str, dst_offsets: np.ndarray, src: Any, src_name: str,
+          src_offsets: np.ndarray, size: int) -> Copies | None:
+    """The copies, once every one is checked to lie inside both tensors and both resolve for the call's device."""
     if not dst_offsets.size:
-        return
+        return None
     for x, offsets, name in ((dst, dst_offsets, dst_name), (src, src_offsets, src_name)):
         end = int(offsets.max()) + size
         if end > extent(x):
             raise InvalidArgument(f"{name}: a copy reaches byte {end} of a tensor of {extent(x)} bytes: index out "
                                   f"of range")
-    call.runtime.memcpy_runs_async(address(call, dst, dst_name), dst_offsets, address(call, src, src_name),
-                                   src_offsets, np.full(dst_offsets.size, size, np.int64), stream=call.stream,
-                                   batched=True)
+    return Copies(address(call, dst, dst_name), dst_offsets, address(call, src, src_name), src_offsets, size)
+
+
+def _submit(call: Call, plans: list[Copies | None]) -> None:
+    """Queue every layer's copies, only after all of them were checked: a refusal leaves every tensor as it was."""
+    for plan in plans:
+        if plan is not None:
+            call.runtime.memcpy_runs_async(plan.dst, plan.dst_offsets, plan.src, plan.src_offsets,
+                                           np.full(plan.dst_offsets.size, plan.size, np.int64), stream=call.stream,
+                                           batched=True)
 
 
 def _same(a: int, b: int, what: str) -> int:
@@ -89,18 +109,20 @@ def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any], src
         raise InvalidArgument(f"src_layers ({len(src_layers)}) and dst_layers ({len(dst_layers)}) must have the same "
                               f"number of layers")
     src, dst, _ = _indices(src_indices, dst_indices, page_size)
-    call = call_for([*src_layers, *dst_layers], [*src_layers, *dst_layers])
+    call = call_for([*src_layers, *dst_layers], [])
     if not src.size:
         return
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [src.size])))
+    plans = []
     for layer, (s, d) in enumerate(zip(src_layers, dst_layers, strict=True)):
         row = _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows")
         for length in np.unique(lengths):
             chosen = starts[lengths == length]
-            _queue(call, d, f"dst_layers[{layer}]", dst[chosen] * row, s, f"src_layers[{layer}]", src[chosen] * row,
-                   int(length) * row)
+            plans.append(_plan(call, d, f"dst_layers[{layer}]", dst[chosen] * row, s, f"src_layers[{layer}]",
+                               src[chosen] * row, int(length) * row))
+    _submit(call, plans)
 
 
 def _kv_split(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: str, lf_name: str) -> tuple[bool, int]:
@@ -117,7 +139,8 @@ def _kv_split(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: st
 def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: str, lf_name: str,
                  pages: np.ndarray, tokens: np.ndarray, first_layer: int, page_size: int, to_page_first: bool) -> None:
     mla, layers = _kv_split(page_first, layer_first, pf_name, lf_name)
-    call = call_for([*page_first, *layer_first], [*page_first, *layer_first])
+    call = call_for([*page_first, *layer_first], [])
+    plans = []
     for t, host in enumerate(page_first):
         if host.dim() < 3:
             raise InvalidArgument(f"{pf_name}[{t}] must be [pages, layers, page_size, ...], got {host.dim()} dims")
@@ -131,9 +154,12 @@ def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name:
             host_offsets = pages * _bytes(host, 0) + (first_layer + j) * _bytes(host, 1)
             other_offsets = tokens * _bytes(other, 0)
             if to_page_first:
-                _queue(call, host, f"{pf_name}[{t}]", host_offsets, other, other_name, other_offsets, size)
+                plans.append(_plan(call, host, f"{pf_name}[{t}]", host_offsets, other, other_name, other_offsets,
+                                   size))
             else:
-                _queue(call, other, other_name, other_offsets, host, f"{pf_name}[{t}]", host_offsets, size)
+                plans.append(_plan(call, other, other_name, other_offsets, host, f"{pf_name}[{t}]", host_offsets,
+                                   size))
+    _submit(call, plans)
 
 
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs: Sequence[Any], dst_ptrs: Sequence[Any], src_indices: Any,

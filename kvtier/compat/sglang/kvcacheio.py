@@ -70,44 +70,68 @@ class Side:
     units_per_page: int = 1
     tables: bool = False
 
-    def entries(self, call: Call, n_layers: int) -> list:
+    def entries(self, call: Call, n_layers: int) -> list[Entry]:
+        """Per KV tensor and layer: the address kernels use, and the bytes from it to the end of its memory (a
+        tensor's extent; for a table entry, its allocation's end where the runtime knows it)."""
         names = ("k", "v") if len(self.operands) == 2 else ("",)
-        out: list[DeviceAddress] = []
+        out: list[Entry] = []
         for operand, kv in zip(self.operands, names, strict=True):
             what = f"{self.name}{'_' + kv if kv else ''}{'_layers' if self.tables else ''}"
             if self.tables:
-                rows = table_entries(call, operand, what)
+                raw, rows = table_entries(call, operand, what)
                 if len(rows) != n_layers:
                     raise InvalidArgument(f"{what} holds {len(rows)} layer addresses, not num_layers={n_layers}")
-                out += rows
+                for i, (value, row) in enumerate(zip(raw, rows, strict=True)):
+                    end = call.runtime.allocation_end(value)
+                    out.append(Entry(row, None if end is None else end - value, f"{what}[{i}]"))
             else:
-                base = address(call, operand, what)
-                out += [base + layer * self.layer_stride for layer in self.layers]
+                if not operand.is_contiguous():
+                    raise InvalidArgument(f"{what} must be contiguous: the kernels address items by byte offset "
+                                          f"(item i at i * stride), so a strided view would be misread")
+                base, size = address(call, operand, what), extent(operand)
+                out += [Entry(base + layer * self.layer_stride, size - layer * self.layer_stride, what)
+                        for layer in self.layers]
         return out
 
-    def check_bounds(self, units: np.ndarray, chunk_bytes: int, pieces: int) -> None:
-        """Every byte the copy touches lies inside each tensor operand (tables' extents are unknown here)."""
-        if self.tables or not units.size:
-            return
-        pages, slots = np.divmod(units, self.units_per_page)
-        far = int((pages * self.page_stride + slots * self.unit_stride).max())
-        end = far + max(self.layers) * self.layer_stride + (pieces - 1) * self.piece_stride + chunk_bytes
-        for operand in self.operands:
-            if end > extent(operand):
-                worst = int(units[np.argmax(pages * self.page_stride + slots * self.unit_stride)])
-                raise InvalidArgument(f"{self.name} index {worst} reaches byte {end} of a tensor of "
-                                      f"{extent(operand)} bytes: out of range")
+    def check_reach(self, entries: list[Entry], units: np.ndarray | None, chunk_bytes: int, pieces: int) -> None:
+        """Every byte the copy touches lies inside the memory of each entry whose size is known: item 0 when the
+        indices stay on the device, every item given in ``units`` (offsets counted without overflow)."""
+        worst, far = 0, 0
+        if units is not None and units.size:
+            pages, slots = np.divmod(units, self.units_per_page)
+            if int(pages.max()) > LIMIT // max(self.page_stride, 1):
+                worst = int(units[np.argmax(pages)])
+                raise InvalidArgument(f"{self.name} index {worst} is out of range of any tensor")
+            offsets = pages * self.page_stride + slots * self.unit_stride
+            worst, far = int(units[np.argmax(offsets)]), int(offsets.max())
+        reach = far + (pieces - 1) * self.piece_stride + chunk_bytes
+        for entry in entries:
+            if entry.room is not None and reach > entry.room:
+                raise InvalidArgument(f"{self.name} index {worst} reaches {reach} bytes into {entry.what}, which "
+                                      f"holds {max(entry.room, 0)} from there: out of range")
+
+
+@dataclass(frozen=True)
+class Entry:
+    address: DeviceAddress
+    room: int | None
+    what: str
+
+
+LIMIT = 1 << 62
+"""No size or index kvtier takes goes past this: byte offsets then fit int64 with room for a sum."""
 
 
 def _positive(value: Any, name: str, multiple: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0 or value % multiple:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 < value <= LIMIT or \
+            value % multiple:
         raise InvalidArgument(f"{name} must be a positive integer{f' divisible by {multiple}' if multiple > 1 else ''}"
                               f", got {value!r}")
     return int(value)
 
 
 def _layer(value: Any, name: str = "layer_id") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= LIMIT:
         raise InvalidArgument(f"{name} must be a non-negative integer, got {value!r}")
     return int(value)
 
@@ -132,15 +156,16 @@ def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers:
         for x, what in ((src_indices, "src_indices"), (dst_indices, "dst_indices")):
             address(call, x, what)
     host = [host_indices(src_indices), host_indices(dst_indices)]
-    if host[0] is not None and host[1] is not None:
-        valid = (host[0] >= 0) & (host[1] >= 0)
-        src.check_bounds(host[0][valid], chunk_bytes, pieces)
-        dst.check_bounds(host[1][valid], chunk_bytes, pieces)
+    for side, own, other, side_entries in ((src, 0, 1, entries[0]), (dst, 1, 0, entries[1])):
+        units, partner = host[own], host[other]
+        if units is not None:   # a unit whose pair is absent on either side is skipped, so not checked
+            units = units[(units >= 0) & (partner >= 0)] if partner is not None else units[units >= 0]
+        side.check_reach(side_entries, units, chunk_bytes, pieces)
     n_units = src_indices.numel()
     if n_units == 0:
         return
-    sides = [ChunkSide(pointer_table(call, e), s.page_stride, s.unit_stride, s.piece_stride, s.units_per_page)
-             for e, s in zip(entries, (src, dst), strict=True)]
+    sides = [ChunkSide(pointer_table(call, [entry.address for entry in e]), s.page_stride, s.unit_stride,
+                       s.piece_stride, s.units_per_page) for e, s in zip(entries, (src, dst), strict=True)]
     copy = ChunkCopy(sides[0], sides[1], kernel_operand(src_indices), kernel_operand(dst_indices), index_bytes,
                      n_units, 0, n_layers, pieces, chunk_bytes, len(src.operands), n_layers, unit_major=unit_major)
     call.launcher.copy_chunks(copy, device=call.device, stream=call.stream, max_blocks=block_quota,
