@@ -86,13 +86,7 @@ def resolve_foreign_address(value: int, device: Any, *, runtime: Runtime | None 
     target = device_index(device)
     runtime = runtime or get_runtime()
     runtime.check_device(target)
-    value = int(value)
-    if runtime.host_range(value) is None:
-        kind = runtime.pointer_attributes(value).type
-        if kind not in (MemoryType.DEVICE, MemoryType.HOST, MemoryType.MANAGED):
-            raise NotDeviceAccessible(f"0x{value:x} is pageable (or unmapped) host memory: kernels on device {target} "
-                                      f"read only pinned or registered host memory and device memory")
-    return _host_alias(runtime, value, 1, target)
+    return _host_alias(runtime, int(value), 1, target, pageable=False)
 
 
 def tensor_extent(tensor: Any) -> tuple[int, int]:
@@ -147,7 +141,7 @@ def _tensor(runtime: Runtime, tensor: Any, target: int) -> DeviceAddress:
     return _on_device(DeviceAddress(start, tensor.device.index), target)
 
 
-def _host_alias(runtime: Runtime, address: int, nbytes: int, target: int) -> DeviceAddress:
+def _host_alias(runtime: Runtime, address: int, nbytes: int, target: int, pageable: bool = True) -> DeviceAddress:
     if runtime.host_range(address) is not None:
         return DeviceAddress(span_alias(runtime, address, nbytes, target), target)
     attrs = runtime.pointer_attributes(address)
@@ -157,6 +151,9 @@ def _host_alias(runtime: Runtime, address: int, nbytes: int, target: int) -> Dev
         alias = runtime.host_get_device_pointer(address, target)
         _check_foreign_span(runtime, address, nbytes, alias, target)
         return DeviceAddress(alias, target)
+    if not pageable:
+        raise NotDeviceAccessible(f"0x{address:x} is pageable (or unmapped) host memory: kernels on device {target} "
+                                  f"read only pinned or registered host memory and device memory")
     if runtime.device_attributes(target).pageable_memory_access:
         return DeviceAddress(address, target)
     raise NotDeviceAccessible(

@@ -81,9 +81,8 @@ class Side:
                 raw, rows = table_entries(call, operand, what)
                 if len(rows) != n_layers:
                     raise InvalidArgument(f"{what} holds {len(rows)} layer addresses, not num_layers={n_layers}")
-                for i, (value, row) in enumerate(zip(raw, rows, strict=True)):
-                    end = call.runtime.allocation_end(value)
-                    out.append(Entry(row, None if end is None else end - value, f"{what}[{i}]"))
+                pairs = enumerate(zip(raw, rows, strict=True))
+                out += [Entry(row, None, f"{what}[{i}]", value) for i, (value, row) in pairs]
             else:
                 if not operand.is_contiguous():
                     raise InvalidArgument(f"{what} must be contiguous: the kernels address items by byte offset "
@@ -93,9 +92,13 @@ class Side:
                         for layer in self.layers]
         return out
 
-    def check_reach(self, entries: list[Entry], units: np.ndarray | None, chunk_bytes: int, pieces: int) -> None:
+    def check_reach(self, call: Call, entries: list[Entry], units: np.ndarray | None, chunk_bytes: int,
+                    pieces: int) -> None:
         """Every byte the copy touches lies inside the memory of each entry whose size is known: item 0 when the
-        indices stay on the device, every item given in ``units`` (offsets counted without overflow)."""
+        indices stay on the device, every item given in ``units`` (offsets counted without overflow). A table
+        entry's size is asked of the runtime only when there are indices to check."""
+        if units is None and self.tables:
+            return
         worst, far = 0, 0
         if units is not None and units.size:
             pages, slots = np.divmod(units, self.units_per_page)
@@ -106,16 +109,24 @@ class Side:
             worst, far = int(units[np.argmax(offsets)]), int(offsets.max())
         reach = far + (pieces - 1) * self.piece_stride + chunk_bytes
         for entry in entries:
-            if entry.room is not None and reach > entry.room:
+            room = entry.room
+            if entry.raw is not None:
+                end = call.runtime.allocation_end(entry.raw)
+                room = None if end is None else end - entry.raw
+            if room is not None and reach > room:
                 raise InvalidArgument(f"{self.name} index {worst} reaches {reach} bytes into {entry.what}, which "
-                                      f"holds {max(entry.room, 0)} from there: out of range")
+                                      f"holds {max(room, 0)} from there: out of range")
 
 
 @dataclass(frozen=True)
 class Entry:
+    """A kernel table entry: its address, the bytes from it to the end of its tensor (None: ask the runtime about
+    ``raw``, the address a foreign table gave), and its name for errors."""
+
     address: DeviceAddress
     room: int | None
     what: str
+    raw: int | None = None
 
 
 LIMIT = 1 << 62
@@ -160,7 +171,7 @@ def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers:
         units, partner = host[own], host[other]
         if units is not None:   # a unit whose pair is absent on either side is skipped, so not checked
             units = units[(units >= 0) & (partner >= 0)] if partner is not None else units[units >= 0]
-        side.check_reach(side_entries, units, chunk_bytes, pieces)
+        side.check_reach(call, side_entries, units, chunk_bytes, pieces)
     n_units = src_indices.numel()
     if n_units == 0:
         return
