@@ -100,16 +100,19 @@ def host_views(host: HostPool, tensors: int, shape) -> list:
     return [flat[host.tensor_offset(t):host.tensor_offset(t) + size].view(shape) for t in range(tensors)]
 
 
-def seconds(op, finish, repeats: int) -> float:
-    times = []
+def seconds(op, finish, repeats: int) -> tuple[float, float]:
+    """Median seconds until ``op`` returned (host time to queue) and until its work finished."""
+    queued, done = [], []
     for i in range(repeats + 1):
         finish()
         start = time.perf_counter()
         op()
+        returned = time.perf_counter()
         finish()
         if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+            queued.append(returned - start)
+            done.append(time.perf_counter() - start)
+    return statistics.median(queued), statistics.median(done)
 
 
 def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_host, pages_dev, pages_host, blocks):
@@ -185,13 +188,14 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
     for function, op, call in compat_cases(mem, host, layout, *tokens, pages_dev, pages_host, args.blocks):
         backend, engine_op = ops[op]
         engine = engines[backend]
-        t_engine = seconds(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize, args.repeats)
-        t_compat = seconds(call, mem.done, args.repeats)
+        _, t_engine = seconds(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize, args.repeats)
+        q_compat, t_compat = seconds(call, mem.done, args.repeats)
         key = "d2h_gbps" if op.startswith("backup") else "h2d_gbps"
         nbytes = len(pages_dev) * g.bytes_per_page
         row = {"geometry": name, "layout": layout, "function": function, "direction": op,
                "engine": f"{backend}:{args.blocks}" if backend == "kernel" else "batch",
-               "engine_gbps": nbytes / t_engine / 1e9, "compat_gbps": nbytes / t_compat / 1e9}
+               "engine_gbps": nbytes / t_engine / 1e9, "compat_gbps": nbytes / t_compat / 1e9,
+               "compat_queued_ms": 1e3 * q_compat}
         row["engine_pct"] = 100 * row["engine_gbps"] / ceiling[key]
         row["compat_pct"] = 100 * row["compat_gbps"] / ceiling[key]
         row["compat_vs_engine_pct"] = 100 * t_engine / t_compat
@@ -238,12 +242,13 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(title=f"kvtier.compat.sglang.kvcacheio against the engine ({runtime.device_attributes(0).name}; "
                         f"ceiling H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f} GB/s)")
     for column in ("geometry", "host layout", "compat function", "engine call", "compat GB/s (%)",
-                   "engine GB/s (%)", "compat / engine %"):
+                   "engine GB/s (%)", "compat / engine %", "compat queued ms"):
         table.add_column(column)
     for r in rows:
         table.add_row(r["geometry"], r["layout"], r["function"], f"{r['engine']} {r['direction'].split('-')[0]}",
                       f"{r['compat_gbps']:.1f} ({r['compat_pct']:.0f}%)",
-                      f"{r['engine_gbps']:.1f} ({r['engine_pct']:.0f}%)", f"{r['compat_vs_engine_pct']:.0f}")
+                      f"{r['engine_gbps']:.1f} ({r['engine_pct']:.0f}%)", f"{r['compat_vs_engine_pct']:.0f}",
+                      f"{r['compat_queued_ms']:.2f}")
     console.print(table)
     if args.json:
         with open(args.json, "w") as out:
