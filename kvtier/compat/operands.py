@@ -28,6 +28,8 @@ from kvtier.runtime import get as get_runtime
 
 TABLES_KEPT = 4096
 """Kernel pointer tables kept per runtime; past this the least recently used is freed (after a device sync)."""
+LIMIT = 1 << 62
+"""No size or index a compat call takes goes past this: byte offsets then fit int64 with room for a sum."""
 CHECK_ENV = "KVTIER_COMPAT_CHECKS"
 """Set to 1 to read device-resident indices back (a sync) and check them against the tensors they index."""
 
@@ -176,12 +178,26 @@ def pointer_table(call: Call, entries: Sequence[DeviceAddress]) -> PointerTable:
     table = build_pointer_table(call.runtime, call.device, list(entries))
     with state.lock:
         state.tables[key] = table
-        evicted = [state.tables.popitem(last=False)[1] for _ in range(len(state.tables) - TABLES_KEPT)]
-    if evicted:
-        call.runtime.synchronize(call.device)  # a queued kernel may still read an evicted table
-        for old in evicted:
-            old.close()
-    return table
+        while len(state.tables) > TABLES_KEPT:
+            state.tables.popitem(last=False)   # freed when the last call holding it lets go (the free waits for
+    return table                                # the device), never closed under a call about to launch with it
+
+
+def table_room(call: Call, raw: int, resolved: DeviceAddress) -> tuple[int | None, bool]:
+    """(bytes reachable from a table entry at contiguous device addresses, where known; whether the memory goes on
+    past that at a different alias). A kvtier host buffer registered in chunks is one span where the chunks'
+    aliases continue each other (always in unified addressing); where they do not (split aliases), a kernel must
+    not run from one chunk into the next."""
+    runtime = call.runtime
+    end = runtime.allocation_end(raw)
+    if end is None:
+        return None, False
+    while runtime.host_range(end) is not None:
+        following = resolve_foreign_address(end, call.device, runtime=runtime)
+        if following != resolved + (end - raw):
+            return end - raw, True
+        end = runtime.allocation_end(end) or end
+    return end - raw, False
 
 
 def host_indices(x: Any) -> np.ndarray | None:

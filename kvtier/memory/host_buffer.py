@@ -7,6 +7,7 @@ because unmapping under a live tensor turns the next read into a crash.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import sys
@@ -99,6 +100,7 @@ class HostBuffer:
         self._baseline_refs = sys.getrefcount(self._anchor)
         self._users = Users()
         self._closing = False
+        self._viewed = False
         #: seconds spent pinning: registration of every chunk, or the runtime's pinned allocation
         self.register_seconds = 0.0
 
@@ -204,6 +206,7 @@ class HostBuffer:
 
         self._check_open()
         dtype = dtype or torch.uint8
+        self._viewed = True
         itemsize = torch.empty((), dtype=dtype).element_size()
         if self.nbytes % itemsize:
             raise KvtierError(f"{self.nbytes} bytes is not a whole number of {dtype} elements")
@@ -232,6 +235,10 @@ class HostBuffer:
         self._closing = True
         try:
             self._users.drain()
+            if self._viewed:    # a view may have fed kernels kvtier does not track (torch's, the compat layer's)
+                for device in range(self.runtime.device_count()):
+                    with contextlib.suppress(KvtierError):   # a device an earlier fault ruined runs nothing more
+                        self.runtime.synchronize(device)
         finally:
             self._finalizer()
 

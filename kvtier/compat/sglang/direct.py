@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.compat.device_array import DeviceArray
-from kvtier.compat.operands import Call, address, call_for, extent, is_tensor
+from kvtier.compat.operands import LIMIT, Call, address, call_for, extent, is_tensor
 from kvtier.errors import InvalidArgument
 from kvtier.memory import DeviceAddress
 
@@ -36,12 +36,17 @@ def _indices(src_indices: Any, dst_indices: Any, page_size: Any) -> tuple[np.nda
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size <= 0:
         raise InvalidArgument(f"page_size must be a positive integer, got {page_size!r}")
     src, dst = _index_values(src_indices, "src_indices"), _index_values(dst_indices, "dst_indices")
+    if src_indices.dtype != dst_indices.dtype:
+        raise InvalidArgument(f"src_indices ({src_indices.dtype}) and dst_indices ({dst_indices.dtype}) must have one "
+                              f"dtype")
     if src.size != dst.size:
         raise InvalidArgument(f"src_indices ({src.size}) and dst_indices ({dst.size}) must have the same length")
     if src.size % page_size:
         raise InvalidArgument(f"{src.size} indices are not whole pages of page_size={page_size}")
     if src.size and min(src.min(), dst.min()) < 0:
         raise InvalidArgument("direct transfers take non-negative indices only")
+    if src.size and max(src.max(), dst.max()) > LIMIT // 1024:
+        raise InvalidArgument(f"index {max(src.max(), dst.max())} is out of range of any tensor")
     return src, dst, int(page_size)
 
 
@@ -70,6 +75,13 @@ class Copies:
     src: DeviceAddress
     src_offsets: np.ndarray
     size: int
+
+
+def _offsets(positions: np.ndarray, stride: int, name: str, base: int = 0) -> np.ndarray:
+    """``base + positions * stride`` bytes, refused before it could overflow int64."""
+    if positions.size and int(positions.max()) > (LIMIT - base) // max(stride, 1):
+        raise InvalidArgument(f"{name}: index {int(positions.max())} is out of range of any tensor")
+    return base + positions * stride
 
 
 def _plan(call: Call, dst: Any, dst_name: str, dst_offsets: np.ndarray, src: Any, src_name: str,
@@ -120,8 +132,9 @@ def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any], src
         row = _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows")
         for length in np.unique(lengths):
             chosen = starts[lengths == length]
-            plans.append(_plan(call, d, f"dst_layers[{layer}]", dst[chosen] * row, s, f"src_layers[{layer}]",
-                               src[chosen] * row, int(length) * row))
+            plans.append(_plan(call, d, f"dst_layers[{layer}]", _offsets(dst[chosen], row, f"dst_layers[{layer}]"),
+                               s, f"src_layers[{layer}]", _offsets(src[chosen], row, f"src_layers[{layer}]"),
+                               int(length) * row))
     _submit(call, plans)
 
 
@@ -151,8 +164,8 @@ def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name:
             other = layer_first[j if mla else j + t * layers]
             other_name = f"{lf_name}[{j if mla else j + t * layers}]"
             size = _same(page_size * _bytes(host, 2), page_size * _bytes(other, 0), f"{other_name} pages")
-            host_offsets = pages * _bytes(host, 0) + (first_layer + j) * _bytes(host, 1)
-            other_offsets = tokens * _bytes(other, 0)
+            host_offsets = _offsets(pages, _bytes(host, 0), f"{pf_name}[{t}]", (first_layer + j) * _bytes(host, 1))
+            other_offsets = _offsets(tokens, _bytes(other, 0), other_name)
             if to_page_first:
                 plans.append(_plan(call, host, f"{pf_name}[{t}]", host_offsets, other, other_name, other_offsets,
                                    size))

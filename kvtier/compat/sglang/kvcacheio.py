@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvtier.compat.operands import (
+    LIMIT,
     Call,
     address,
     call_for,
@@ -33,6 +34,7 @@ from kvtier.compat.operands import (
     kernel_operand,
     pointer_table,
     table_entries,
+    table_room,
 )
 from kvtier.compat.sglang.direct import (
     transfer_kv_all_layer_direct_lf_pf,
@@ -97,8 +99,6 @@ class Side:
         """Every byte the copy touches lies inside the memory of each entry whose size is known: item 0 when the
         indices stay on the device, every item given in ``units`` (offsets counted without overflow). A table
         entry's size is asked of the runtime only when there are indices to check."""
-        if units is None and self.tables:
-            return
         worst, far = 0, 0
         if units is not None and units.size:
             pages, slots = np.divmod(units, self.units_per_page)
@@ -111,8 +111,14 @@ class Side:
         for entry in entries:
             room = entry.room
             if entry.raw is not None:
-                end = call.runtime.allocation_end(entry.raw)
-                room = None if end is None else end - entry.raw
+                if units is None and call.runtime.host_range(entry.raw) is None:
+                    continue   # device memory, or host memory kvtier did not register: one alias, size unknown
+                room, split = table_room(call, entry.raw, entry.address)
+                if split and units is None:
+                    raise InvalidArgument(f"{entry.what} lies in a host buffer registered in chunks whose device "
+                                          f"aliases do not continue each other, and indices on the device cannot "
+                                          f"be checked to stay in its first {room} bytes: pass the indices as a "
+                                          f"pinned CPU tensor, or register the buffer in one chunk")
             if room is not None and reach > room:
                 raise InvalidArgument(f"{self.name} index {worst} reaches {reach} bytes into {entry.what}, which "
                                       f"holds {max(room, 0)} from there: out of range")
@@ -127,10 +133,6 @@ class Entry:
     room: int | None
     what: str
     raw: int | None = None
-
-
-LIMIT = 1 << 62
-"""No size or index kvtier takes goes past this: byte offsets then fit int64 with room for a sum."""
 
 
 def _positive(value: Any, name: str, multiple: int = 1) -> int:
@@ -159,6 +161,8 @@ def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers:
     ``chunk_bytes``."""
     block_quota = _positive(block_quota, "block_quota")
     warps = _positive(num_warps_per_block, "num_warps_per_block")
+    if warps > 32:
+        raise InvalidArgument(f"num_warps_per_block={warps}: a block holds at most 32 warps (1,024 threads)")
     index_bytes = check_indices(src_indices, dst_indices)
     call = call_for([*src.operands, *dst.operands, src_indices, dst_indices], [src_indices, dst_indices])
     call.launcher.check_threads(warps * 32, block_quota)
