@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import gc
 
-import numpy as np
 import pytest
 import torch
+from compat_helpers import Operands
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio
@@ -28,43 +28,8 @@ def rt(request):
     return create(request.param)
 
 
-class Mem:
-    def __init__(self, runtime):
-        self.rt, self.keep = runtime, []
-
-    def dev(self, shape, data=True, device=0):
-        values = torch.randint(-30000, 30000, shape, dtype=torch.int16) if data else \
-            torch.full(shape, POISON, dtype=torch.int16)
-        array = DeviceArray.from_tensor(values, device=device, runtime=self.rt)
-        self.keep.append(array)
-        return array
-
-    def buffer(self, nbytes):
-        buf = HostBuffer.allocate(nbytes, HostKind.PINNED, runtime=self.rt)
-        self.keep.append(buf)
-        return buf
-
-    def host(self, shape, data=True):
-        tensor = self.buffer(2 * int(np.prod(shape))).as_tensor(torch.int16).view(shape)
-        tensor.copy_(torch.randint(-30000, 30000, shape, dtype=torch.int16) if data else
-                     torch.full(shape, POISON, dtype=torch.int16))
-        return tensor
-
-    def idx(self, values):
-        array = DeviceArray.from_tensor(torch.tensor(values, dtype=torch.int64), runtime=self.rt)
-        self.keep.append(array)
-        return array
-
-    def pinned_idx(self, values):
-        tensor = self.buffer(8 * len(values)).as_tensor(torch.int64)
-        tensor.copy_(torch.tensor(values, dtype=torch.int64))
-        return tensor
-
-    def table(self, tensors):
-        array = DeviceArray.from_tensor(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64),
-                                        runtime=self.rt)
-        self.keep.append(array)
-        return array
+def Mem(runtime):  # noqa: N802 (a class in spirit)
+    return Operands(runtime, dtype=torch.int16, poison=POISON)
 
 
 def poisoned(x):
@@ -80,9 +45,9 @@ def test_pinned_src_indices_are_bounds_checked_when_dst_indices_are_on_the_devic
     device dst_indices, is not checked and the kernel faults (IllegalAddress, device poisoned). Expected:
     InvalidArgument naming the out-of-range source index, before any launch."""
     m = Mem(rt)
-    src, dst = m.host((TOKENS, ROW)), m.dev((TOKENS, ROW), data=False)
+    src, dst = m.host((TOKENS, ROW)), m.device((TOKENS, ROW), data=False)
     with pytest.raises(InvalidArgument, match="out of range"):
-        kvcacheio.transfer_kv_per_layer_mla(src, dst, m.pinned_idx([0, 100]), m.idx([0, 1]), ITEM)
+        kvcacheio.transfer_kv_per_layer_mla(src, dst, m.pinned_indices([0, 100]), m.indices([0, 1]), ITEM)
         rt.synchronize(0)
     assert poisoned(dst)
 
@@ -94,11 +59,11 @@ def test_pinned_indices_through_pointer_tables_are_bounds_checked(rt):
     through its resolver and knows the span of the buffer each entry lies in. Expected: InvalidArgument before the
     launch, nothing copied."""
     m = Mem(rt)
-    dev_layers = [m.dev((TOKENS, ROW)) for _ in range(2)]
+    dev_layers = [m.device((TOKENS, ROW)) for _ in range(2)]
     host = m.host((2, TOKENS, ROW), data=False)
     with pytest.raises(InvalidArgument, match="out of range"):
-        kvcacheio.transfer_kv_all_layer_mla(m.table(dev_layers), m.table([host[0], host[1]]), m.pinned_idx([0, 1]),
-                                            m.pinned_idx([0, 10**6]), ITEM, 2)
+        kvcacheio.transfer_kv_all_layer_mla(m.table(dev_layers), m.table([host[0], host[1]]), m.pinned_indices([0, 1]),
+                                            m.pinned_indices([0, 10**6]), ITEM, 2)
         rt.synchronize(0)
     assert poisoned(host)
 
@@ -108,9 +73,9 @@ def test_an_index_whose_byte_offset_overflows_int64_is_not_let_through(rt):
     32-byte item reaches byte 2**64 + 32, seen as byte 32, so the bounds check passes and the kernel faults here
     (on a GPU, 64-bit wrap-around would read token 1 instead). Expected: InvalidArgument (out of range)."""
     m = Mem(rt)
-    src, dst = m.host((TOKENS, ROW)), m.dev((TOKENS, ROW), data=False)
+    src, dst = m.host((TOKENS, ROW)), m.device((TOKENS, ROW), data=False)
     with pytest.raises(InvalidArgument, match="out of range"):
-        kvcacheio.transfer_kv_per_layer_mla(src, dst, m.pinned_idx([0, 2**59 + 1]), m.pinned_idx([0, 1]), ITEM)
+        kvcacheio.transfer_kv_per_layer_mla(src, dst, m.pinned_indices([0, 2**59 + 1]), m.pinned_indices([0, 1]), ITEM)
         rt.synchronize(0)
     assert poisoned(dst)
 
@@ -120,9 +85,9 @@ def test_a_layout_dim_too_large_for_int64_is_refused_by_kvtier(rt):
     convert to C long") from numpy inside check_bounds. Expected: a KvtierError (InvalidArgument) naming the
     argument."""
     m = Mem(rt)
-    src, dst = m.host((TOKENS, 2, ROW)), m.dev((TOKENS, ROW), data=False)
+    src, dst = m.host((TOKENS, 2, ROW)), m.device((TOKENS, ROW), data=False)
     with pytest.raises(KvtierError):
-        kvcacheio.transfer_kv_per_layer_mla_pf_lf(src, dst, m.pinned_idx([0, 4]), m.pinned_idx([0, 1]), 0, ITEM,
+        kvcacheio.transfer_kv_per_layer_mla_pf_lf(src, dst, m.pinned_indices([0, 4]), m.pinned_indices([0, 1]), 0, ITEM,
                                                   2**64)
 
 
@@ -135,9 +100,9 @@ def test_a_non_contiguous_operand_is_not_silently_misread(rt):
     m = Mem(rt)
     backing = m.host((TOKENS, 2, ROW))
     src = backing[:, 0]                      # shape (8, 16), stride (32, 1): not contiguous
-    dst = m.dev((TOKENS, ROW), data=False)
+    dst = m.device((TOKENS, ROW), data=False)
     try:
-        kvcacheio.transfer_kv_per_layer_mla(src, dst, m.idx([0, 1, 2, 3]), m.idx([0, 1, 2, 3]), ITEM)
+        kvcacheio.transfer_kv_per_layer_mla(src, dst, m.indices([0, 1, 2, 3]), m.indices([0, 1, 2, 3]), ITEM)
     except InvalidArgument:
         assert poisoned(dst)
         return
@@ -154,9 +119,9 @@ def test_direct_refuses_a_pageable_layer_before_copying_the_others(rt):
     untouched."""
     m = Mem(rt)
     src = [m.host((TOKENS, ROW)), m.host((TOKENS, ROW)), torch.zeros((TOKENS, ROW), dtype=torch.int16)]
-    dst = [m.dev((TOKENS, ROW), data=False) for _ in range(3)]
+    dst = [m.device((TOKENS, ROW), data=False) for _ in range(3)]
     with pytest.raises(NotDeviceAccessible, match=r"src_layers\[2\]"):
-        kvcacheio.transfer_kv_direct(src, dst, m.idx([0, 1]), m.idx([0, 1]), 1)
+        kvcacheio.transfer_kv_direct(src, dst, m.indices([0, 1]), m.indices([0, 1]), 1)
     assert [poisoned(d) for d in dst] == [True, True, True]
 
 
@@ -165,9 +130,9 @@ def test_direct_refuses_an_out_of_range_layer_before_copying_the_others(rt):
     InvalidArgument is raised after layers 0 and 1 were copied. Expected: nothing copied."""
     m = Mem(rt)
     src = [m.host((TOKENS, ROW)) for _ in range(3)]
-    dst = [m.dev((TOKENS, ROW), data=False), m.dev((TOKENS, ROW), data=False), m.dev((2, ROW), data=False)]
+    dst = [m.device((TOKENS, ROW), data=False), m.device((TOKENS, ROW), data=False), m.device((2, ROW), data=False)]
     with pytest.raises(InvalidArgument):
-        kvcacheio.transfer_kv_direct(src, dst, m.idx([4, 5]), m.idx([4, 5]), 1)
+        kvcacheio.transfer_kv_direct(src, dst, m.indices([4, 5]), m.indices([4, 5]), 1)
     assert [poisoned(d) for d in dst] == [True, True, True]
 
 
@@ -175,11 +140,11 @@ def test_direct_lf_pf_refuses_a_pageable_v_host_before_copying_k(rt):
     """transfer_kv_all_layer_direct_lf_pf with a pinned K host tensor and a pageable V host tensor: K's pages are
     copied, then NotDeviceAccessible is raised for dst_ptrs[1]. Expected: the error and K's host tensor untouched."""
     m = Mem(rt)
-    layers = [m.dev((TOKENS, ROW)) for _ in range(4)]                 # K's 2 layers, then V's
+    layers = [m.device((TOKENS, ROW)) for _ in range(4)]                 # K's 2 layers, then V's
     k_host = m.host((4, 2, 2, ROW), data=False)
     v_host = torch.full((4, 2, 2, ROW), POISON, dtype=torch.int16)    # pageable
     with pytest.raises(NotDeviceAccessible, match=r"dst_ptrs\[1\]"):
-        kvcacheio.transfer_kv_all_layer_direct_lf_pf(layers, [k_host, v_host], m.idx([0, 1]), m.idx([2, 3]), 2)
+        kvcacheio.transfer_kv_all_layer_direct_lf_pf(layers, [k_host, v_host], m.indices([0, 1]), m.indices([2, 3]), 2)
     assert poisoned(k_host)
 
 
@@ -188,9 +153,9 @@ def test_direct_pf_lf_checks_every_host_tensor_before_copying(rt):
     then InvalidArgument ("layers [2, 3) exceed the 2 of src_ptrs[1]"). Expected: nothing copied."""
     m = Mem(rt)
     pf = [m.host((4, 3, 2, ROW)), m.host((4, 2, 2, ROW))]
-    lf = [m.dev((TOKENS, ROW), data=False) for _ in range(2)]
+    lf = [m.device((TOKENS, ROW), data=False) for _ in range(2)]
     with pytest.raises(InvalidArgument):
-        kvcacheio.transfer_kv_per_layer_direct_pf_lf(pf, lf, m.idx([2, 3]), m.idx([0, 1]), 2, 2)
+        kvcacheio.transfer_kv_per_layer_direct_pf_lf(pf, lf, m.indices([2, 3]), m.indices([0, 1]), 2, 2)
     assert [poisoned(x) for x in lf] == [True, True]
 
 
@@ -200,9 +165,9 @@ def test_direct_names_a_layer_on_another_device(rt):
     call_for as the indices). Expected: WrongDeviceError naming dst_layers[1], as for every other operand."""
     m = Mem(rt)
     src = [m.host((TOKENS, ROW)) for _ in range(2)]
-    dst = [m.dev((TOKENS, ROW), data=False), m.dev((TOKENS, ROW), data=False, device=1)]
+    dst = [m.device((TOKENS, ROW), data=False), m.device((TOKENS, ROW), data=False, device=1)]
     with pytest.raises(WrongDeviceError, match=r"dst_layers\[1\]"):
-        kvcacheio.transfer_kv_direct(src, dst, m.idx([0, 1]), m.idx([0, 1]), 1)
+        kvcacheio.transfer_kv_direct(src, dst, m.indices([0, 1]), m.indices([0, 1]), 1)
 
 
 # -- raw uint64 tables: the per-version cache --------------------------------------------------------------------
@@ -212,12 +177,12 @@ def test_two_table_views_with_one_data_ptr_are_not_confused(rt):
     different entries: the second call reuses the first view's entries and writes layer 1 into B0 instead of A1.
     Expected: each table's own entries (A1 written, B0 untouched)."""
     m = Mem(rt)
-    src = [m.dev((TOKENS, ROW)) for _ in range(2)]
-    a = [m.dev((TOKENS, ROW), data=False) for _ in range(2)]
-    b = [m.dev((TOKENS, ROW), data=False) for _ in range(2)]
+    src = [m.device((TOKENS, ROW)) for _ in range(2)]
+    a = [m.device((TOKENS, ROW), data=False) for _ in range(2)]
+    b = [m.device((TOKENS, ROW), data=False) for _ in range(2)]
     base = torch.tensor([a[0].data_ptr(), b[0].data_ptr(), a[1].data_ptr(), b[1].data_ptr()], dtype=torch.uint64)
-    kvcacheio.transfer_kv_all_layer_mla(m.table(src), base[0:2], m.idx([0]), m.idx([0]), ITEM, 2)
-    kvcacheio.transfer_kv_all_layer_mla(m.table(src), base[::2], m.idx([1]), m.idx([1]), ITEM, 2)
+    kvcacheio.transfer_kv_all_layer_mla(m.table(src), base[0:2], m.indices([0]), m.indices([0]), ITEM, 2)
+    kvcacheio.transfer_kv_all_layer_mla(m.table(src), base[::2], m.indices([1]), m.indices([1]), ITEM, 2)
     assert torch.equal(a[1].cpu()[1], src[1].cpu()[1]), "layer 1 of the [A0, A1] table was not written to A1"
     assert poisoned(b[0].cpu()[1:]), "B0 (not in the second table) was written"
 
@@ -231,13 +196,13 @@ def test_a_table_rebuilt_at_a_freed_tables_address_is_read_again(rt):
     layers = 3
     seen, reused = set(), False
     for _ in range(40):
-        src = [m.dev((TOKENS, ROW)) for _ in range(layers)]
+        src = [m.device((TOKENS, ROW)) for _ in range(layers)]
         host = m.host((layers, TOKENS, ROW), data=False)
         table = torch.tensor([host[layer].data_ptr() for layer in range(layers)], dtype=torch.uint64)
         reused |= table.data_ptr() in seen
         seen.add(table.data_ptr())
-        kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.idx(list(range(TOKENS))),
-                                            m.idx(list(range(TOKENS))), ITEM, layers)
+        kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.indices(list(range(TOKENS))),
+                                            m.indices(list(range(TOKENS))), ITEM, layers)
         for layer in range(layers):
             assert torch.equal(host[layer], src[layer].cpu()), f"reused table address: {reused}"
         del table
@@ -252,16 +217,16 @@ def test_a_table_made_under_inference_mode_is_accepted(rt):
     "Inference tensors do not track version counter". Expected: the copy works (read the table every call, or key
     it differently)."""
     m = Mem(rt)
-    src = [m.dev((TOKENS, ROW)) for _ in range(2)]
-    dst = [m.dev((TOKENS, ROW), data=False) for _ in range(2)]
+    src = [m.device((TOKENS, ROW)) for _ in range(2)]
+    dst = [m.device((TOKENS, ROW), data=False) for _ in range(2)]
     with torch.inference_mode():
         table = torch.tensor([d.data_ptr() for d in dst], dtype=torch.uint64)
-    kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.idx([0]), m.idx([0]), ITEM, 2)
+    kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.indices([0]), m.indices([0]), ITEM, 2)
     assert torch.equal(dst[1].cpu()[0], src[1].cpu()[0])
 
 
 def _host_layers(m, layers):
-    buffers = [HostBuffer.allocate(TOKENS * ITEM, HostKind.PINNED, runtime=m.rt) for _ in range(layers)]
+    buffers = [HostBuffer.allocate(TOKENS * ITEM, HostKind.PINNED, runtime=m.runtime) for _ in range(layers)]
     tensors = [b.as_tensor(torch.int16).view(TOKENS, ROW) for b in buffers]
     for t in tensors:
         t.fill_(POISON)
@@ -275,16 +240,16 @@ def test_a_closed_host_buffer_in_an_unchanged_table_is_refused_by_name(rt):
     refusal the docs promise for memory the device cannot reach, NotDeviceAccessible naming dst_layers[0], before
     anything is launched."""
     m = Mem(rt)
-    src = [m.dev((TOKENS, ROW)) for _ in range(2)]
+    src = [m.device((TOKENS, ROW)) for _ in range(2)]
     buffers, tensors = _host_layers(m, 2)
     table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
-    kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.idx([0]), m.idx([0]), ITEM, 2)
+    kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.indices([0]), m.indices([0]), ITEM, 2)
     rt.synchronize(0)
     del tensors
     for b in buffers:
         b.close()
     with pytest.raises(NotDeviceAccessible, match=r"dst_layers\[0\]"):
-        kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.idx([0]), m.idx([0]), ITEM, 2)
+        kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.indices([0]), m.indices([0]), ITEM, 2)
         rt.synchronize(0)
 
 
@@ -295,10 +260,10 @@ def test_host_buffers_reallocated_at_the_same_address_are_resolved_again():
     Expected: the copy lands in the new buffers."""
     rt = create("emulated:split")
     m = Mem(rt)
-    src = [m.dev((TOKENS, ROW)) for _ in range(2)]
+    src = [m.device((TOKENS, ROW)) for _ in range(2)]
     buffers, tensors = _host_layers(m, 2)
     table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
-    kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.idx([0]), m.idx([0]), ITEM, 2)
+    kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.indices([0]), m.indices([0]), ITEM, 2)
     rt.synchronize(0)
     old = [t.data_ptr() for t in tensors]
     del tensors
@@ -308,7 +273,7 @@ def test_host_buffers_reallocated_at_the_same_address_are_resolved_again():
     m.keep += buffers
     if [t.data_ptr() for t in tensors] != old:
         pytest.skip("the new host buffers did not land at the old addresses")
-    kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.idx([1]), m.idx([1]), ITEM, 2)
+    kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.indices([1]), m.indices([1]), ITEM, 2)
     rt.synchronize(0)
     for layer in range(2):
         assert torch.equal(tensors[layer][1], src[layer].cpu()[1])

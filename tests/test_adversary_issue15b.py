@@ -6,14 +6,14 @@ Every test makes its own emulated runtime (a fault poisons a runtime, as a CUDA 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
-import numpy as np
 import pytest
 import torch
+from compat_helpers import Operands
 
 import kvtier.compat.operands as operands
-from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio
 from kvtier.errors import (
     BufferInUse,
@@ -33,42 +33,8 @@ def rt(request):
     return create(request.param)
 
 
-class Mem:
-    def __init__(self, runtime):
-        self.rt, self.keep = runtime, []
-
-    def dev(self, shape, data=True):
-        values = torch.randint(0, 256, shape, dtype=torch.uint8) if data else torch.full(shape, POISON,
-                                                                                       dtype=torch.uint8)
-        array = DeviceArray.from_tensor(values, runtime=self.rt)
-        self.keep.append(array)
-        return array
-
-    def host(self, shape, data=True, kind=HostKind.PINNED):
-        buffer = HostBuffer.allocate(int(np.prod(shape)), kind, runtime=self.rt)
-        self.keep.append(buffer)
-        tensor = buffer.as_tensor(torch.uint8).view(shape)
-        tensor.copy_(torch.randint(0, 256, shape, dtype=torch.uint8) if data else
-                     torch.full(shape, POISON, dtype=torch.uint8))
-        return tensor
-
-    def idx(self, values):
-        array = DeviceArray.from_tensor(torch.tensor(values, dtype=torch.int64), runtime=self.rt)
-        self.keep.append(array)
-        return array
-
-    def pinned_idx(self, values):
-        buffer = HostBuffer.allocate(8 * len(values), HostKind.PINNED, runtime=self.rt)
-        self.keep.append(buffer)
-        tensor = buffer.as_tensor(torch.int64)
-        tensor.copy_(torch.tensor(values, dtype=torch.int64))
-        return tensor
-
-    def table(self, tensors):
-        array = DeviceArray.from_tensor(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64),
-                                        runtime=self.rt)
-        self.keep.append(array)
-        return array
+def Mem(runtime):  # noqa: N802 (a class in spirit)
+    return Operands(runtime, dtype=torch.uint8, poison=POISON)
 
 
 def all_poison(t):
@@ -83,9 +49,9 @@ def test_direct_an_index_whose_byte_offset_overflows_int64_is_refused(rt):
     memcpy_runs_async, without naming the operand.) The kernel functions were fixed for this (round 1, LIMIT);
     the direct ones were not. Expected: InvalidArgument naming the index / operand, nothing copied."""
     m = Mem(rt)
-    src, dst = [m.dev((TOKENS, ITEM))], [m.host((TOKENS, ITEM), data=False)]
+    src, dst = [m.device((TOKENS, ITEM))], [m.host((TOKENS, ITEM), data=False)]
     with pytest.raises(InvalidArgument):
-        kvcacheio.transfer_kv_direct(src, dst, m.pinned_idx([2 ** 60]), m.pinned_idx([1]), 1)
+        kvcacheio.transfer_kv_direct(src, dst, m.pinned_indices([2 ** 60]), m.pinned_indices([1]), 1)
     rt.synchronize(0)
     assert all_poison(dst[0]), "an out-of-range index silently copied a token"
 
@@ -95,11 +61,11 @@ def test_direct_lf_pf_a_page_whose_byte_offset_overflows_int64_is_refused(rt):
     pages are 64 bytes; 2**60 * 64 wraps to 0 in int64, passes the extent check, and page 0 of the host is
     overwritten. Expected: InvalidArgument, the host tensor untouched."""
     m = Mem(rt)
-    layer = [m.dev((TOKENS, ITEM))]
+    layer = [m.device((TOKENS, ITEM))]
     host = m.host((2, 1, 4, ITEM), data=False)          # [pages, layers, page_size, item]
     with pytest.raises(InvalidArgument):
-        kvcacheio.transfer_kv_all_layer_direct_lf_pf(layer, [host], m.pinned_idx([0, 1, 2, 3]),
-                                                     m.pinned_idx([2 ** 62 + i for i in range(4)]), 4)
+        kvcacheio.transfer_kv_all_layer_direct_lf_pf(layer, [host], m.pinned_indices([0, 1, 2, 3]),
+                                                     m.pinned_indices([2 ** 62 + i for i in range(4)]), 4)
     rt.synchronize(0)
     assert all_poison(host), "an out-of-range page silently overwrote host page 0"
 
@@ -115,17 +81,15 @@ def test_closing_a_registered_host_buffer_does_not_unmap_it_under_a_queued_compa
     BufferInUse); the device never faults."""
     runtime = create(mode)
     m = Mem(runtime)
-    src = m.dev((TOKENS, ITEM))
+    src = m.device((TOKENS, ITEM))
     buffer = HostBuffer.allocate(TOKENS * ITEM, HostKind.REGISTERED, runtime=runtime)
     view = buffer.as_tensor(torch.uint8).view(TOKENS, ITEM)
     view.fill_(POISON)
-    kvcacheio.transfer_kv_per_layer_mla(src, view, m.idx(list(range(TOKENS))), m.idx(list(range(TOKENS))), ITEM)
+    kvcacheio.transfer_kv_per_layer_mla(src, view, m.indices(list(range(TOKENS))), m.indices(list(range(TOKENS))), ITEM)
     del view
     gc.collect()
-    try:
+    with contextlib.suppress(BufferInUse):
         buffer.close()
-    except BufferInUse:
-        pass
     runtime.synchronize(0)          # faults: the kernel ran on memory close() had already unregistered
 
 
@@ -146,10 +110,10 @@ def test_a_table_entry_in_a_multi_chunk_host_buffer_is_not_misaddressed():
     m.keep.append(buffer)
     host = buffer.as_tensor(torch.uint8).view(TOKENS, page)
     host.fill_(POISON)
-    src = m.dev((TOKENS, page))
+    src = m.device((TOKENS, page))
     table = torch.tensor([host.data_ptr()], dtype=torch.uint64)
     try:
-        kvcacheio.transfer_kv_all_layer_mla(m.table([src]), table, m.idx([0, 1, 2]), m.idx([0, 5, 7]), page, 1)
+        kvcacheio.transfer_kv_all_layer_mla(m.table([src]), table, m.indices([0, 1, 2]), m.indices([0, 5, 7]), page, 1)
     except (InvalidArgument, NotDeviceAccessible, RegistrationError):
         assert all_poison(host)
         return
@@ -170,10 +134,10 @@ def test_an_evicted_kernel_table_is_not_closed_under_a_call_about_to_launch_with
     runtime = create("emulated:split")
     m = Mem(runtime)
     monkeypatch.setattr(operands, "TABLES_KEPT", 1)
-    a_src, a_dst = m.dev((TOKENS, ITEM)), m.dev((TOKENS, ITEM), data=False)
-    b_src, b_dst = m.dev((TOKENS, ITEM)), m.dev((TOKENS, ITEM), data=False)
+    a_src, a_dst = m.device((TOKENS, ITEM)), m.device((TOKENS, ITEM), data=False)
+    b_src, b_dst = m.device((TOKENS, ITEM)), m.device((TOKENS, ITEM), data=False)
     # warm up: a's tables are cached
-    kvcacheio.transfer_kv_per_layer_mla(a_src, a_dst, m.idx([0]), m.idx([0]), ITEM)
+    kvcacheio.transfer_kv_per_layer_mla(a_src, a_dst, m.indices([0]), m.indices([0]), ITEM)
     launcher = operands._per_runtime(runtime).launcher
     real = launcher.copy_chunks
     interleaved = []
@@ -181,11 +145,11 @@ def test_an_evicted_kernel_table_is_not_closed_under_a_call_about_to_launch_with
     def copy_chunks(*args, **kwargs):
         if not interleaved:         # another thread's call, between this call's table lookup and its launch
             interleaved.append(True)
-            kvcacheio.transfer_kv_per_layer_mla(b_src, b_dst, m.idx([2]), m.idx([3]), ITEM)
+            kvcacheio.transfer_kv_per_layer_mla(b_src, b_dst, m.indices([2]), m.indices([3]), ITEM)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(launcher, "copy_chunks", copy_chunks)
-    kvcacheio.transfer_kv_per_layer_mla(a_src, a_dst, m.idx([1]), m.idx([4]), ITEM)
+    kvcacheio.transfer_kv_per_layer_mla(a_src, a_dst, m.indices([1]), m.indices([4]), ITEM)
     runtime.synchronize(0)
     assert torch.equal(a_dst.cpu()[4], a_src.cpu()[1])
     assert torch.equal(b_dst.cpu()[3], b_src.cpu()[2])
@@ -199,5 +163,5 @@ def test_too_many_warps_per_block_is_an_invalid_argument_naming_it(rt):
     InvalidArgument, also a ValueError. Expected: InvalidArgument mentioning num_warps_per_block."""
     m = Mem(rt)
     with pytest.raises(InvalidArgument, match="num_warps_per_block"):
-        kvcacheio.transfer_kv_per_layer_mla(m.dev((TOKENS, ITEM)), m.dev((TOKENS, ITEM), data=False), m.idx([1]),
-                                            m.idx([2]), ITEM, 2, 33)
+        kvcacheio.transfer_kv_per_layer_mla(m.device((TOKENS, ITEM)), m.device((TOKENS, ITEM), data=False),
+                                            m.indices([1]), m.indices([2]), ITEM, 2, 33)

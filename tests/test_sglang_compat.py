@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compat_helpers import Operands
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio
@@ -22,64 +23,8 @@ DEVICE_TOKENS, HOST_TOKENS = 48, 64
 POISON = 0x5A5A
 
 
-class Memory:
-    """Tensors for one runtime: ``device`` (DeviceArray or CUDA), ``host`` (pinned), tables and indices."""
-
-    def __init__(self, runtime, torch_pinned: bool = False) -> None:
-        self.runtime, self.cuda = runtime, runtime.name == "cuda"
-        self.torch_pinned = torch_pinned and self.cuda
-        self.keep: list = []
-
-    def device(self, shape, data: bool = True):
-        values = torch.randint(-30000, 30000, shape, dtype=torch.int16) if data else \
-            torch.full(shape, POISON, dtype=torch.int16)
-        if self.cuda:
-            return values.to("cuda")
-        array = DeviceArray.from_tensor(values, runtime=self.runtime)
-        self.keep.append(array)
-        return array
-
-    def host(self, shape, data: bool = True):
-        count = 1
-        for n in shape:
-            count *= n
-        if self.torch_pinned:
-            tensor = torch.empty(shape, dtype=torch.int16, pin_memory=True)
-        else:
-            buffer = HostBuffer.allocate(2 * count, HostKind.PINNED, runtime=self.runtime)
-            self.keep.append(buffer)
-            tensor = buffer.as_tensor(torch.int16).view(shape)
-        tensor.copy_(torch.randint(-30000, 30000, shape, dtype=torch.int16) if data else
-                     torch.full(shape, POISON, dtype=torch.int16))
-        return tensor
-
-    def indices(self, values):
-        tensor = torch.tensor(values, dtype=torch.int64)
-        if self.cuda:
-            return tensor.to("cuda")
-        array = DeviceArray.from_tensor(tensor, runtime=self.runtime)
-        self.keep.append(array)
-        return array
-
-    def table(self, tensors):
-        """A uint64 table of the tensors' raw ``data_ptr()``s, where SGLang keeps it (on the device)."""
-        raw = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
-        if self.cuda:
-            return raw.to("cuda")
-        array = DeviceArray.from_tensor(raw, runtime=self.runtime)
-        self.keep.append(array)
-        return array
-
-    def cpu(self, x):
-        if isinstance(x, DeviceArray):
-            return x.cpu()
-        if self.cuda:
-            torch.cuda.synchronize()
-        return x.detach().to("cpu").clone()
-
-    def close(self) -> None:
-        for thing in self.keep:
-            thing.close()
+def Memory(runtime, torch_pinned: bool = False) -> Operands:  # noqa: N802 (a class in spirit)
+    return Operands(runtime, dtype=torch.int16, poison=POISON, torch_pinned=torch_pinned)
 
 
 @pytest.fixture(params=[False, pytest.param(True, id="torch-pinned")])

@@ -1,0 +1,76 @@
+"""Operands for kvtier.compat tests, one way on every runtime: device tensors (DeviceArrays on the emulators, CUDA
+tensors on the GPU), host tensors over kvtier pinned buffers (or torch-pinned ones), index tensors and raw uint64
+pointer tables of ``data_ptr()``s, where SGLang keeps them. Random data or a poison pattern, never zeros."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvtier.compat import DeviceArray
+from kvtier.memory import HostBuffer, HostKind
+
+
+class Operands:
+    def __init__(self, runtime, *, dtype=torch.int16, poison: int = 0x5A5A, torch_pinned: bool = False) -> None:
+        self.runtime, self.cuda = runtime, runtime.name == "cuda"
+        self.dtype, self.poison = dtype, poison
+        self.torch_pinned = torch_pinned and self.cuda
+        self.keep: list = []
+
+    def values(self, shape, data: bool = True):
+        if not data:
+            return torch.full(shape, self.poison, dtype=self.dtype)
+        info = torch.iinfo(self.dtype)
+        return torch.randint(info.min, info.max, shape, dtype=self.dtype)
+
+    def _own(self, thing):
+        self.keep.append(thing)
+        return thing
+
+    def device(self, shape, data: bool = True, device: int = 0):
+        values = self.values(shape, data)
+        if self.cuda:
+            return values.to(f"cuda:{device}")
+        return self._own(DeviceArray.from_tensor(values, device=device, runtime=self.runtime))
+
+    def buffer(self, nbytes: int, kind: HostKind = HostKind.PINNED) -> HostBuffer:
+        return self._own(HostBuffer.allocate(nbytes, kind, runtime=self.runtime))
+
+    def host(self, shape, data: bool = True, kind: HostKind = HostKind.PINNED):
+        if self.torch_pinned:
+            tensor = torch.empty(shape, dtype=self.dtype, pin_memory=True)
+        else:
+            size = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
+            tensor = self.buffer(size, kind).as_tensor(self.dtype).view(shape)
+        tensor.copy_(self.values(shape, data))
+        return tensor
+
+    def indices(self, values):
+        tensor = torch.tensor(values, dtype=torch.int64)
+        return tensor.to("cuda") if self.cuda else self._own(DeviceArray.from_tensor(tensor, runtime=self.runtime))
+
+    def pinned_indices(self, values):
+        tensor = self.buffer(8 * len(values)).as_tensor(torch.int64)
+        tensor.copy_(torch.tensor(values, dtype=torch.int64))
+        return tensor
+
+    def table(self, tensors):
+        raw = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+        return raw.to("cuda") if self.cuda else self._own(DeviceArray.from_tensor(raw, runtime=self.runtime))
+
+    def cpu(self, x):
+        if isinstance(x, DeviceArray):
+            return x.cpu()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return x.detach().to("cpu").clone()
+
+    def poisoned(self, x) -> bool:
+        data = self.cpu(x)
+        return bool((data == self.poison).all())
+
+    def close(self) -> None:
+        for thing in self.keep:
+            thing.close()
