@@ -31,7 +31,6 @@ from kvtier.compat.operands import (
     check_indices,
     extent,
     host_indices,
-    kernel_operand,
     pointer_table,
     table_entries,
     table_room,
@@ -167,9 +166,8 @@ def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers:
     call = call_for([*src.operands, *dst.operands, src_indices, dst_indices], [src_indices, dst_indices])
     call.launcher.check_threads(warps * 32, block_quota)
     entries = [side.entries(call, n_layers) for side in (src, dst)]
-    if src_indices.numel():
-        for x, what in ((src_indices, "src_indices"), (dst_indices, "dst_indices")):
-            address(call, x, what)
+    named = ((src_indices, "src_indices"), (dst_indices, "dst_indices"))
+    index_addresses = [address(call, x, what) for x, what in named] if src_indices.numel() else []
     host = [host_indices(src_indices), host_indices(dst_indices)]
     for side, own, other, side_entries in ((src, 0, 1, entries[0]), (dst, 1, 0, entries[1])):
         units, partner = host[own], host[other]
@@ -181,8 +179,8 @@ def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers:
         return
     sides = [ChunkSide(pointer_table(call, [entry.address for entry in e]), s.page_stride, s.unit_stride,
                        s.piece_stride, s.units_per_page) for e, s in zip(entries, (src, dst), strict=True)]
-    copy = ChunkCopy(sides[0], sides[1], kernel_operand(src_indices), kernel_operand(dst_indices), index_bytes,
-                     n_units, 0, n_layers, pieces, chunk_bytes, len(src.operands), n_layers, unit_major=unit_major)
+    copy = ChunkCopy(sides[0], sides[1], index_addresses[0], index_addresses[1], index_bytes, n_units, 0, n_layers,
+                     pieces, chunk_bytes, len(src.operands), n_layers, unit_major=unit_major)
     call.launcher.copy_chunks(copy, device=call.device, stream=call.stream, max_blocks=block_quota,
                               threads=warps * 32)
 
