@@ -449,3 +449,47 @@ def test_pageable_indices_are_refused_by_name(split):
         assert torch.equal(dst_t.cpu(), torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16))
     finally:
         mem.close()
+
+
+# SGLang's public signatures (sgl_kernel/kvcacheio.py): names, order, and which parameters have defaults.
+SGLANG_SIGNATURES = {
+    "transfer_kv_per_layer": "src_k dst_k src_v dst_v src_indices dst_indices item_size block_quota= "
+                             "num_warps_per_block=",
+    "transfer_kv_per_layer_pf_lf": "src_k dst_k src_v dst_v src_indices dst_indices layer_id item_size "
+                                   "src_layout_dim block_quota= num_warps_per_block=",
+    "transfer_kv_per_layer_ph_lf": "src_k dst_k src_v dst_v src_indices dst_indices layer_id item_size "
+                                   "src_layout_dim page_size head_num block_quota= num_warps_per_block=",
+    "transfer_kv_all_layer": "src_k_layers dst_k_layers src_v_layers dst_v_layers src_indices dst_indices item_size "
+                             "num_layers block_quota= num_warps_per_block=",
+    "transfer_kv_all_layer_lf_pf": "src_k_layers dst_k src_v_layers dst_v src_indices dst_indices item_size "
+                                   "dst_layout_dim num_layers block_quota= num_warps_per_block=",
+    "transfer_kv_all_layer_lf_ph": "src_k_layers dst_k src_v_layers dst_v src_indices dst_indices item_size "
+                                   "dst_layout_dim num_layers page_size head_num block_quota= num_warps_per_block=",
+    "transfer_kv_direct": "src_layers dst_layers src_indices dst_indices page_size",
+    "transfer_kv_per_layer_direct_pf_lf": "src_ptrs dst_ptrs src_indices dst_indices layer_id page_size",
+    "transfer_kv_all_layer_direct_lf_pf": "src_ptrs dst_ptrs src_indices dst_indices page_size",
+    "transfer_kv_per_layer_mla": "src dst src_indices dst_indices item_size block_quota= num_warps_per_block=",
+    "transfer_kv_per_layer_mla_pf_lf": "src dst src_indices dst_indices layer_id item_size src_layout_dim "
+                                       "block_quota= num_warps_per_block=",
+    "transfer_kv_all_layer_mla": "src_layers dst_layers src_indices dst_indices item_size num_layers block_quota= "
+                                 "num_warps_per_block=",
+    "transfer_kv_all_layer_mla_lf_pf": "src_layers dst src_indices dst_indices item_size dst_layout_dim num_layers "
+                                       "block_quota= num_warps_per_block=",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SGLANG_SIGNATURES))
+def test_signatures_are_sglangs(name):
+    """A drop-in keeps SGLang's names, argument order and defaults (2 blocks; 32 warps, 16 on ROCm), so positional
+    calls written for sgl_kernel land on the same parameters."""
+    import inspect
+
+    assert name in kvcacheio.__all__
+    parameters = inspect.signature(getattr(kvcacheio, name)).parameters.values()
+    got = " ".join(p.name + ("=" if p.default is not inspect.Parameter.empty else "") for p in parameters)
+    assert got == SGLANG_SIGNATURES[name]
+    defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    if defaults:
+        warps = 16 if getattr(torch.version, "hip", None) else 32
+        assert defaults == {"block_quota": 2, "num_warps_per_block": warps}
+    assert len(kvcacheio.__all__) == 13
