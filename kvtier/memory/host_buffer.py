@@ -226,8 +226,9 @@ class HostBuffer:
         self._users.discard(user)
 
     def close(self) -> None:
-        """Wait for the transfers of every user (engine) still working on the buffer, then unregister every chunk by
-        its CPU address, unmap, and (shm owner) remove the file. Idempotent. Refused while tensor views are alive."""
+        """Wait for the transfers of every user (engine) still working on the buffer, and for the devices if it ever
+        handed out tensor views (they may have fed kernels kvtier does not track), then unregister every chunk by its
+        CPU address, unmap, and (shm owner) remove the file. Idempotent. Refused while tensor views are alive."""
         if self.closed:
             return
         if self.live_views() > 0:
