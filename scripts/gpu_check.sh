@@ -38,7 +38,7 @@ if want sanitizer; then
         -m gpu tests/test_transfer.py tests/test_kernels.py -k "cuda and (kernel and fp8 or odd_shapes)" 2>&1 \
         | tail -40 | tee "$OUT/sanitizer.log" || status=1
     KVTIER_KERNELS=aot compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 99 python3 -m pytest -q \
-        -p no:cacheprovider -m gpu tests/test_families.py tests/test_hisparse.py tests/test_layer_signals.py tests/test_sglang_compat.py -k cuda 2>&1 | tail -5 \
+        -p no:cacheprovider -m gpu tests/test_families.py tests/test_hisparse.py tests/test_layer_signals.py tests/test_sglang_compat.py -k cuda 2>&1 | tail -15 \
         | tee -a "$OUT/sanitizer.log" || status=1
 fi
 if want spans; then

@@ -62,6 +62,24 @@ def test_close_refuses_while_views_live_and_is_idempotent(runtime):
         get_device_accessible_ptr(buf, 0)
 
 
+def test_close_collects_views_that_only_a_reference_cycle_holds(runtime):
+    """A view caught in a traceback's frames (``pytest.raises``, ``except ... as e``) is garbage, not a user: close
+    must not be refused until the collector happens to run."""
+    import gc
+
+    buf = HostBuffer.allocate(1 << 16, runtime=runtime)
+    gc.disable()
+    try:
+        cycle: list = [buf.as_tensor()[10:20]]
+        cycle.append(cycle)
+        del cycle
+        assert buf.live_views() == 1
+        buf.close()
+    finally:
+        gc.enable()
+    assert buf.closed
+
+
 def test_collected_buffer_unregisters(runtime):
     buf = HostBuffer.allocate(1 << 16, runtime=runtime)
     start = buf.cpu_address.value

@@ -114,3 +114,23 @@ def test_register_overlapping_buffer_memory_is_refused(runtime):
         with pytest.raises(RegistrationError, match="already registered"):
             register_chunks(runtime, buf.cpu_address.value + 4096, 8192)
         assert len(buf.chunks) == 1 and runtime.host_range(buf.cpu_address.value).nbytes == 1 << 20
+
+
+def test_a_span_is_one_registration_call_even_beside_another(runtime):
+    """Chunks of one call are one span; a separate registration that touches it is not part of it."""
+    from kvtier.memory import register_chunks, unregister_chunks
+    from kvtier.memory.registration import registered_span
+
+    with HostBuffer.allocate(1 << 20, runtime=runtime, register_chunk_bytes=256 << 10) as chunked:
+        base = chunked.cpu_address.value
+        assert all(registered_span(runtime, start.value + 5) == (base, base + (1 << 20)) for start, _ in chunked.chunks)
+    assert registered_span(runtime, base) is None
+    with HostBuffer.allocate(1 << 16, "pageable", runtime=runtime) as region:
+        base = region.cpu_address.value
+        first, second = register_chunks(runtime, base, 1 << 15), register_chunks(runtime, base + (1 << 15), 1 << 15)
+        try:
+            assert registered_span(runtime, base + 100) == (base, base + (1 << 15))
+            assert registered_span(runtime, base + (1 << 15)) == (base + (1 << 15), base + (1 << 16))
+        finally:
+            unregister_chunks(runtime, second)
+            unregister_chunks(runtime, first)

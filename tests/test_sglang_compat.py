@@ -15,7 +15,7 @@ from compat_helpers import Operands
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio
 from kvtier.errors import InvalidArgument, KvtierError, NotDeviceAccessible, WrongDeviceError
-from kvtier.memory import HostBuffer, HostKind
+from kvtier.memory import HostBuffer, HostKind, register_chunks, unregister_chunks
 
 LAYERS, HEADS, DIM, PAGE = 3, 2, 8, 4
 ITEM = HEADS * DIM * 2  # bytes of one token of one layer (int16 elements)
@@ -330,6 +330,53 @@ def test_host_indices_out_of_range_are_refused_before_the_copy(memory):
     assert torch.equal(memory.cpu(dst_t)[:3], src_t[[0, 1, HOST_TOKENS - 1]])
 
 
+@pytest.fixture
+def side_by_side(memory):
+    """One pageable mapping registered as two separate registrations that touch: (the mapping, the bytes of the
+    first registration). Separate registrations are separate memory even where they touch."""
+    if memory.torch_pinned:
+        pytest.skip("kvtier registrations only")
+    half = 8192
+    region = memory.buffer(2 * half, HostKind.PAGEABLE)
+    base = region.cpu_address.value
+    first = register_chunks(memory.runtime, base, half)
+    second = register_chunks(memory.runtime, base + half, half)
+    yield region, half
+    if memory.cuda:
+        torch.cuda.synchronize()
+    unregister_chunks(memory.runtime, second)
+    unregister_chunks(memory.runtime, first)
+
+
+def test_a_registration_touching_the_next_one_is_its_own_span(memory, side_by_side):
+    """Regression: the bounds walk took a neighbouring registration for a chunk of the same buffer. In split mode
+    their aliases do not continue, so a call with device-resident indices was refused; in unified mode an index
+    running into the neighbour was let through."""
+    region, half = side_by_side
+    whole = region.as_tensor(torch.int16)
+    whole.copy_(memory.values(whole.shape))
+    per_layer = HOST_TOKENS * HEADS * DIM
+    host = [whole[layer * per_layer:(layer + 1) * per_layer].view(HOST_TOKENS, HEADS, DIM) for layer in range(LAYERS)]
+    dev = device_layers(memory, data=False)
+    src, dst = pairs(HOST_TOKENS, DEVICE_TOKENS)
+    kvcacheio.transfer_kv_all_layer_mla(memory.table(host), memory.table(dev), memory.indices(src),
+                                        memory.indices(dst), ITEM, LAYERS)
+    for layer in range(LAYERS):
+        expected = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16)
+        for s, d in copied(src, dst):
+            expected[d] = host[layer][s]
+        assert_poison_except(memory.cpu(dev[layer]), expected)
+
+    fresh = device_layers(memory, data=False)
+    last = (LAYERS - 1) * per_layer * 2           # byte offset of the last layer in the first registration
+    beyond = (half - last) // ITEM                # the first item that starts in the second registration
+    with pytest.raises(InvalidArgument, match="out of range"):
+        kvcacheio.transfer_kv_all_layer_mla(memory.table(host), memory.table(fresh),
+                                            memory.pinned_indices([0, beyond]), memory.pinned_indices([0, 1]),
+                                            ITEM, LAYERS)
+    assert all(memory.poisoned(layer) for layer in fresh)
+
+
 def test_a_pageable_tensor_operand_is_refused(memory):
     if memory.runtime.device_attributes(0).pageable_memory_access:
         pytest.skip("this device reads pageable host memory")
@@ -360,34 +407,38 @@ def test_memory_of_another_device_in_a_table_is_refused(runtime):
 
 
 # -- CUDA only -----------------------------------------------------------------------------------------------------
-@pytest.mark.gpu
-def test_a_per_layer_call_replays_from_a_cuda_graph(cuda):
+@pytest.fixture
+def cuda_memory(cuda):
     mem = Memory(cuda)
-    try:
-        host_k, host_v = mem.host((HOST_TOKENS, LAYERS, HEADS, DIM)), mem.host((HOST_TOKENS, LAYERS, HEADS, DIM))
-        dev_k = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16, device="cuda")
-        dev_v = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16, device="cuda")
-        src_i = torch.zeros(16, dtype=torch.int64, device="cuda")
-        dst_i = torch.zeros(16, dtype=torch.int64, device="cuda")
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):  # warm up: builds and keeps the kernel's tables
-            kvcacheio.transfer_kv_per_layer_pf_lf(host_k, dev_k, host_v, dev_v, src_i, dst_i, 1, ITEM, LAYERS * ITEM)
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            kvcacheio.transfer_kv_per_layer_pf_lf(host_k, dev_k, host_v, dev_v, src_i, dst_i, 1, ITEM, LAYERS * ITEM)
-        src, dst = pairs(HOST_TOKENS, DEVICE_TOKENS, count=16)
-        dev_k.fill_(POISON), dev_v.fill_(POISON)
-        src_i.copy_(torch.tensor(src)), dst_i.copy_(torch.tensor(dst))
-        graph.replay()
-        torch.cuda.synchronize()
-        for host, dev in ((host_k, dev_k), (host_v, dev_v)):
-            expected = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16)
-            for s, d in copied(src, dst):
-                expected[d] = host[s, 1]
-            assert_poison_except(dev.cpu(), expected)
-    finally:
-        mem.close()
+    yield mem
+    mem.close()   # after the test's frame is gone: no host view is left to hold the buffers
+
+
+@pytest.mark.gpu
+def test_a_per_layer_call_replays_from_a_cuda_graph(cuda_memory):
+    mem = cuda_memory
+    host_k, host_v = mem.host((HOST_TOKENS, LAYERS, HEADS, DIM)), mem.host((HOST_TOKENS, LAYERS, HEADS, DIM))
+    dev_k = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16, device="cuda")
+    dev_v = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16, device="cuda")
+    src_i = torch.zeros(16, dtype=torch.int64, device="cuda")
+    dst_i = torch.zeros(16, dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # warm up: builds and keeps the kernel's tables
+        kvcacheio.transfer_kv_per_layer_pf_lf(host_k, dev_k, host_v, dev_v, src_i, dst_i, 1, ITEM, LAYERS * ITEM)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        kvcacheio.transfer_kv_per_layer_pf_lf(host_k, dev_k, host_v, dev_v, src_i, dst_i, 1, ITEM, LAYERS * ITEM)
+    src, dst = pairs(HOST_TOKENS, DEVICE_TOKENS, count=16)
+    dev_k.fill_(POISON), dev_v.fill_(POISON)
+    src_i.copy_(torch.tensor(src)), dst_i.copy_(torch.tensor(dst))
+    graph.replay()
+    torch.cuda.synchronize()
+    for host, dev in ((host_k, dev_k), (host_v, dev_v)):
+        expected = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16)
+        for s, d in copied(src, dst):
+            expected[d] = host[s, 1]
+        assert_poison_except(dev.cpu(), expected)
 
 
 # -- DeviceArray -----------------------------------------------------------------------------------------------------

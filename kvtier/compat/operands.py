@@ -22,6 +22,7 @@ from kvtier.compat.device_array import DeviceArray
 from kvtier.errors import InvalidArgument, KvtierError, WrongRuntime
 from kvtier.kernels.launch import KernelLauncher
 from kvtier.memory import DeviceAddress, get_device_accessible_ptr, resolve_foreign_address, tensor_extent
+from kvtier.memory.registration import registered_span
 from kvtier.pools import PointerTable, build_pointer_table
 from kvtier.runtime import Runtime, Stream
 from kvtier.runtime import get as get_runtime
@@ -192,11 +193,15 @@ def table_room(call: Call, raw: int, resolved: DeviceAddress) -> tuple[int | Non
     end = runtime.allocation_end(raw)
     if end is None:
         return None, False
-    while runtime.host_range(end) is not None:
+    span = registered_span(runtime, raw)
+    if span is None:
+        return end - raw, False
+    span_end = span[1]
+    while end < span_end:
         following = resolve_foreign_address(end, call.device, runtime=runtime)
         if following != resolved + (end - raw):
             return end - raw, True
-        end = runtime.allocation_end(end) or end
+        end = runtime.allocation_end(end) or span_end
     return end - raw, False
 
 

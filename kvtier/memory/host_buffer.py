@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import math
 import sys
 import time
@@ -228,9 +229,13 @@ class HostBuffer:
     def close(self) -> None:
         """Wait for the transfers of every user (engine) still working on the buffer, and for the devices if it ever
         handed out tensor views (they may have fed kernels kvtier does not track), then unregister every chunk by its
-        CPU address, unmap, and (shm owner) remove the file. Idempotent. Refused while tensor views are alive."""
+        CPU address, unmap, and (shm owner) remove the file. Idempotent. Refused while tensor views are alive; views
+        only garbage holds (a reference cycle, such as a caught exception's traceback and the frames in it) are
+        collected first and do not count."""
         if self.closed:
             return
+        if self.live_views() > 0:
+            gc.collect()
         if self.live_views() > 0:
             raise BufferInUse(f"{self!r} still has {self.live_views()} tensor view(s) alive; delete them first")
         self._closing = True

@@ -7,6 +7,8 @@ aliases: a page that straddled them would have no single device address.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,6 +17,20 @@ from kvtier.errors import RegistrationError
 from kvtier.runtime import Runtime
 
 DEFAULT_REGISTER_CHUNK_BYTES = 64 << 30
+
+_spans_lock = threading.Lock()
+_spans: weakref.WeakKeyDictionary[Runtime, dict[int, tuple[int, int]]] = weakref.WeakKeyDictionary()
+
+
+def registered_span(runtime: Runtime, address: int) -> tuple[int, int] | None:
+    """[start, end) of the one registration call (all its chunks) holding ``address``, or None outside kvtier's host
+    ranges. Separate registrations can sit side by side in memory; only chunks of one call make one
+    buffer, so only they may be read as one span."""
+    found = runtime.host_range(address)
+    if found is None:
+        return None
+    with _spans_lock:
+        return _spans.get(runtime, {}).get(found.start, (found.start, found.end))
 
 
 def plan_chunks(nbytes: int, chunk_bytes: int, granularity: int) -> list[tuple[int, int]]:
@@ -53,12 +69,21 @@ def register_chunks(runtime: Runtime, address: int, nbytes: int, *, chunk_bytes:
                 f"registering chunk {index} of {len(plan)} ({size} bytes at offset {offset}) failed: {exc}; "
                 f"the {len(done)} chunk(s) before it were unregistered") from exc
         done.append((address + offset, size))
+    if len(done) > 1:
+        with _spans_lock:
+            spans = _spans.setdefault(runtime, {})
+            for start, _ in done:
+                spans[start] = (address, address + nbytes)
     return done
 
 
 def unregister_chunks(runtime: Runtime, chunks: list[tuple[int, int]]) -> None:
     """Unregister each chunk by its own CPU address, last first; keeps going past failures and reports them."""
     failures = []
+    with _spans_lock:
+        spans = _spans.get(runtime, {})
+        for start, _ in chunks:
+            spans.pop(start, None)
     while chunks:
         start, _ = chunks.pop()
         try:
