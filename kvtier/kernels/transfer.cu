@@ -48,11 +48,13 @@
 // pointer read would then wait for the previous load to land, one load in flight instead of KVTIER_UNROLL.
 #define KVTIER_GLOBAL(T, p) ((__attribute__((address_space(1))) T*)(p))
 #define KVTIER_SHFL_UP(v, d) __shfl_up((v), (d), 32)
+#define KVTIER_SHFL(v, l) __shfl((v), (l), 32)
 #define KVTIER_TRAP() __builtin_trap()
 #else
 #define KVTIER_HIP 0
 #define KVTIER_WARP_SYNC() __syncwarp()
 #define KVTIER_SHFL_UP(v, d) __shfl_up_sync(0xffffffffu, (v), (d))
+#define KVTIER_SHFL(v, l) __shfl_sync(0xffffffffu, (v), (l))
 #define KVTIER_TRAP() __trap()
 #endif
 
@@ -285,9 +287,25 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
     unsigned pending = 0;
     for (unsigned first = worker * (unsigned)group; first < total; first += stride) {
         const unsigned count = total - first < (unsigned)group ? total - first : (unsigned)group;
-        for (unsigned i = lane; i < count; i += 32) walk.locate(first + i, &src_ptr[i], &dst_ptr[i]);
+        // Chunks of absent units are dropped here, once per chunk, so the vector loop below never tests a pointer.
+        unsigned kept = 0;
+        for (unsigned i0 = 0; i0 < count; i0 += 32) {  // warp-uniform: every lane scans
+            char* from = nullptr;
+            char* to = nullptr;
+            if (i0 + lane < count) walk.locate(first + i0 + lane, &from, &to);
+            unsigned rank = from ? 1u : 0u;  // inclusive prefix count of present chunks
+            for (int d = 1; d < 32; d <<= 1) {
+                const unsigned below = KVTIER_SHFL_UP(rank, d);
+                if (lane >= d) rank += below;
+            }
+            if (from) {
+                src_ptr[kept + rank - 1] = from;
+                dst_ptr[kept + rank - 1] = to;
+            }
+            kept += KVTIER_SHFL(rank, 31);
+        }
         KVTIER_WARP_SYNC();
-        const unsigned work = count * vectors;
+        const unsigned work = kept * vectors;
         for (unsigned j0 = lane; j0 < work; j0 += 32 * KVTIER_UNROLL) {
             V r[KVTIER_UNROLL];
 #pragma unroll
@@ -295,8 +313,7 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
                 unsigned j = j0 + k * 32;
                 if (j < work) {
                     unsigned c = quotient(by_vectors, j);
-                    const char* from = src_ptr[c];
-                    if (from) r[k] = load_stream((const V*)(from) + (j - c * vectors));
+                    r[k] = load_stream((const V*)(src_ptr[c]) + (j - c * vectors));
                 }
             }
 #pragma unroll
@@ -304,8 +321,7 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
                 unsigned j = j0 + k * 32;
                 if (j < work) {
                     unsigned c = quotient(by_vectors, j);
-                    char* to = dst_ptr[c];
-                    if (to) store_stream((V*)(to) + (j - c * vectors), r[k]);
+                    store_stream((V*)(dst_ptr[c]) + (j - c * vectors), r[k]);
                 }
             }
         }
