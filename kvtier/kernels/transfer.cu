@@ -49,12 +49,14 @@
 #define KVTIER_GLOBAL(T, p) ((__attribute__((address_space(1))) T*)(p))
 #define KVTIER_SHFL_UP(v, d) __shfl_up((v), (d), 32)
 #define KVTIER_SHFL(v, l) __shfl((v), (l), 32)
+#define KVTIER_ALL(p) __all(p)
 #define KVTIER_TRAP() __builtin_trap()
 #else
 #define KVTIER_HIP 0
 #define KVTIER_WARP_SYNC() __syncwarp()
 #define KVTIER_SHFL_UP(v, d) __shfl_up_sync(0xffffffffu, (v), (d))
 #define KVTIER_SHFL(v, l) __shfl_sync(0xffffffffu, (v), (l))
+#define KVTIER_ALL(p) __all_sync(0xffffffffu, (p))
 #define KVTIER_TRAP() __trap()
 #endif
 
@@ -292,7 +294,16 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
         for (unsigned i0 = 0; i0 < count; i0 += 32) {  // warp-uniform: every lane scans
             char* from = nullptr;
             char* to = nullptr;
-            if (i0 + lane < count) walk.locate(first + i0 + lane, &from, &to);
+            const bool mine = i0 + lane < count;
+            if (mine) walk.locate(first + i0 + lane, &from, &to);
+            if (KVTIER_ALL(from != nullptr || !mine)) {  // the usual case: one vote, no scan
+                if (mine) {
+                    src_ptr[kept + lane] = from;
+                    dst_ptr[kept + lane] = to;
+                }
+                kept += count - i0 < 32 ? count - i0 : 32;
+                continue;
+            }
             unsigned rank = from ? 1u : 0u;  // inclusive prefix count of present chunks
             for (int d = 1; d < 32; d <<= 1) {
                 const unsigned below = KVTIER_SHFL_UP(rank, d);
