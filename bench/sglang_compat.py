@@ -117,10 +117,16 @@ def seconds(op, finish, repeats: int) -> tuple[float, float]:
 
 def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_host, pages_dev, pages_host, blocks):
     """(name, direction, call) of the compat functions that move these pages on this host layout."""
+    import torch
+
     g, L, item, ps = mem.g, mem.g.layers, mem.g.row_bytes, mem.g.page_size
     mla = g.tensors == 1
     si, di = mem.tensor(tokens_dev), mem.tensor(tokens_host)
     hi, dd = mem.tensor(tokens_host), mem.tensor(tokens_dev)
+    # *_direct read their indices on the host: SGLang's controller hands them CPU tensors for that backend
+    host_index = [torch.as_tensor(np.ascontiguousarray(x, dtype=np.int64)) for x in (tokens_dev, tokens_host)]
+    si_cpu, di_cpu = host_index
+    hi_cpu, dd_cpu = host_index[::-1]
     quota = {"block_quota": blocks}
     K = mem.layers[0]
     V = mem.layers[1] if not mla else None
@@ -159,7 +165,7 @@ def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_ho
         flat = [h[layer] for h in hl for layer in range(L)]
         device_flat = [x for row in mem.layers for x in row]
         cases.append(("transfer_kv_direct", "load-dma", lambda: kvcacheio.transfer_kv_direct(
-            flat, device_flat, hi, dd, ps)))
+            flat, device_flat, hi_cpu, dd_cpu, ps)))
     elif layout == "page_head" and not mla:
         heads = g.heads
         hh = host_views(host, g.tensors, (host.pages, heads, ps, L, item // heads))
@@ -173,9 +179,10 @@ def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_ho
         hd = host_views(host, g.tensors, (host.pages, L, ps, item))
         device_flat = [x for row in mem.layers for x in row]
         cases.append(("transfer_kv_all_layer_direct_lf_pf", "backup-dma", lambda: (
-            kvcacheio.transfer_kv_all_layer_direct_lf_pf(device_flat, hd, si, di, ps))))
+            kvcacheio.transfer_kv_all_layer_direct_lf_pf(device_flat, hd, si_cpu, di_cpu, ps))))
         cases.append(("transfer_kv_per_layer_direct_pf_lf", "load-dma", lambda: [
-            kvcacheio.transfer_kv_per_layer_direct_pf_lf(hd, [row[layer] for row in mem.layers], hi, dd, layer, ps)
+            kvcacheio.transfer_kv_per_layer_direct_pf_lf(hd, [row[layer] for row in mem.layers], hi_cpu, dd_cpu, layer,
+                                                         ps)
             for layer in range(L)]))
     return cases
 

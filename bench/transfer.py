@@ -26,8 +26,7 @@ from rich.table import Table
 
 from kvtier.cli.doctor_probe import probe_bandwidth
 from kvtier.kernels import KernelLauncher
-from kvtier.kernels.launch import MAX_THREADS
-from kvtier.kernels.source import DEFAULT_UNROLL
+from kvtier.kernels.source import Specialization
 from kvtier.memory import HostBuffer, HostKind
 from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry
 from kvtier.runtime import ENV_VAR, get
@@ -146,15 +145,15 @@ def measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages
 
 
 def variant_launcher(runtime, variant: str) -> tuple[KernelLauncher, dict]:
-    """The launcher for a kernel specialization ``UNROLLxTHREADS[wWIDTH][+cached][+bulk]`` (see ``--variants``) and
-    the TransferEngine options that go with it."""
-    spec, *flags = variant.split("+")
-    shape, _, width = spec.partition("w")
+    """The launcher for a kernel specialization ``UNROLLxTHREADS[wWIDTH][+cached][+noskip][+bulk]`` (see
+    ``--variants``) and the TransferEngine options that go with it."""
+    shape_width, *flags = variant.split("+")
+    shape, _, width = shape_width.partition("w")
     unroll, threads = (int(x) for x in shape.split("x"))
-    streaming = "cached" not in flags
-    shipped = (unroll, threads, streaming) == (DEFAULT_UNROLL, MAX_THREADS, True)  # the prebuilt kernels
-    launcher = KernelLauncher(runtime, mode=None if shipped else "jit", unroll=unroll, max_threads=threads,
-                              max_width=int(width or 16), streaming=streaming, bulk="bulk" in flags)
+    spec = Specialization(unroll, threads, streaming="cached" not in flags, skip_absent="noskip" not in flags)
+    launcher = KernelLauncher(runtime, mode=None if spec.prebuilt else "jit", unroll=unroll, max_threads=threads,
+                              max_width=int(width or 16), streaming=spec.streaming, skip_absent=spec.skip_absent,
+                              bulk="bulk" in flags)
     options: dict = {"threads": threads, "backup_threads": threads}  # the variant's blocks both ways
     if "bulk" in flags:
         options["layer_signals"] = False  # bulk copies do not count layers
@@ -231,11 +230,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", action="append", choices=["kernel", "staged", "direct", "batch"],
                         help="io backend, repeatable; default: all")
     parser.add_argument("--variants", default="",
-                        help="kernel specializations UNROLLxTHREADS[wWIDTH][+cached][+bulk] to compare at 2 blocks "
-                             "on the first geometry, e.g. 4x1024,8x1024w8,8x1024+cached,8x1024+bulk (WIDTH caps the "
-                             "bytes per access, +cached drops the streaming cache hints, +bulk copies through the "
-                             "TMA, sm_90+, per-layer loads without layer counters; the shipped 8x1024 runs the "
-                             "prebuilt kernels, others JIT)")
+                        help="kernel specializations UNROLLxTHREADS[wWIDTH][+cached][+noskip][+bulk] to compare "
+                             "at every --blocks budget on the first geometry, e.g. 4x1024,8x1024w8,8x1024+cached,"
+                             "8x1024+bulk (WIDTH caps the bytes per access, +cached drops the streaming cache hints, "
+                             "+noskip the test for absent units, +bulk copies through the TMA, sm_90+, per-layer "
+                             "loads without layer counters; the shipped 8x1024 runs the prebuilt kernels, others "
+                             "JIT)")
     parser.add_argument("--blocks", default="1,2,4,8,0", help="kernel SM budgets; 0 = one block per SM "
                                                               "(default: %(default)s)")
     parser.add_argument("--gib", type=float, help="GiB moved per measurement (default: 1; 1/64 on an emulated "
@@ -279,10 +279,11 @@ def run_layout(runtime, args, name, g, layout, backends, budgets, dev, pages, ce
                             console, slots_kind="contiguous")
     for variant in args.variants.split(",") if first and args.variants else []:
         launcher, options = variant_launcher(runtime, variant)
-        for row in measure(runtime, name, g, layout, "kernel", 2, dev, host, ceiling, pages, args.repeats,
-                           console, launcher=launcher, **options):
-            row.backend = f"kernel {variant}"
-            rows.append(row)
+        for blocks in budgets:
+            for row in measure(runtime, name, g, layout, "kernel", blocks, dev, host, ceiling, pages, args.repeats,
+                               console, launcher=launcher, **options):
+                row.backend = f"kernel {variant}"
+                rows.append(row)
     if layout == "page_first_direct":
         extras["bidirectional"][name] = [bidirectional(runtime, g, dev, host, ceiling, pages, 2, backend)
                                          for backend in ("kernel", "staged")]

@@ -80,6 +80,18 @@ def test_quick_transfer_on_the_emulator(tmp_path):
     assert [r["backend"] for r in data["bidirectional"]["llama3-8b-p16"]] == ["kernel", "staged"]
 
 
+def test_transfer_variants_run_at_every_budget(tmp_path):
+    """``--variants`` measures each specialization at every ``--blocks`` budget (the skip A/B needs 1 and 2 SMs)."""
+    out = tmp_path / "variants.json"
+    done = run(str(BENCH / "transfer.py"), "--runtime", "emulated:split", "--geometry", "dsv3-mla-p16", "--layout",
+               "page_first", "--backend", "kernel", "--blocks", "1,2", "--variants", "8x1024+noskip", "--gib",
+               "0.004", "--repeats", "1", "--json", str(out), timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    variant = [r for r in rows if r["backend"] == "kernel 8x1024+noskip"]
+    assert {r["blocks"] for r in variant} == {1, 2} and all(r["gbps"] > 0 for r in variant)
+
+
 def test_enqueue_on_the_emulator():
     done = run(str(BENCH / "enqueue.py"), "--runtime", "emulated:split", "--gib", "0.01")
     assert done.returncode == 0, done.stderr[-2000:]

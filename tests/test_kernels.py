@@ -12,6 +12,7 @@ from kvtier.errors import AddressDomainError, KernelBuildError, KvtierError
 from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
 from kvtier.kernels.build import FATBIN_NAME, MANIFEST_NAME, build_aot
 from kvtier.kernels.loader import kernel_image
+from kvtier.kernels.source import Specialization
 from kvtier.memory import DeviceBuffer
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -45,10 +46,21 @@ def test_stale_prebuilt_kernels_are_refused(tmp_path, monkeypatch):
 def test_unknown_mode_and_specialized_aot_are_refused():
     with pytest.raises(KernelBuildError, match="KVTIER_KERNELS"):
         kernel_image("sm_90", "fast")
-    with pytest.raises(KernelBuildError, match="only JIT"):
-        kernel_image("sm_90", "aot", unroll=4)
-    with pytest.raises(KernelBuildError, match="streaming False"):
-        kernel_image("sm_90", "aot", streaming=False)
+    for spec in (Specialization(unroll=4), Specialization(streaming=False), Specialization(skip_absent=False)):
+        with pytest.raises(KernelBuildError, match="only JIT"):
+            kernel_image("sm_90", "aot", spec)
+
+
+def test_a_specialization_is_named_by_what_it_changes():
+    """Each switch reaches the compiler and the cache key: two specializations never share an image."""
+    shipped = Specialization()
+    assert shipped.prebuilt and "-DKVTIER_SKIP_ABSENT=1" in shipped.defines()
+    others = [Specialization(unroll=4), Specialization(max_threads=512), Specialization(streaming=False),
+              Specialization(skip_absent=False)]
+    assert not any(spec.prebuilt for spec in others)
+    labels = {spec.label() for spec in [shipped, *others]}
+    assert len(labels) == 5 and "noskip" in Specialization(skip_absent=False).label()
+    assert len({tuple(spec.defines()) for spec in [shipped, *others]}) == 5
 
 
 @pytest.mark.parametrize("max_width", [0, 3, 32])
@@ -150,16 +162,18 @@ def _side(runtime, rng, tensors, table_layers, units, pieces, chunk_bytes, per_p
     return memory, table, ChunkSide(table, page_stride, unit_stride, piece_stride, per_page), chosen, layer_bytes
 
 
-@pytest.mark.parametrize("unit_major, layer_group, max_width, bulk", [
-    (False, 1, 16, False), (True, 1, 16, False), (True, 1, 4, False), (False, 1, 16, True), (True, 1, 16, True),
-    (False, 2, 16, False), (False, 3, 8, False), (False, 2, 16, True)],
+@pytest.mark.parametrize("unit_major, layer_group, max_width, bulk, skip_absent", [
+    (False, 1, 16, False, True), (True, 1, 16, False, True), (True, 1, 4, False, True), (False, 1, 16, True, True),
+    (True, 1, 16, True, True), (False, 2, 16, False, True), (False, 3, 8, False, True), (False, 2, 16, True, True),
+    (False, 1, 16, False, False), (True, 3, 8, False, False)],
     ids=["layer_major", "unit_major", "unit_major_w4", "bulk", "bulk_unit_major", "group2", "group3_w8",
-         "bulk_group2"])
+         "bulk_group2", "noskip", "noskip_unit_major_group3_w8"])
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=[f"shape{i}" for i in range(len(DECODE_SHAPES))])
-def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape, unit_major, layer_group, max_width, bulk):
+def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape, unit_major, layer_group, max_width, bulk,
+                                                 skip_absent):
     """The kernel's chunk decode (units per page, pieces, tensors, a layer window, odd chunk sizes, every walk order:
     layer-major, unit-major, groups of layers with a shorter last group, a capped access width, the bulk-copy kernels
-    where sizes allow) against numpy."""
+    where sizes allow, the measuring build without the absent-unit test) against numpy."""
     tensors, table_layers, first, layers, units, pieces, chunk, src_per_page, dst_per_page, index_bytes = shape
     rng = np.random.default_rng()
     src_mem, src_table, src, src_units, src_layer = _side(runtime, rng, tensors, table_layers, units, pieces, chunk,
@@ -179,7 +193,8 @@ def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape, unit_major, lay
     call = ChunkCopy(src, dst, indices[0], indices[1], index_bytes, units, first, layers, pieces, chunk, tensors,
                      table_layers, unit_major, layer_group)
     stream = runtime.create_stream(0)
-    prepared = KernelLauncher(runtime, max_width=max_width, bulk=bulk).copy_chunks(call, device=0, stream=stream)
+    launcher = KernelLauncher(runtime, max_width=max_width, bulk=bulk, skip_absent=skip_absent)
+    prepared = launcher.copy_chunks(call, device=0, stream=stream)
     assert prepared.name.startswith("kvtier_bulk_copy") == (bulk and chunk % 16 == 0 and src.unit_stride % 16 == 0
                                                            and dst.unit_stride % 16 == 0)
     stream.synchronize()

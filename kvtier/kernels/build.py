@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from kvtier.errors import KernelBuildError
-from kvtier.kernels.source import DEFAULT_UNROLL, SOURCE_PATH, source_hash, source_text
+from kvtier.kernels.source import DEFAULT_UNROLL, SHIPPED, SOURCE_PATH, Specialization, source_hash, source_text
 
 AOT_ARCHS = ("sm_80", "sm_90", "sm_100")
 FATBIN_NAME, MANIFEST_NAME = "transfer.fatbin", "transfer.json"
@@ -39,7 +39,7 @@ def nvcc_command(out: Path, archs: tuple[str, ...], nvcc: str = "nvcc", fmt: str
     newest = max(archs, key=lambda a: int(a[3:]))
     if fmt == "fatbin":
         gencode.append(f"-gencode=arch=compute_{newest[3:]},code=compute_{newest[3:]}")
-    return [nvcc, f"-{fmt}", "-O3", "-std=c++17", f"-DKVTIER_UNROLL={DEFAULT_UNROLL}", *gencode, "-o", str(out),
+    return [nvcc, f"-{fmt}", "-O3", "-std=c++17", *SHIPPED.defines(), *gencode, "-o", str(out),
             str(SOURCE_PATH)]
 
 
@@ -65,13 +65,12 @@ def build_aot(out_dir: Path | None = None, archs: tuple[str, ...] = AOT_ARCHS, n
     return fatbin
 
 
-def compile_jit(arch: str, unroll: int = DEFAULT_UNROLL, max_threads: int = 1024, streaming: bool = True) -> bytes:
+def compile_jit(arch: str, spec: Specialization = SHIPPED) -> bytes:
     """A cubin for ``arch`` (e.g. ``sm_90``) from NVRTC, through the on-disk cache."""
     from kvtier.kernels.hip_build import cached_image
     from kvtier.runtime.cuda import nvrtc_compile, nvrtc_version
 
-    options = [f"--gpu-architecture={arch}", "-std=c++17", f"-DKVTIER_UNROLL={unroll}",
-               f"-DKVTIER_MAX_THREADS={max_threads}", f"-DKVTIER_STREAMING={int(streaming)}"]
+    options = [f"--gpu-architecture={arch}", "-std=c++17", *spec.defines()]
     key = hashlib.sha256(repr((source_hash(), options, nvrtc_version())).encode()).hexdigest()[:24]
     cached = cache_dir() / f"transfer-{arch}-{key}.cubin"
     image = cached_image(cached, (b"\x7fELF",))

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from kvtier.errors import KernelBuildError
-from kvtier.kernels.source import DEFAULT_UNROLL, SOURCE_PATH, source_hash, source_text
+from kvtier.kernels.source import DEFAULT_UNROLL, SHIPPED, SOURCE_PATH, Specialization, source_hash, source_text
 
 HIP_ARCHS = ("gfx90a", "gfx942", "gfx950")
 COMGR_LIBRARIES = ("libamd_comgr.so", "libamd_comgr.so.3", "libamd_comgr.so.2")
@@ -36,7 +36,7 @@ def code_object_name(arch: str) -> str:
 
 
 def hipcc_command(out: Path, arch: str, hipcc: str = "hipcc") -> list[str]:
-    return [hipcc, "--genco", f"--offload-arch={arch}", "-O3", "-std=c++17", f"-DKVTIER_UNROLL={DEFAULT_UNROLL}",
+    return [hipcc, "--genco", f"--offload-arch={arch}", "-O3", "-std=c++17", *SHIPPED.defines(),
             "-o", str(out), str(SOURCE_PATH)]
 
 
@@ -203,8 +203,7 @@ class Hiprtc:
             self.lib.hiprtcDestroyProgram(ctypes.byref(program))
 
 
-def compile_jit_hip(arch: str, unroll: int = DEFAULT_UNROLL, max_threads: int = 1024, streaming: bool = True,
-                    cache: Path | None = None) -> bytes:
+def compile_jit_hip(arch: str, spec: Specialization = SHIPPED, cache: Path | None = None) -> bytes:
     """A code object for ``arch`` (e.g. ``gfx942``) from hiprtc, through the on-disk cache."""
     from kvtier.kernels.build import cache_dir
 
@@ -213,8 +212,7 @@ def compile_jit_hip(arch: str, unroll: int = DEFAULT_UNROLL, max_threads: int = 
         raise KernelBuildError(f"this ROCm's compiler does not know {arch!r} (it knows {', '.join(sorted(known))}): "
                                f"install a ROCm that supports it")
     hiprtc = Hiprtc()
-    options = [f"--gpu-architecture={arch}", "-std=c++17", "-O3", f"-DKVTIER_UNROLL={unroll}",
-               f"-DKVTIER_MAX_THREADS={max_threads}", f"-DKVTIER_STREAMING={int(streaming)}"]
+    options = [f"--gpu-architecture={arch}", "-std=c++17", "-O3", *spec.defines()]
     key = hashlib.sha256(repr((source_hash(), options, hiprtc.version(), hiprtc.identity())).encode()).hexdigest()[:24]
     cached = (cache or cache_dir()) / f"transfer-{arch}-{key}.hsaco"
     image = cached_image(cached, CODE_MAGIC)

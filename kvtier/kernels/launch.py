@@ -25,8 +25,10 @@ from kvtier.kernels.source import (
     DEFAULT_UNROLL,
     INDEX_TYPES,
     KERNEL_NAMES,
+    SHIPPED,
     SWAP_WIDTHS,
     WIDTHS,
+    Specialization,
     bulk_kernel,
     copy_kernel,
     source_hash,
@@ -248,9 +250,10 @@ class KernelLauncher:
 
     def __init__(self, runtime: Runtime, *, mode: str | None = None, unroll: int = DEFAULT_UNROLL,
                  max_threads: int = MAX_THREADS, max_width: int = VECTOR_BYTES, streaming: bool = True,
-                 bulk: bool = False) -> None:
+                 skip_absent: bool = True, bulk: bool = False) -> None:
         """``unroll`` and ``max_threads`` specialize the kernel (JIT only): loads in flight per thread, and the block
-        size the register budget is fitted to; ``streaming=False`` (JIT only) drops the evict-first cache hints.
+        size the register budget is fitted to; ``streaming=False`` (JIT only) drops the evict-first cache hints,
+        ``skip_absent=False`` (JIT only, engine calls only) the test for absent units (see ``Specialization``).
         ``max_width`` caps the access width (bytes per load and store; a launch otherwise takes the widest its
         addresses allow). ``bulk`` (experimental, sm_90+) moves 16-byte-aligned copies without layer counters
         through the Tensor Memory Accelerator (``cp.async.bulk``), 256 threads a block. The last three exist for
@@ -263,7 +266,7 @@ class KernelLauncher:
         self.runtime, self.mode, self.unroll, self.max_threads = runtime, mode, unroll, max_threads
         self.max_width, self.bulk = max_width, bool(bulk)
         self._bulk_devices: dict[int, bool] = {}
-        self.spec = _transfer_program(mode, unroll, max_threads, bool(streaming))
+        self.spec = _transfer_program(mode, Specialization(unroll, max_threads, bool(streaming), bool(skip_absent)))
         self._widths: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._buffers: weakref.WeakKeyDictionary[DeviceBuffer, DeviceAddress] = weakref.WeakKeyDictionary()
 
@@ -410,12 +413,12 @@ def _check_aligned(address: DeviceAddress, align: int, what: str) -> None:
 
 
 @functools.cache
-def _transfer_program(mode: str | None, unroll: int, max_threads: int, streaming: bool = True) -> ProgramSpec:
+def _transfer_program(mode: str | None, spec: Specialization = SHIPPED) -> ProgramSpec:
     """The transfer kernels as a program: images built AOT or JIT for the device's compute capability, and the
     Python reference for the emulator. One spec per specialization, so the runtime's cache key is stable."""
 
     def image(arch: str) -> tuple[bytes, str]:
-        return kernel_image(arch, mode, unroll, max_threads, streaming)
+        return kernel_image(arch, mode, spec)
 
     references: dict[str, Callable[..., Any]] = {
         copy_kernel(size, width): functools.partial(reference.copy_chunks, index_bytes=size, width=width)
@@ -424,5 +427,5 @@ def _transfer_program(mode: str | None, unroll: int, max_threads: int, streaming
                        for width in SWAP_WIDTHS})
     references.update({bulk_kernel(size): functools.partial(reference.copy_chunks, index_bytes=size)
                        for size in INDEX_TYPES})
-    key = f"transfer-{source_hash()}-{mode or 'auto'}-u{unroll}-t{max_threads}" + ("" if streaming else "-cached")
+    key = f"transfer-{source_hash()}-{mode or 'auto'}-{spec.label()}"
     return ProgramSpec(key, KERNEL_NAMES, image, references)

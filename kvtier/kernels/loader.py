@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from kvtier.errors import KernelBuildError
-from kvtier.kernels.source import DEFAULT_UNROLL, source_hash
+from kvtier.kernels.source import SHIPPED, Specialization, source_hash
 
 MODES = ("auto", "aot", "jit")
 
@@ -51,25 +51,22 @@ def _aot_code_object(arch: str) -> tuple[bytes | None, str]:
     return aot_code_object(prebuilt_dir(), arch)
 
 
-def kernel_image(arch: str, mode: str | None = None, unroll: int = DEFAULT_UNROLL,
-                 max_threads: int = 1024, streaming: bool = True) -> tuple[bytes, str]:
+def kernel_image(arch: str, mode: str | None = None, spec: Specialization = SHIPPED) -> tuple[bytes, str]:
     """(image, origin) for a device of ``arch`` (``sm_90``, or ``gfx942`` for an AMD GPU)."""
     mode = (mode or os.environ.get("KVTIER_KERNELS") or "auto").lower()
     if mode not in MODES:
         raise KernelBuildError(f"KVTIER_KERNELS must be one of {MODES}, got {mode!r}")
-    specialized = unroll != DEFAULT_UNROLL or max_threads != 1024 or not streaming
     hip = arch.startswith("gfx")
-    if mode != "jit" and not specialized:
+    if mode != "jit" and spec.prebuilt:
         image, origin = (_aot_code_object if hip else _aot_image)(arch)
         if image is not None:
             return image, origin
         if mode == "aot":
             raise KernelBuildError(f"KVTIER_KERNELS=aot: {origin}")
     elif mode == "aot":
-        raise KernelBuildError(f"KVTIER_KERNELS=aot: prebuilt kernels are not specialized (unroll {unroll}, "
-                               f"max_threads {max_threads}, streaming {streaming}): only JIT builds those")
+        raise KernelBuildError(f"KVTIER_KERNELS=aot: prebuilt kernels are not specialized ({spec}): only JIT builds "
+                               f"those")
     from kvtier.kernels.build import compile_jit
     from kvtier.kernels.hip_build import compile_jit_hip
 
-    return ((compile_jit_hip if hip else compile_jit)(arch, unroll, max_threads, streaming),
-            f"jit:{arch}:unroll{unroll}:threads{max_threads}" + ("" if streaming else ":cached"))
+    return (compile_jit_hip if hip else compile_jit)(arch, spec), f"jit:{arch}:{spec.label()}"

@@ -27,6 +27,9 @@
 #ifndef KVTIER_STREAMING
 #define KVTIER_STREAMING 1  // streaming (.cs, evict-first) loads and stores; 0: default caching, for measurement
 #endif
+#ifndef KVTIER_SKIP_ABSENT
+#define KVTIER_SKIP_ABSENT 1  // negative units are absent and skipped; 0: no test at all, for measuring its cost
+#endif
 
 // Platform: the same source builds for CUDA (nvcc, NVRTC) and for AMD GPUs (hipcc; see docs/hip.md). The kernels
 // think in 32-lane "warps" (lane = threadIdx.x & 31); a 64-wide CDNA wavefront runs two of them in lockstep, so a warp
@@ -237,10 +240,12 @@ struct Walk {
         const unsigned unit = outer - tensor * n_units;
         const int row = (int)tensor * table_layers + layer_begin + (int)(k * group_layers + in_group);
         const Index su = src_index[unit], du = dst_index[unit];
+#if KVTIER_SKIP_ABSENT
         if (su < 0 || du < 0) {  // a unit marked absent on either side is skipped (its chunks still count)
             *from = *to = nullptr;
             return;
         }
+#endif
         *from = chunk_address(src, src_per_page, row, su, piece);
         *to = chunk_address(dst, dst_per_page, row, du, piece);
     }
@@ -289,6 +294,7 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
     unsigned pending = 0;
     for (unsigned first = worker * (unsigned)group; first < total; first += stride) {
         const unsigned count = total - first < (unsigned)group ? total - first : (unsigned)group;
+#if KVTIER_SKIP_ABSENT
         // Chunks of absent units are dropped here, once per chunk, so the vector loop below never tests a pointer.
         unsigned kept = 0;
         for (unsigned i0 = 0; i0 < count; i0 += 32) {  // warp-uniform: every lane scans
@@ -315,6 +321,10 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
             }
             kept += KVTIER_SHFL(rank, 31);
         }
+#else
+        for (unsigned i = lane; i < count; i += 32) walk.locate(first + i, &src_ptr[i], &dst_ptr[i]);
+        const unsigned kept = count;
+#endif
         KVTIER_WARP_SYNC();
         const unsigned work = kept * vectors;
         for (unsigned j0 = lane; j0 < work; j0 += 32 * KVTIER_UNROLL) {
