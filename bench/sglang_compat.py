@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gib", type=float, help="GiB per transfer (default: 1; 1/256 on an emulated runtime)")
     parser.add_argument("--repeats", type=int, help="timed repeats after one warm-up (default: 3; 1 emulated)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--profile", metavar="FUNCTION",
+                        help="also print where the host time of this compat function goes (cProfile)")
     args = parser.parse_args(argv)
     if args.blocks < 1 or (args.gib is not None and args.gib <= 0):
         parser.error("--blocks must be >= 1 and --gib positive")
@@ -113,6 +115,26 @@ def seconds(op, finish, repeats: int) -> tuple[float, float]:
             queued.append(returned - start)
             done.append(time.perf_counter() - start)
     return statistics.median(queued), statistics.median(done)
+
+
+def profile(call, finish, calls: int, console, rounds: int = 5) -> None:
+    """Where a compat call's host time goes: ``rounds`` runs of ``call`` under cProfile, the top functions by
+    cumulative time (per compat call: divide by ``calls``)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(rounds):
+        finish()
+        profiler.enable()
+        call()
+        profiler.disable()
+    finish()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+    console.print(f"profile: {rounds} rounds of {calls} compat call(s)\n{text.getvalue()}", markup=False,
+                  highlight=False)
 
 
 def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_host, pages_dev, pages_host, blocks):
@@ -197,12 +219,15 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
         engine = engines[backend]
         _, t_engine = seconds(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize, args.repeats)
         q_compat, t_compat = seconds(call, mem.done, args.repeats)
+        calls = g.layers if function.startswith("transfer_kv_per_layer") else 1
+        if function == args.profile:
+            profile(call, mem.done, calls, console)
         key = "d2h_gbps" if op.startswith("backup") else "h2d_gbps"
         nbytes = len(pages_dev) * g.bytes_per_page
         row = {"geometry": name, "layout": layout, "function": function, "direction": op,
                "engine": f"{backend}:{args.blocks}" if backend == "kernel" else "batch",
                "engine_gbps": nbytes / t_engine / 1e9, "compat_gbps": nbytes / t_compat / 1e9,
-               "compat_queued_ms": 1e3 * q_compat}
+               "compat_queued_ms": 1e3 * q_compat, "calls": calls, "compat_call_us": 1e6 * q_compat / calls}
         row["engine_pct"] = 100 * row["engine_gbps"] / ceiling[key]
         row["compat_pct"] = 100 * row["compat_gbps"] / ceiling[key]
         row["compat_vs_engine_pct"] = 100 * t_engine / t_compat
@@ -249,13 +274,13 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(title=f"kvtier.compat.sglang.kvcacheio against the engine ({runtime.device_attributes(0).name}; "
                         f"ceiling H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f} GB/s)")
     for column in ("geometry", "host layout", "compat function", "engine call", "compat GB/s (%)",
-                   "engine GB/s (%)", "compat / engine %", "compat queued ms"):
+                   "engine GB/s (%)", "compat / engine %", "compat queued ms", "µs / call"):
         table.add_column(column)
     for r in rows:
         table.add_row(r["geometry"], r["layout"], r["function"], f"{r['engine']} {r['direction'].split('-')[0]}",
                       f"{r['compat_gbps']:.1f} ({r['compat_pct']:.0f}%)",
                       f"{r['engine_gbps']:.1f} ({r['engine_pct']:.0f}%)", f"{r['compat_vs_engine_pct']:.0f}",
-                      f"{r['compat_queued_ms']:.2f}")
+                      f"{r['compat_queued_ms']:.2f}", f"{r['compat_call_us']:.0f}")
     console.print(table)
     if args.json:
         with open(args.json, "w") as out:

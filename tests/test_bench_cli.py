@@ -126,12 +126,14 @@ def test_bidirectional_refuses_a_bad_pair():
 def test_sglang_compat_on_the_emulator(tmp_path):
     out = tmp_path / "compat.json"
     done = run(str(BENCH / "sglang_compat.py"), "--runtime", "emulated:split", "--geometry", "dsv3-mla-p16",
-               "--json", str(out), timeout=240)
+               "--json", str(out), "--profile", "transfer_kv_per_layer_mla_pf_lf", timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "not speeds" in done.stdout
+    assert "profile: 5 rounds of 61 compat call(s)" in done.stdout and "kvcacheio.py" in done.stdout
     rows = json.loads(out.read_text())["rows"]
     assert {r["function"] for r in rows} == {
         "transfer_kv_all_layer_mla_lf_pf", "transfer_kv_per_layer_mla_pf_lf", "transfer_kv_all_layer_mla",
         "transfer_kv_per_layer_mla", "transfer_kv_direct", "transfer_kv_all_layer_direct_lf_pf",
         "transfer_kv_per_layer_direct_pf_lf"}
     assert all(r["compat_gbps"] > 0 and r["engine_gbps"] > 0 for r in rows)
+    assert all(r["calls"] == (61 if "per_layer" in r["function"] else 1) and r["compat_call_us"] > 0 for r in rows)
