@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.errors import InvalidArgument
+from kvtier.errors import InvalidArgument, WrongRuntime
 from kvtier.memory import DeviceAddress, DeviceBuffer, DeviceRegion
 from kvtier.runtime import Runtime
 from kvtier.runtime import get as get_runtime
@@ -128,6 +128,9 @@ class DeviceArray:
         import torch
 
         if isinstance(tensor, DeviceArray):
+            if tensor.runtime is not self.runtime:
+                raise WrongRuntime("DeviceArray.copy_: the source belongs to another runtime, whose addresses mean "
+                                   "nothing to this one; copy through .cpu()")
             if tensor.nbytes != self.nbytes:
                 raise InvalidArgument(f"cannot copy {tensor.nbytes} bytes into a DeviceArray of {self.nbytes}")
             self.runtime.memcpy(self.address, tensor.address, self.nbytes)

@@ -205,12 +205,16 @@ def table_room(call: Call, raw: int, resolved: DeviceAddress) -> tuple[int | Non
     return end - raw, False
 
 
+def checks_on() -> bool:
+    return os.environ.get(CHECK_ENV) == "1"
+
+
 def host_indices(x: Any) -> np.ndarray | None:
     """Index values readable without waiting for the device (a CPU tensor), or with ``KVTIER_COMPAT_CHECKS=1`` any
     index operand (read back after a sync); else None."""
     if is_tensor(x) and x.device.type == "cpu":
         return x.detach().numpy().reshape(-1).astype(np.int64)
-    if os.environ.get(CHECK_ENV) == "1":
+    if checks_on():
         values = x.cpu() if isinstance(x, DeviceArray) else x.detach().to("cpu")
         return values.numpy().reshape(-1).astype(np.int64)
     return None

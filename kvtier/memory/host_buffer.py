@@ -12,6 +12,7 @@ import ctypes
 import gc
 import math
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -88,6 +89,38 @@ def _host_memory(runtime: Runtime, kind: HostKind, nbytes: int, name: str | None
     return host_memory.anonymous(nbytes)
 
 
+class _Collections:
+    """Closes refused while the garbage collector runs. A finalizer that closes a buffer (an engine's cleanup) can
+    run in the middle of the collection that is about to free the buffer's last views; the collector cannot be
+    asked to finish early, so the close is retried once the collection is over."""
+
+    def __init__(self) -> None:
+        self.thread: int | None = None
+        self.pending: list[weakref.ref[HostBuffer]] = []
+        gc.callbacks.append(self.phase)
+
+    def running_here(self) -> bool:
+        return self.thread == threading.get_ident()
+
+    def retry_after(self, buffer: HostBuffer) -> None:
+        self.pending.append(weakref.ref(buffer))
+
+    def phase(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.thread = threading.get_ident()
+            return
+        self.thread = None
+        pending, self.pending = self.pending, []
+        for ref in pending:
+            buffer = ref()
+            if buffer is not None and not buffer.closed and buffer.live_views() == 0:
+                with contextlib.suppress(KvtierError):
+                    buffer.close()
+
+
+_collections = _Collections()
+
+
 class HostBuffer:
     """Use :meth:`allocate` or :meth:`attach_shm`; close with :meth:`close` or a ``with`` block."""
 
@@ -102,6 +135,7 @@ class HostBuffer:
         self._users = Users()
         self._closing = False
         self._viewed = False
+        self._lock = threading.RLock()   # a view is handed out, or close() begins: never both at once
         #: seconds spent pinning: registration of every chunk, or the runtime's pinned allocation
         self.register_seconds = 0.0
 
@@ -205,13 +239,14 @@ class HostBuffer:
         """A flat CPU tensor over the buffer's bytes; it keeps the buffer from closing while it lives."""
         import torch
 
-        self._check_open()
         dtype = dtype or torch.uint8
-        self._viewed = True
         itemsize = torch.empty((), dtype=dtype).element_size()
         if self.nbytes % itemsize:
             raise KvtierError(f"{self.nbytes} bytes is not a whole number of {dtype} elements")
-        return torch.frombuffer(self._anchor, dtype=dtype)
+        with self._lock:
+            self._check_open()
+            self._viewed = True
+            return torch.frombuffer(self._anchor, dtype=dtype)
 
     def live_views(self) -> int:
         """How many tensor storages still view this buffer."""
@@ -231,22 +266,27 @@ class HostBuffer:
         handed out tensor views (they may have fed kernels kvtier does not track), then unregister every chunk by its
         CPU address, unmap, and (shm owner) remove the file. Idempotent. Refused while tensor views are alive; views
         only garbage holds (a reference cycle, such as a caught exception's traceback and the frames in it) are
-        collected first and do not count."""
-        if self.closed:
-            return
-        if self.live_views() > 0:
-            gc.collect()
-        if self.live_views() > 0:
-            raise BufferInUse(f"{self!r} still has {self.live_views()} tensor view(s) alive; delete them first")
-        self._closing = True
-        try:
-            self._users.drain()
-            if self._viewed:    # a view may have fed kernels kvtier does not track (torch's, the compat layer's)
-                for device in range(self.runtime.device_count()):
-                    with contextlib.suppress(KvtierError):   # a device an earlier fault ruined runs nothing more
-                        self.runtime.synchronize(device)
-        finally:
-            self._finalizer()
+        collected first and do not count. Called from a finalizer while the collector runs, when that collection may
+        still free the views, it returns and closes the buffer when the collection ends, if no view is left then."""
+        with self._lock:   # a second close() waits for the first, then finds the buffer closed
+            if self.closed:
+                return
+            if self.live_views() > 0 and not _collections.running_here():
+                gc.collect()
+            if self.live_views() > 0:
+                if _collections.running_here():
+                    _collections.retry_after(self)
+                    return
+                raise BufferInUse(f"{self!r} still has {self.live_views()} tensor view(s) alive; delete them first")
+            self._closing = True
+            try:
+                self._users.drain()
+                if self._viewed:    # a view may have fed kernels kvtier does not track (torch's, the compat layer's)
+                    for device in range(self.runtime.device_count()):
+                        with contextlib.suppress(KvtierError):   # a device an earlier fault ruined runs nothing more
+                            self.runtime.synchronize(device)
+            finally:
+                self._finalizer()
 
     def _check_open(self) -> None:
         """Closed, or closing: once close() starts draining its users, no new work may be queued over the buffer."""

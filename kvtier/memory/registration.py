@@ -80,10 +80,11 @@ def register_chunks(runtime: Runtime, address: int, nbytes: int, *, chunk_bytes:
 def unregister_chunks(runtime: Runtime, chunks: list[tuple[int, int]]) -> None:
     """Unregister each chunk by its own CPU address, last first; keeps going past failures and reports them."""
     failures = []
-    with _spans_lock:
+    with _spans_lock:   # what is left of a span given back in part is chunks of their own, not one buffer
         spans = _spans.get(runtime, {})
-        for start, _ in chunks:
-            spans.pop(start, None)
+        gone = {spans[start] for start, _ in chunks if start in spans}
+        for start in [start for start, span in spans.items() if span in gone]:
+            del spans[start]
     while chunks:
         start, _ = chunks.pop()
         try:

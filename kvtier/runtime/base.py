@@ -322,11 +322,16 @@ class Runtime:
         if not isinstance(base, CpuAddress) or not offsets.size:
             return None
         lo, hi = int(offsets.min()), int((offsets + sizes).max())
-        with self._lock:
-            edges = self._host.edges(base.value + lo, base.value + hi)
+        edges = self.host_edges(base.value + lo, base.value + hi)
         if not edges:
             return None
         return np.searchsorted(np.asarray(edges, dtype=np.int64) - base.value, offsets, side="right")
+
+    def host_edges(self, start: int, end: int) -> list[int]:
+        """CPU addresses strictly inside (start, end) where one kvtier host registration or allocation ends or the
+        next begins: no single copy may cross one."""
+        with self._lock:
+            return self._host.edges(start, end)
 
     def groups(self, dst: Address, dst_offsets: np.ndarray, src: Address, src_offsets: np.ndarray,
                sizes: np.ndarray) -> np.ndarray:

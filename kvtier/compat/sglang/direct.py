@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.address import Address, CpuAddress
 from kvtier.compat.device_array import DeviceArray
 from kvtier.compat.operands import LIMIT, Call, address, call_for, extent, is_tensor
 from kvtier.errors import InvalidArgument
-from kvtier.memory import DeviceAddress
+from kvtier.memory.registration import split_at_boundaries
 
 
 def _index_values(x: Any, name: str) -> np.ndarray:
@@ -68,13 +69,14 @@ def _bytes(x: Any, dim: int) -> int:
 
 @dataclass(frozen=True)
 class Copies:
-    """One layer's copies, checked and resolved: ``size`` bytes at each offset pair."""
+    """One layer's copies, checked and resolved: ``sizes[i]`` bytes at each offset pair. A host side's base is its
+    CPU address (copies take that), cut where kvtier registrations meet, which no single copy may cross."""
 
-    dst: DeviceAddress
+    dst: Address
     dst_offsets: np.ndarray
-    src: DeviceAddress
+    src: Address
     src_offsets: np.ndarray
-    size: int
+    sizes: np.ndarray
 
 
 def _offsets(positions: np.ndarray, stride: int, name: str, base: int = 0) -> np.ndarray:
@@ -82,6 +84,10 @@ def _offsets(positions: np.ndarray, stride: int, name: str, base: int = 0) -> np
     if positions.size and int(positions.max()) > (LIMIT - base) // max(stride, 1):
         raise InvalidArgument(f"{name}: index {int(positions.max())} is out of range of any tensor")
     return base + positions * stride
+
+
+def _is_host(x: Any) -> bool:
+    return is_tensor(x) and x.device.type == "cpu"
 
 
 def _plan(call: Call, dst: Any, dst_name: str, dst_offsets: np.ndarray, src: Any, src_name: str,
@@ -94,16 +100,27 @@ def _plan(call: Call, dst: Any, dst_name: str, dst_offsets: np.ndarray, src: Any
         if end > extent(x):
             raise InvalidArgument(f"{name}: a copy reaches byte {end} of a tensor of {extent(x)} bytes: index out "
                                   f"of range")
-    return Copies(address(call, dst, dst_name), dst_offsets, address(call, src, src_name), src_offsets, size)
+    bases: list[Address] = [address(call, dst, dst_name), address(call, src, src_name)]
+    at = [dst_offsets, src_offsets]
+    sizes = np.full(dst_offsets.size, size, np.int64)
+    for side, x in enumerate((dst, src)):
+        if not _is_host(x):
+            continue
+        bases[side] = CpuAddress(x.data_ptr())
+        lo, hi = int(at[side].min()), int(at[side].max()) + size
+        edges = [edge - x.data_ptr() for edge in call.runtime.host_edges(x.data_ptr() + lo, x.data_ptr() + hi)]
+        if edges:
+            starts, sizes, origin, shift = split_at_boundaries(at[side], sizes, edges)
+            at = [starts if i == side else other[origin] + shift for i, other in enumerate(at)]
+    return Copies(bases[0], at[0], bases[1], at[1], sizes)
 
 
 def _submit(call: Call, plans: list[Copies | None]) -> None:
     """Queue every layer's copies, only after all of them were checked: a refusal leaves every tensor as it was."""
     for plan in plans:
         if plan is not None:
-            call.runtime.memcpy_runs_async(plan.dst, plan.dst_offsets, plan.src, plan.src_offsets,
-                                           np.full(plan.dst_offsets.size, plan.size, np.int64), stream=call.stream,
-                                           batched=True)
+            call.runtime.memcpy_runs_async(plan.dst, plan.dst_offsets, plan.src, plan.src_offsets, plan.sizes,
+                                           stream=call.stream, batched=True)
 
 
 def _same(a: int, b: int, what: str) -> int:
@@ -157,6 +174,9 @@ def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name:
     for t, host in enumerate(page_first):
         if host.dim() < 3:
             raise InvalidArgument(f"{pf_name}[{t}] must be [pages, layers, page_size, ...], got {host.dim()} dims")
+        if page_size > host.shape[2]:
+            raise InvalidArgument(f"page_size={page_size} is larger than the {host.shape[2]} tokens of a page of "
+                                  f"{pf_name}[{t}]: a copy would run into the next layer's or page's tokens")
         if first_layer + layers > host.shape[1]:
             raise InvalidArgument(f"layers [{first_layer}, {first_layer + layers}) exceed the {host.shape[1]} of "
                                   f"{pf_name}[{t}]")

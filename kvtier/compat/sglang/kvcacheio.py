@@ -29,6 +29,7 @@ from kvtier.compat.operands import (
     address,
     call_for,
     check_indices,
+    checks_on,
     extent,
     host_indices,
     pointer_table,
@@ -40,7 +41,7 @@ from kvtier.compat.sglang.direct import (
     transfer_kv_direct,
     transfer_kv_per_layer_direct_pf_lf,
 )
-from kvtier.errors import InvalidArgument
+from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.kernels.launch import ChunkCopy, ChunkSide
 from kvtier.memory import DeviceAddress
 
@@ -112,7 +113,10 @@ class Side:
             if entry.raw is not None:
                 if units is None and call.runtime.host_range(entry.raw) is None:
                     continue   # device memory, or host memory kvtier did not register: one alias, size unknown
-                room, split = table_room(call, entry.raw, entry.address)
+                try:
+                    room, split = table_room(call, entry.raw, entry.address)
+                except KvtierError as error:
+                    raise type(error)(f"{entry.what}: {error}") from None
                 if split and units is None:
                     raise InvalidArgument(f"{entry.what} lies in a host buffer registered in chunks whose device "
                                           f"aliases do not continue each other, and indices on the device cannot "
@@ -168,6 +172,8 @@ def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers:
     entries = [side.entries(call, n_layers) for side in (src, dst)]
     named = ((src_indices, "src_indices"), (dst_indices, "dst_indices"))
     index_addresses = [address(call, x, what) for x, what in named] if src_indices.numel() else []
+    if checks_on():
+        call.stream.synchronize()   # what is checked is what the kernel reads, also in pinned indices still written
     host = [host_indices(src_indices), host_indices(dst_indices)]
     for side, own, other, side_entries in ((src, 0, 1, entries[0]), (dst, 1, 0, entries[1])):
         units, partner = host[own], host[other]
