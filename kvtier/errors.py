@@ -11,6 +11,15 @@ class KvtierError(Exception):
     """Base class of kvtier's own errors."""
 
 
+def about(error: KvtierError, what: str) -> KvtierError:
+    """``error`` again, of its own class and with its fields, its message led by ``what`` (the operand it concerns).
+    Rebuilt without calling the class, whose constructor may want more than a message."""
+    named = type(error).__new__(type(error))
+    named.__dict__.update(error.__dict__)
+    named.args = (f"{what}: {error}",)
+    return named
+
+
 class RuntimeUnavailable(KvtierError):
     """The requested runtime cannot be used on this machine (no driver, no GPU, unknown name)."""
 

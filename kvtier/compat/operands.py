@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.compat.device_array import DeviceArray
-from kvtier.errors import InvalidArgument, KvtierError, WrongRuntime
+from kvtier.errors import InvalidArgument, KvtierError, WrongRuntime, about
 from kvtier.kernels.launch import KernelLauncher
 from kvtier.memory import DeviceAddress, get_device_accessible_ptr, resolve_foreign_address, tensor_extent
 from kvtier.memory.registration import registered_span
@@ -107,7 +107,7 @@ def address(call: Call, x: Any, what: str) -> DeviceAddress:
     try:
         return get_device_accessible_ptr(kernel_operand(x), call.device, runtime=call.runtime)
     except KvtierError as error:
-        raise type(error)(f"{what}: {error}") from None
+        raise about(error, what) from None
 
 
 def extent(x: Any) -> int:
@@ -163,7 +163,7 @@ def table_entries(call: Call, table: Any, what: str) -> tuple[list[int], list[De
         try:
             entries.append(resolve_foreign_address(value, call.device, runtime=call.runtime))
         except KvtierError as error:
-            raise type(error)(f"{what}[{i}] = 0x{value:x}: {error}") from None
+            raise about(error, f"{what}[{i}] = 0x{value:x}") from None
     return values, entries
 
 

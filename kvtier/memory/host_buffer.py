@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import gc
 import math
+import os
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from kvtier.checks import integer
 from kvtier.errors import BufferClosed, BufferInUse, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.memory import host_memory
 from kvtier.memory.budget import check_host_budget
+from kvtier.memory.collector import COLLECTOR
 from kvtier.memory.lifetime import Drainable, Users
 from kvtier.memory.registration import DEFAULT_REGISTER_CHUNK_BYTES, register_chunks, unregister_chunks
 from kvtier.runtime import HostKind, Runtime
@@ -44,20 +46,22 @@ class _Resources:
     """
 
     def __init__(self, runtime: Runtime, memory: host_memory.HostMemory) -> None:
-        import os  # local: this class is the only part of the module that needs it
-
         self.runtime, self.memory = runtime, memory
         self.chunks: list[tuple[int, int]] = []
         self.released = False
         self.creator_pid = os.getpid()
 
-    def release(self) -> None:
-        import os
-
+    def release(self, keep_mapping: bool = False) -> None:
+        """Give everything back; with ``keep_mapping`` (exit, views alive) only what outlives no reader: an shm
+        file is removed (its mapping stays valid), the registration and the mapping go with the process."""
         if self.released:
             return
         self.released = True
         if os.getpid() != self.creator_pid:
+            return
+        if keep_mapping:
+            if self.memory.forget is not None:
+                self.memory.forget()
             return
         try:
             unregister_chunks(self.runtime, self.chunks)
@@ -89,36 +93,22 @@ def _host_memory(runtime: Runtime, kind: HostKind, nbytes: int, name: str | None
     return host_memory.anonymous(nbytes)
 
 
-class _Collections:
-    """Closes refused while the garbage collector runs. A finalizer that closes a buffer (an engine's cleanup) can
-    run in the middle of the collection that is about to free the buffer's last views; the collector cannot be
-    asked to finish early, so the close is retried once the collection is over."""
-
-    def __init__(self) -> None:
-        self.thread: int | None = None
-        self.pending: list[weakref.ref[HostBuffer]] = []
-        gc.callbacks.append(self.phase)
-
-    def running_here(self) -> bool:
-        return self.thread == threading.get_ident()
-
-    def retry_after(self, buffer: HostBuffer) -> None:
-        self.pending.append(weakref.ref(buffer))
-
-    def phase(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self.thread = threading.get_ident()
-            return
-        self.thread = None
-        pending, self.pending = self.pending, []
-        for ref in pending:
-            buffer = ref()
-            if buffer is not None and not buffer.closed and buffer.live_views() == 0:
-                with contextlib.suppress(KvtierError):
-                    buffer.close()
+def _release(resources: _Resources, buffer: weakref.ref[HostBuffer]) -> None:
+    """The buffer's finalizer: from close(), when it is collected, or at interpreter exit. Only at exit can views
+    still be alive (a view keeps its buffer), and code that runs after (atexit handlers, other finalizers) may read
+    them: then the mapping stays for the process to drop."""
+    alive = buffer()
+    resources.release(keep_mapping=alive is not None and alive.live_views() > 0)
 
 
-_collections = _Collections()
+def _after_fork_in_child() -> None:
+    COLLECTOR.after_fork()
+    for buffer in list(_buffers):
+        buffer._reset_lock()
+
+
+_buffers: weakref.WeakSet[HostBuffer] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class HostBuffer:
@@ -127,7 +117,7 @@ class HostBuffer:
     def __init__(self, runtime: Runtime, kind: HostKind, memory: host_memory.HostMemory, name: str | None) -> None:
         self.runtime, self.kind, self.name = runtime, kind, name
         self._resources = _Resources(runtime, memory)
-        self._finalizer = weakref.finalize(self, self._resources.release)
+        self._finalizer = weakref.finalize(self, _release, self._resources, weakref.ref(self))
         anchor_type: Any = type("HostBufferBytes", (ctypes.c_uint8 * memory.nbytes,), {})
         self._anchor = anchor_type.from_address(memory.address)
         self._anchor.owner = self
@@ -135,7 +125,8 @@ class HostBuffer:
         self._users = Users()
         self._closing = False
         self._viewed = False
-        self._lock = threading.RLock()   # a view is handed out, or close() begins: never both at once
+        self._reset_lock()
+        _buffers.add(self)
         #: seconds spent pinning: registration of every chunk, or the runtime's pinned allocation
         self.register_seconds = 0.0
 
@@ -245,8 +236,11 @@ class HostBuffer:
             raise KvtierError(f"{self.nbytes} bytes is not a whole number of {dtype} elements")
         with self._lock:
             self._check_open()
-            self._viewed = True
-            return torch.frombuffer(self._anchor, dtype=dtype)
+            self._viewed = self._viewing = True
+            try:
+                return torch.frombuffer(self._anchor, dtype=dtype)
+            finally:
+                self._viewing = False
 
     def live_views(self) -> int:
         """How many tensor storages still view this buffer."""
@@ -264,29 +258,51 @@ class HostBuffer:
     def close(self) -> None:
         """Wait for the transfers of every user (engine) still working on the buffer, and for the devices if it ever
         handed out tensor views (they may have fed kernels kvtier does not track), then unregister every chunk by its
-        CPU address, unmap, and (shm owner) remove the file. Idempotent. Refused while tensor views are alive; views
-        only garbage holds (a reference cycle, such as a caught exception's traceback and the frames in it) are
-        collected first and do not count. Called from a finalizer while the collector runs, when that collection may
-        still free the views, it returns and closes the buffer when the collection ends, if no view is left then."""
-        with self._lock:   # a second close() waits for the first, then finds the buffer closed
+        CPU address, unmap, and (shm owner) remove the file. Idempotent; a second close() waits for the first.
+
+        Refused (``BufferInUse``) while tensor views are alive; views only garbage holds (a reference cycle, such as
+        a caught exception's traceback and the frames in it) are collected first and do not count. Called from a
+        finalizer while the collector runs, where that collection may still free the views, it returns and the
+        buffer is closed after a collection that leaves no view."""
+        with self._lock:   # held only to decide: draining users must not block their threads' as_tensor()
             if self.closed:
                 return
-            if self.live_views() > 0 and not _collections.running_here():
-                gc.collect()
-            if self.live_views() > 0:
-                if _collections.running_here():
-                    _collections.retry_after(self)
-                    return
-                raise BufferInUse(f"{self!r} still has {self.live_views()} tensor view(s) alive; delete them first")
-            self._closing = True
-            try:
-                self._users.drain()
-                if self._viewed:    # a view may have fed kernels kvtier does not track (torch's, the compat layer's)
-                    for device in range(self.runtime.device_count()):
-                        with contextlib.suppress(KvtierError):   # a device an earlier fault ruined runs nothing more
-                            self.runtime.synchronize(device)
-            finally:
-                self._finalizer()
+            first = self._closed if self._closing else None
+            if first is None:
+                if self.live_views() > 0 and not self._viewing and not COLLECTOR.running_here():
+                    gc.collect()
+                if self.live_views() > 0 or self._viewing:
+                    if COLLECTOR.running_here():
+                        COLLECTOR.close_later(self)
+                        return
+                    raise BufferInUse(f"{self!r} still has {self.live_views()} tensor view(s) alive"
+                                      + (", one being made" if self._viewing else "") + "; delete them first")
+                self._closing = True
+        if first is not None:
+            if not COLLECTOR.running_here():   # a finalizer in a thread the first close() drains must not wait
+                first.wait()
+            return
+        try:
+            self._users.drain()
+            if self._viewed:    # a view may have fed kernels kvtier does not track (torch's, the compat layer's)
+                for device in range(self.runtime.device_count()):
+                    with contextlib.suppress(KvtierError):   # a device an earlier fault ruined runs nothing more
+                        self.runtime.synchronize(device)
+        finally:
+            self._finalizer()
+            self._closed.set()
+
+    def _reset_lock(self) -> None:
+        """A fresh lock and close state: at creation, and in a fork child, where a parent thread may have held the
+        lock or been closing. That close does not go on in the child, so there it is finished: the child's copy is
+        marked closed (in a child, release gives nothing back)."""
+        self._lock = threading.RLock()   # a view is handed out, or close() begins: never both at once
+        self._closed = threading.Event()
+        self._viewing = False
+        if getattr(self, "_closing", False) and not self.closed:
+            self._finalizer()
+        if self.closed:
+            self._closed.set()
 
     def _check_open(self) -> None:
         """Closed, or closing: once close() starts draining its users, no new work may be queued over the buffer."""

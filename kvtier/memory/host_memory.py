@@ -31,6 +31,8 @@ class HostMemory:
     path: str | None = None
     owner: bool = True
     mapped_bytes: int = field(default=0)
+    #: what to give back while the mapping must stay (readers may outlive the owner at exit): an shm file
+    forget: Callable[[], None] | None = None
 
 
 def anonymous(nbytes: int, *, populate: bool = True) -> HostMemory:
@@ -100,17 +102,19 @@ def shm_create(name: str, nbytes: int) -> HostMemory:
         shm.remove_owned(path, fd)
         raise
     return HostMemory(address, nbytes, _owner_release(address, nbytes, path, fd), path=path, owner=True,
-                      mapped_bytes=nbytes)
+                      mapped_bytes=nbytes, forget=_owner_release(None, nbytes, path, fd))
 
 
-def _owner_release(address: int, nbytes: int, path: str, fd: int) -> Callable[[], None]:
+def _owner_release(address: int | None, nbytes: int, path: str, fd: int) -> Callable[[], None]:
+    """Unmap (``address``; None leaves the mapping), then remove the file and drop the owner's lock."""
     creator = os.getpid()
 
     def release() -> None:
         if os.getpid() != creator:
             return  # a fork child: removing the file or dropping the lock would pull it from under the creator
         try:
-            osmem.unmap_memory(address, nbytes)
+            if address is not None:
+                osmem.unmap_memory(address, nbytes)
         finally:
             shm.remove_owned(path, fd)
 

@@ -47,8 +47,9 @@ class HostMemory:
     def __enter__(self) -> Any:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        """As the buffer's: a view still alive when the body raised does not hide the body's exception."""
+        self.buffer.__exit__(exc_type, exc, traceback)
 
 
 class HostPool(HostMemory):

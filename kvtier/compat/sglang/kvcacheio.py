@@ -41,7 +41,7 @@ from kvtier.compat.sglang.direct import (
     transfer_kv_direct,
     transfer_kv_per_layer_direct_pf_lf,
 )
-from kvtier.errors import InvalidArgument, KvtierError
+from kvtier.errors import InvalidArgument, KvtierError, about
 from kvtier.kernels.launch import ChunkCopy, ChunkSide
 from kvtier.memory import DeviceAddress
 
@@ -116,7 +116,7 @@ class Side:
                 try:
                     room, split = table_room(call, entry.raw, entry.address)
                 except KvtierError as error:
-                    raise type(error)(f"{entry.what}: {error}") from None
+                    raise about(error, entry.what) from None
                 if split and units is None:
                     raise InvalidArgument(f"{entry.what} lies in a host buffer registered in chunks whose device "
                                           f"aliases do not continue each other, and indices on the device cannot "
