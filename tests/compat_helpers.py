@@ -74,3 +74,24 @@ class Operands:
     def close(self) -> None:
         for thing in self.keep:
             thing.close()
+
+
+def byte_operands(runtime, poison: int = 0x5A) -> Operands:
+    """Operands of uint8 elements: item sizes are then byte counts."""
+    return Operands(runtime, dtype=torch.uint8, poison=poison)
+
+
+def all_poison(tensor, poison: int = 0x5A) -> bool:
+    return bool((tensor == poison).all())
+
+
+def closing_cleanup(buffer, errors: list):
+    """An engine's cleanup, for ``weakref.finalize(engine, ...)``: close the buffer, keeping what it raised."""
+    from kvtier.errors import KvtierError
+
+    def cleanup(b=buffer):
+        try:
+            b.close()
+        except KvtierError as error:
+            errors.append(error)
+    return cleanup

@@ -46,6 +46,12 @@ def split() -> Runtime:
     return create("emulated:split")
 
 
+@pytest.fixture(params=["emulated:split", "emulated:unified"])
+def rt(request: pytest.FixtureRequest) -> Runtime:
+    """A fresh emulated runtime, split then unified: tests that poison a device (a fault) get their own."""
+    return create(request.param)
+
+
 @pytest.fixture
 def two_devices(runtime: Runtime) -> Runtime:
     if runtime.device_count() < 2:

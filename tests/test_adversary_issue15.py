@@ -23,11 +23,6 @@ TOKENS, ROW = 8, 16          # tokens of a tensor, int16 elements of a token
 ITEM = ROW * 2               # item_size: bytes of one token of one layer
 
 
-@pytest.fixture(params=["emulated:split", "emulated:unified"])
-def rt(request):
-    return create(request.param)
-
-
 def Mem(runtime):  # noqa: N802 (a class in spirit)
     return Operands(runtime, dtype=torch.int16, poison=POISON)
 

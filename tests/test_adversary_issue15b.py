@@ -11,7 +11,8 @@ import gc
 
 import pytest
 import torch
-from compat_helpers import Operands
+from compat_helpers import all_poison
+from compat_helpers import byte_operands as Mem
 
 import kvtier.compat.operands as operands
 from kvtier.compat.sglang import kvcacheio
@@ -26,19 +27,6 @@ from kvtier.runtime import create
 
 POISON = 0x5A
 TOKENS, ITEM = 8, 16         # tokens of a tensor, bytes of one token of one layer (uint8 elements)
-
-
-@pytest.fixture(params=["emulated:split", "emulated:unified"])
-def rt(request):
-    return create(request.param)
-
-
-def Mem(runtime):  # noqa: N802 (a class in spirit)
-    return Operands(runtime, dtype=torch.uint8, poison=POISON)
-
-
-def all_poison(t):
-    return bool((t == POISON).all())
 
 
 # -- *_direct: byte offsets overflow int64 -----------------------------------------------------------------------

@@ -16,7 +16,8 @@ import weakref
 
 import pytest
 import torch
-from compat_helpers import Operands
+from compat_helpers import all_poison, closing_cleanup
+from compat_helpers import byte_operands as Mem
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio
@@ -27,19 +28,6 @@ from kvtier.runtime import create
 POISON = 0x5A
 PAGE = 4096                  # OS page: registration granularity
 ITEM = 64                    # item_size: bytes of one token of one layer (uint8 elements)
-
-
-@pytest.fixture(params=["emulated:split", "emulated:unified"])
-def rt(request):
-    return create(request.param)
-
-
-def Mem(runtime):  # noqa: N802 (a class in spirit)
-    return Operands(runtime, dtype=torch.uint8, poison=POISON)
-
-
-def all_poison(t):
-    return bool((t == POISON).all())
 
 
 # ======================================================================================================================
@@ -241,11 +229,7 @@ def test_close_from_a_finalizer_of_the_cycle_holding_the_last_view_closes_the_bu
     class Engine:
         pass
 
-    def cleanup(b=buffer):
-        try:
-            b.close()
-        except KvtierError as error:
-            errors.append(error)
+    cleanup = closing_cleanup(buffer, errors)
 
     engine = Engine()
     weakref.finalize(engine, cleanup)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from compat_helpers import Operands
+from compat_helpers import all_poison, closing_cleanup
+from compat_helpers import byte_operands as Mem
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio
@@ -33,14 +34,6 @@ from kvtier.runtime import HostRegisterFlags, create
 POISON = 0x5A
 PAGE = 4096
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def Mem(runtime):  # noqa: N802 (a class in spirit)
-    return Operands(runtime, dtype=torch.uint8, poison=POISON)
-
-
-def all_poison(t):
-    return bool((t == POISON).all())
 
 
 def run_child(code: str, timeout: float = 40) -> subprocess.CompletedProcess:
@@ -236,11 +229,7 @@ def test_a_close_deferred_in_a_young_collection_is_not_lost_when_old_garbage_hol
     class Engine:
         pass
 
-    def cleanup(b=buffer):
-        try:
-            b.close()
-        except KvtierError as error:
-            errors.append(error)
+    cleanup = closing_cleanup(buffer, errors)
 
     gc.disable()
     try:
