@@ -95,3 +95,15 @@ def closing_cleanup(buffer, errors: list):
         except KvtierError as error:
             errors.append(error)
     return cleanup
+
+
+def index_overwrite(runtime):
+    """Checks on, lazy streams: a copy of 8 tokens whose pinned dst indices [0, 1] a device array [0, 300] (out of
+    range) is about to overwrite. Returns (operands, dst, src, src_idx, dst_idx, computed, dst_idx's HostBuffer)."""
+    m = byte_operands(runtime)
+    dst = m.host((8, 16), data=False)
+    src = m.device((8, 16))
+    src_idx, dst_idx = m.pinned_indices([0, 1]), m.pinned_indices([0, 1])
+    computed = m._own(DeviceArray.from_tensor(torch.tensor([0, 300]), runtime=runtime))
+    runtime.synchronize(0)
+    return m, dst, src, src_idx, dst_idx, computed, m.keep[-2]

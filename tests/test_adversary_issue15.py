@@ -228,6 +228,16 @@ def _host_layers(m, layers):
     return buffers, tensors
 
 
+def _used_table(m, rt):
+    """Two device layers and a raw CPU table of two pinned host layers, used once (resolved and cached)."""
+    src = [m.device((TOKENS, ROW)) for _ in range(2)]
+    buffers, tensors = _host_layers(m, 2)
+    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+    kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.indices([0]), m.indices([0]), ITEM, 2)
+    rt.synchronize(0)
+    return src, buffers, tensors, table
+
+
 def test_a_closed_host_buffer_in_an_unchanged_table_is_refused_by_name(rt):
     """A CPU table of pinned host layers is used once (resolved and cached), then the host buffers are closed.
     The next call with the same, unchanged table reuses the cached aliases of unregistered memory and the kernel
@@ -235,11 +245,7 @@ def test_a_closed_host_buffer_in_an_unchanged_table_is_refused_by_name(rt):
     refusal the docs promise for memory the device cannot reach, NotDeviceAccessible naming dst_layers[0], before
     anything is launched."""
     m = Mem(rt)
-    src = [m.device((TOKENS, ROW)) for _ in range(2)]
-    buffers, tensors = _host_layers(m, 2)
-    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
-    kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.indices([0]), m.indices([0]), ITEM, 2)
-    rt.synchronize(0)
+    src, buffers, tensors, table = _used_table(m, rt)
     del tensors
     for b in buffers:
         b.close()
@@ -255,11 +261,7 @@ def test_host_buffers_reallocated_at_the_same_address_are_resolved_again():
     Expected: the copy lands in the new buffers."""
     rt = create("emulated:split")
     m = Mem(rt)
-    src = [m.device((TOKENS, ROW)) for _ in range(2)]
-    buffers, tensors = _host_layers(m, 2)
-    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
-    kvcacheio.transfer_kv_all_layer_mla(m.table(src), table, m.indices([0]), m.indices([0]), ITEM, 2)
-    rt.synchronize(0)
+    src, buffers, tensors, table = _used_table(m, rt)
     old = [t.data_ptr() for t in tensors]
     del tensors
     for b in buffers:

@@ -16,7 +16,7 @@ import weakref
 
 import pytest
 import torch
-from compat_helpers import all_poison, closing_cleanup
+from compat_helpers import all_poison, closing_cleanup, index_overwrite
 from compat_helpers import byte_operands as Mem
 
 from kvtier.compat import DeviceArray
@@ -145,13 +145,7 @@ def test_compat_checks_check_the_pinned_indices_the_kernel_will_read(monkeypatch
     before reading pinned indices): InvalidArgument, destination untouched, device alive."""
     monkeypatch.setenv("KVTIER_COMPAT_CHECKS", "1")
     runtime = create("emulated:split:2:lazy")
-    m = Mem(runtime)
-    dst = m.host((8, 16), data=False)
-    src = m.device((8, 16))
-    src_idx, dst_idx = m.pinned_indices([0, 1]), m.pinned_indices([0, 1])
-    computed = m._own(DeviceArray.from_tensor(torch.tensor([0, 300]), runtime=runtime))
-    runtime.synchronize(0)
-    index_buffer = m.keep[-2]                            # the HostBuffer behind dst_idx
+    m, dst, src, src_idx, dst_idx, computed, index_buffer = index_overwrite(runtime)
     runtime.memcpy_async(get_device_accessible_ptr(index_buffer, 0, runtime=runtime), computed.address, 16,
                          stream=runtime.current_stream(0))
     with contextlib.suppress(InvalidArgument):

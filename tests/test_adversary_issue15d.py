@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from compat_helpers import all_poison, closing_cleanup
+from compat_helpers import all_poison, closing_cleanup, index_overwrite
 from compat_helpers import byte_operands as Mem
 
 from kvtier.compat import DeviceArray
@@ -580,14 +580,10 @@ def test_ok_compat_checks_wait_for_index_writes_ordered_from_another_stream(monk
     stream waits for (an event); the new value 300 is out of range and is caught, the device stays alive."""
     monkeypatch.setenv("KVTIER_COMPAT_CHECKS", "1")
     runtime = create("emulated:split:2:lazy")
-    m = Mem(runtime)
-    dst = m.host((8, 16), data=False)
-    src = m.device((8, 16))
-    src_idx, dst_idx = m.pinned_indices([0, 1]), m.pinned_indices([0, 1])
-    computed = m._own(DeviceArray.from_tensor(torch.tensor([0, 300]), runtime=runtime))
-    runtime.synchronize(0)
+    m, dst, src, src_idx, dst_idx, computed, index_buffer = index_overwrite(runtime)
     side = runtime.create_stream(0)
-    runtime.memcpy_async(get_device_accessible_ptr(m.keep[-2], 0, runtime=runtime), computed.address, 16, stream=side)
+    runtime.memcpy_async(get_device_accessible_ptr(index_buffer, 0, runtime=runtime), computed.address, 16,
+                         stream=side)
     event = runtime.create_event(0)
     event.record(side)
     runtime.current_stream(0).wait(event)
