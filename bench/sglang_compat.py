@@ -47,8 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gib", type=float, help="GiB per transfer (default: 1; 1/256 on an emulated runtime)")
     parser.add_argument("--repeats", type=int, help="timed repeats after one warm-up (default: 3; 1 emulated)")
     parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--profile", metavar="FUNCTION",
-                        help="also print where the host time of this compat function goes (cProfile)")
+    parser.add_argument("--profile", metavar="FUNCTION", action="append", default=[],
+                        help="also print where the host time of this compat function goes (cProfile); repeatable")
     args = parser.parse_args(argv)
     if args.blocks < 1 or (args.gib is not None and args.gib <= 0):
         parser.error("--blocks must be >= 1 and --gib positive")
@@ -117,7 +117,7 @@ def seconds(op, finish, repeats: int) -> tuple[float, float]:
     return statistics.median(queued), statistics.median(done)
 
 
-def profile(call, finish, calls: int, console, rounds: int = 5) -> None:
+def profile(name: str, call, finish, calls: int, console, rounds: int = 5) -> None:
     """Where a compat call's host time goes: ``rounds`` runs of ``call`` under cProfile, the top functions by
     cumulative time (per compat call: divide by ``calls``)."""
     import cProfile
@@ -133,7 +133,7 @@ def profile(call, finish, calls: int, console, rounds: int = 5) -> None:
     finish()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
-    console.print(f"profile: {rounds} rounds of {calls} compat call(s)\n{text.getvalue()}", markup=False,
+    console.print(f"profile of {name}: {rounds} rounds of {calls} compat call(s)\n{text.getvalue()}", markup=False,
                   highlight=False)
 
 
@@ -220,8 +220,8 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
         _, t_engine = seconds(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize, args.repeats)
         q_compat, t_compat = seconds(call, mem.done, args.repeats)
         calls = g.layers if function.startswith("transfer_kv_per_layer") else 1
-        if function == args.profile:
-            profile(call, mem.done, calls, console)
+        if function in args.profile:
+            profile(function, call, mem.done, calls, console)
         key = "d2h_gbps" if op.startswith("backup") else "h2d_gbps"
         nbytes = len(pages_dev) * g.bytes_per_page
         row = {"geometry": name, "layout": layout, "function": function, "direction": op,

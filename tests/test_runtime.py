@@ -208,6 +208,23 @@ def test_strided_groups_cover_every_copy_once_with_exact_spacing(steps):
     assert layer.tolist() == [[0, 64, 32768, 1 << 20]]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 12), max_size=20), st.integers(0, 10))
+def test_split_groups_sends_short_groups_to_the_batch_in_order(counts, min_rows):
+    """Groups below ``min_rows`` copies (and always groups of one) become single copies, in their order; the rest stay
+    strided; every copy is in exactly one of the two."""
+    from kvtier.runtime.base import split_groups
+
+    first = np.concatenate(([0], np.cumsum(counts)[:-1])) if counts else np.zeros(0, np.int64)
+    groups = np.array([[f, c, 7, 9] for f, c in zip(first.tolist(), counts, strict=True)], np.int64).reshape(-1, 4)
+    strided, single = split_groups(groups, min_rows)
+    assert all(c >= max(min_rows, 2) for c in strided[:, 1].tolist())
+    assert single.tolist() == [f + i for f, c in zip(first.tolist(), counts, strict=True) if c < max(min_rows, 2)
+                               for i in range(c)]
+    members = sorted(single.tolist() + [f + i for f, c in strided[:, :2].tolist() for i in range(c)])
+    assert members == list(range(sum(counts)))
+
+
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("direction", ["H2D", "D2H"])
 def test_runs_mixing_strided_groups_singles_and_empty_copies(runtime, batched, direction):
@@ -253,6 +270,32 @@ def test_runs_mixing_strided_groups_singles_and_empty_copies(runtime, batched, d
     for d, s_, n in zip(dst_at, src_at, sizes, strict=True):
         expected[d:d + n] = source[s_:s_ + n]
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("pieces", [4, 64])
+def test_batched_runs_on_the_legacy_stream_keep_its_order(runtime, pieces):
+    """Batched copies queued on the legacy default stream (torch's default, which cudaMemcpyBatchAsync refuses: a
+    batch goes on a side stream there) start after the long copy queued before them and finish before the overwrite
+    queued after them: each gathered piece holds the long copy's bytes, not the old ones nor the overwrite's."""
+    piece = 4096
+    n = (256 << 20) if runtime.name == "cuda" else (1 << 20)
+    rng = np.random.default_rng()
+    with HostBuffer.allocate(3 * n, HostKind.PINNED, runtime=runtime) as host, \
+            DeviceBuffer(n, 0, runtime=runtime) as dev:
+        view = host.as_tensor().numpy()
+        fresh, overwrite = random_bytes(n), random_bytes(n)
+        view[:n], view[n:2 * n], view[2 * n:] = fresh, overwrite, 0x5A
+        dev.upload(random_bytes(n))
+        chosen = np.sort(rng.choice(n // piece, pieces, replace=False))[::-1].copy()
+        legacy = runtime.legacy_stream(0)
+        runtime.memcpy_async(dev.address, host.cpu_address, n, stream=legacy)
+        runtime.memcpy_runs_async(host.cpu_address, 2 * n + np.arange(pieces) * piece, dev.address, chosen * piece,
+                                  np.full(pieces, piece), stream=legacy, batched=True)
+        runtime.memcpy_async(dev.address, host.cpu_address + n, n, stream=legacy)
+        legacy.synchronize()
+        got = view[2 * n:2 * n + pieces * piece].reshape(pieces, piece).copy()
+        del view
+    np.testing.assert_array_equal(got, fresh.reshape(-1, piece)[chosen])
 
 
 @pytest.mark.parametrize("batched", [False, True])

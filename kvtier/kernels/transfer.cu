@@ -294,36 +294,41 @@ __device__ void copy_body(const Side& src, const Side& dst, const Index* __restr
     unsigned pending = 0;
     for (unsigned first = worker * (unsigned)group; first < total; first += stride) {
         const unsigned count = total - first < (unsigned)group ? total - first : (unsigned)group;
+        bool absent = false;
+        for (unsigned i = lane; i < count; i += 32) {
+            char* from;
+            char* to;
+            walk.locate(first + i, &from, &to);
+            src_ptr[i] = from;
+            dst_ptr[i] = to;
+            absent |= from == nullptr;
+        }
+        unsigned kept = count;
 #if KVTIER_SKIP_ABSENT
-        // Chunks of absent units are dropped here, once per chunk, so the vector loop below never tests a pointer.
-        unsigned kept = 0;
-        for (unsigned i0 = 0; i0 < count; i0 += 32) {  // warp-uniform: every lane scans
-            char* from = nullptr;
-            char* to = nullptr;
-            const bool mine = i0 + lane < count;
-            if (mine) walk.locate(first + i0 + lane, &from, &to);
-            if (KVTIER_ALL(from != nullptr || !mine)) {  // the usual case: one vote, no scan
-                if (mine) {
-                    src_ptr[kept + lane] = from;
-                    dst_ptr[kept + lane] = to;
+        // Locate every chunk as if all were present (the index loads stay in flight together), then one vote; only a
+        // group that holds chunks of absent units is compacted, in place, a 32-chunk window at a time.
+        if (!KVTIER_ALL(!absent)) {
+            KVTIER_WARP_SYNC();
+            kept = 0;
+            for (unsigned i0 = 0; i0 < count; i0 += 32) {  // warp-uniform: every lane scans
+                const bool mine = i0 + lane < count;
+                char* from = mine ? src_ptr[i0 + lane] : nullptr;
+                char* to = mine ? dst_ptr[i0 + lane] : nullptr;
+                unsigned rank = from ? 1u : 0u;  // inclusive prefix count of present chunks
+                for (int d = 1; d < 32; d <<= 1) {
+                    const unsigned below = KVTIER_SHFL_UP(rank, d);
+                    if (lane >= d) rank += below;
                 }
-                kept += count - i0 < 32 ? count - i0 : 32;
-                continue;
+                KVTIER_WARP_SYNC();  // every lane has read its window before any writes below it
+                if (from) {
+                    src_ptr[kept + rank - 1] = from;
+                    dst_ptr[kept + rank - 1] = to;
+                }
+                kept += KVTIER_SHFL(rank, 31);
             }
-            unsigned rank = from ? 1u : 0u;  // inclusive prefix count of present chunks
-            for (int d = 1; d < 32; d <<= 1) {
-                const unsigned below = KVTIER_SHFL_UP(rank, d);
-                if (lane >= d) rank += below;
-            }
-            if (from) {
-                src_ptr[kept + rank - 1] = from;
-                dst_ptr[kept + rank - 1] = to;
-            }
-            kept += KVTIER_SHFL(rank, 31);
         }
 #else
-        for (unsigned i = lane; i < count; i += 32) walk.locate(first + i, &src_ptr[i], &dst_ptr[i]);
-        const unsigned kept = count;
+        (void)absent;
 #endif
         KVTIER_WARP_SYNC();
         const unsigned work = kept * vectors;
@@ -440,13 +445,14 @@ __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restr
         const unsigned s = t % KVTIER_BULK_STAGES, first = (worker + t * workers) * per_step;
         const unsigned n = total - first < per_step ? total - first : per_step;
         const unsigned bar = shared_address(bars + s);
+        char *from = nullptr, *to = nullptr;
+        if (lane < n) walk.locate(first + lane, &from, &to);
+        const unsigned present = __popc(__ballot_sync(0xffffffffu, from != nullptr));  // absent units move nothing
         if (lane == 0)
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(n * chunk)
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(present * chunk)
                          : "memory");
         KVTIER_WARP_SYNC();
-        if (lane < n) {
-            char *from, *to;
-            walk.locate(first + lane, &from, &to);
+        if (from) {
             asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                          :: "r"(shared_address(stages + (size_t)s * stage_bytes + lane * chunk)), "l"(from),
                             "r"(chunk), "r"(bar) : "memory");
@@ -462,9 +468,9 @@ __device__ void bulk_body(const Side& src, const Side& dst, const Index* __restr
             asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.b32 %0, 1, 0, p; }"
                          : "=r"(ready) : "r"(bar), "r"(parity) : "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        if (lane < n) {
-            char *from, *to;
-            walk.locate(first + lane, &from, &to);
+        char *from = nullptr, *to = nullptr;
+        if (lane < n) walk.locate(first + lane, &from, &to);
+        if (to) {
             asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
                          :: "l"(to), "r"(shared_address(stages + (size_t)s * stage_bytes + lane * chunk)), "r"(chunk)
                          : "memory");

@@ -518,3 +518,15 @@ def strided_groups(dst_offsets: np.ndarray, src_offsets: np.ndarray, sizes: np.n
     grouped = count > 1
     return np.stack([first, count, np.where(grouped, dst_step[at], 0), np.where(grouped, src_step[at], 0)],
                     axis=1).astype(np.int64)
+
+
+def split_groups(groups: np.ndarray, min_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the groups of at least ``min_rows`` copies, to go as strided copies; the index of every other copy, in
+    order, to go one by one or batched): a strided copy is one driver call, so a short group is cheaper as entries
+    of a batched call."""
+    count = groups[:, 1]
+    strided = groups[(count >= max(min_rows, 2))]
+    small = groups[(count < max(min_rows, 2)) & (count > 0)]
+    starts, counts = small[:, 0], small[:, 1]
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return strided, np.repeat(starts, counts) + within

@@ -9,8 +9,12 @@ be wrapped with :meth:`CudaRuntime.wrap_stream`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
+import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -26,11 +30,15 @@ from kvtier.runtime.base import (
     PointerAttributes,
     Runtime,
     Stream,
+    split_groups,
 )
 from kvtier.runtime.program import KernelArg, Program, ProgramSpec, pack_parameters
 
 
+@functools.cache
 def _bindings() -> Any:
+    """cuda-bindings' runtime module, imported once (``check`` runs once per driver call: ~2 µs of import machinery
+    each time otherwise)."""
     try:
         from cuda.bindings import runtime
     except ImportError as exc:
@@ -39,8 +47,12 @@ def _bindings() -> Any:
 
 
 BATCH_LIMIT = 8192
+STRIDED_MIN_ROWS_BATCHED = 8  # a 2D copy costs a driver call (~5 µs of host time); a batch entry ~1.2 µs
+LEGACY_STREAMS = (0, 1)  # the NULL stream and cudaStreamLegacy
+DETOUR_MIN_COPIES = 16
 
 
+@functools.cache
 def _driver() -> Any:
     from cuda.bindings import driver
 
@@ -217,6 +229,8 @@ class CudaRuntime(Runtime):
         self._batch_supported = hasattr(cudart, "cudaMemcpyBatchAsync")
         self._wait_value_support: dict[int, bool] = {}
         self._spare_events: dict[tuple[int, bool], list[Any]] = {}
+        self._detours: dict[int, tuple[CudaStream, Any, Any]] = {}
+        self._detour_lock = threading.Lock()
         self._wait_geq = int(_driver().CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
 
     def device_count(self) -> int:
@@ -303,37 +317,78 @@ class CudaRuntime(Runtime):
         calls of BATCH_LIMIT copies. Each driver call costs ~5-10 µs of host time, more while the link is busy: a
         staged 1 GiB backup of random 1 MiB page runs spent 6-8 ms queuing 1,024 calls, and a load queued after it
         started that late (H200, both directions: 71% of the both-ways ceiling; batched 75%). The batched API refuses
-        the legacy default stream and stream capture, and older drivers lack it: those fall back to one call each."""
+        stream capture and older drivers lack it: those fall back to one call each. It refuses the legacy default
+        stream too: there a batch goes on a side stream (:meth:`_batch_stream`)."""
         stream = self.as_stream(stream)
         cudart = self._cudart
         groups = self.groups(dst, dst_offsets, src, src_offsets, sizes)
-        first, count = groups[:, 0], groups[:, 1]
-        strided = groups[count > 1]
+        batching = batched and self._batch_supported and not stream.capturing
+        strided, single = split_groups(groups, STRIDED_MIN_ROWS_BATCHED if batching else 2)
         kind, native = self._memcpy_default, stream.native
         for d, s, n, rows, dst_pitch, src_pitch in zip((dst.value + dst_offsets[strided[:, 0]]).tolist(),
                                                        (src.value + src_offsets[strided[:, 0]]).tolist(),
                                                        sizes[strided[:, 0]].tolist(), *strided[:, 1:].T.tolist(),
                                                        strict=True):
             check(cudart.cudaMemcpy2DAsync(d, dst_pitch, s, src_pitch, n, rows, kind, native), "cudaMemcpy2DAsync")
-        single = first[(count == 1) & (sizes[first] > 0)]
+        single = single[sizes[single] > 0]
         dsts, srcs, counts = ((dst.value + dst_offsets[single]).tolist(), (src.value + src_offsets[single]).tolist(),
                               sizes[single].tolist())
-        if batched and len(counts) > 1 and self._batch_supported and stream.handle != 0 and not stream.capturing:
-            attrs = cudart.cudaMemcpyAttributes()
-            attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-            for start in range(0, len(counts), BATCH_LIMIT):
-                end = min(start + BATCH_LIMIT, len(counts))
-                status = cudart.cudaMemcpyBatchAsync(dsts[start:end], srcs[start:end], counts[start:end],
-                                                     end - start, [attrs], [0], 1, native)[0]
-                if status in (cudart.cudaError_t.cudaErrorNotSupported,
-                              cudart.cudaError_t.cudaErrorCallRequiresNewerDriver) and start == 0:
-                    self._batch_supported = False
-                    break
-                check((status,), "cudaMemcpyBatchAsync")
-            else:
+        batch = len(counts) if batching and len(counts) > 1 else 0
+        with self._batch_stream(stream, batch) as (target, batch_there):
+            if batch_there and self._memcpy_batch(dsts, srcs, counts, target):
                 return
-        for d, s, n in zip(dsts, srcs, counts, strict=True):
-            check(cudart.cudaMemcpyAsync(d, s, n, kind, native), "cudaMemcpyAsync")
+            for d, s, n in zip(dsts, srcs, counts, strict=True):
+                check(cudart.cudaMemcpyAsync(d, s, n, kind, target), "cudaMemcpyAsync")
+
+    def _memcpy_batch(self, dsts: list[int], srcs: list[int], counts: list[int], native: Any) -> bool:
+        """cudaMemcpyBatchAsync calls of BATCH_LIMIT copies; False (nothing queued) where the driver lacks it."""
+        cudart = self._cudart
+        attrs = cudart.cudaMemcpyAttributes()
+        attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        for start in range(0, len(counts), BATCH_LIMIT):
+            end = min(start + BATCH_LIMIT, len(counts))
+            status = cudart.cudaMemcpyBatchAsync(dsts[start:end], srcs[start:end], counts[start:end], end - start,
+                                                 [attrs], [0], 1, native)[0]
+            if status in (cudart.cudaError_t.cudaErrorNotSupported,
+                          cudart.cudaError_t.cudaErrorCallRequiresNewerDriver) and start == 0:
+                self._batch_supported = False
+                return False
+            check((status,), "cudaMemcpyBatchAsync")
+        return True
+
+    @contextmanager
+    def _batch_stream(self, stream: CudaStream, copies: int) -> Iterator[tuple[Any, bool]]:
+        """(native stream, batch there?) for ``copies`` copies to batch (0: none). The caller's stream, except that
+        cudaMemcpyBatchAsync refuses the legacy default stream: there a batch goes on a side stream of the device
+        joined by events (after all the legacy stream's earlier work, before any of its later work), so torch's
+        default stream is not left with one driver call per copy; a batch too small to pay for the fork and join
+        stays on the legacy stream, one call per copy."""
+        if stream.handle not in LEGACY_STREAMS or copies < DETOUR_MIN_COPIES:
+            yield stream.native, copies > 0 and stream.handle not in LEGACY_STREAMS
+            return
+        cudart = self._cudart
+        with self._detour_lock, self.using_device(stream.device):
+            side, fork, join = self._detour(stream.device)
+            check(cudart.cudaEventRecord(fork, stream.native), "cudaEventRecord")
+            check(cudart.cudaStreamWaitEvent(side.native, fork, 0), "cudaStreamWaitEvent")
+            try:
+                yield side.native, True
+            finally:
+                check(cudart.cudaEventRecord(join, side.native), "cudaEventRecord")
+                check(cudart.cudaStreamWaitEvent(stream.native, join, 0), "cudaStreamWaitEvent")
+
+    def _detour(self, device: int) -> tuple[CudaStream, Any, Any]:
+        """The side stream and its fork and join events for ``device``, made once (caller holds the lock)."""
+        if device not in self._detours:
+            cudart = self._cudart
+            side = self.create_stream(device)
+            with self.using_device(device):
+                events = [check(cudart.cudaEventCreateWithFlags(cudart.cudaEventDisableTiming),
+                                "cudaEventCreateWithFlags") for _ in range(2)]
+            for event in events:
+                weakref.finalize(side, _destroy, cudart.cudaEventDestroy, event)
+            self._detours[device] = (side, *events)
+        return self._detours[device]
 
     def _memcpy_2d_async(self, dst: Address, dst_pitch: int, src: Address, src_pitch: int, width: int, height: int,
                          stream: Stream) -> None:

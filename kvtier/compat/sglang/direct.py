@@ -91,23 +91,24 @@ def _is_host(x: Any) -> bool:
 
 
 def _plan(call: Call, dst: Any, dst_name: str, dst_offsets: np.ndarray, src: Any, src_name: str,
-          src_offsets: np.ndarray, size: int) -> Copies | None:
-    """The copies, once every one is checked to lie inside both tensors and both resolve for the call's device."""
+          src_offsets: np.ndarray, size: int | np.ndarray) -> Copies | None:
+    """The copies (``size`` bytes each, or ``size[i]`` for copy ``i``), once every one is checked to lie inside both
+    tensors and both resolve for the call's device."""
     if not dst_offsets.size:
         return None
+    sizes = np.broadcast_to(np.asarray(size, np.int64), dst_offsets.shape).copy()
     for x, offsets, name in ((dst, dst_offsets, dst_name), (src, src_offsets, src_name)):
-        end = int(offsets.max()) + size
+        end = int((offsets + sizes).max())
         if end > extent(x):
             raise InvalidArgument(f"{name}: a copy reaches byte {end} of a tensor of {extent(x)} bytes: index out "
                                   f"of range")
     bases: list[Address] = [address(call, dst, dst_name), address(call, src, src_name)]
     at = [dst_offsets, src_offsets]
-    sizes = np.full(dst_offsets.size, size, np.int64)
     for side, x in enumerate((dst, src)):
         if not _is_host(x):
             continue
         bases[side] = CpuAddress(x.data_ptr())
-        lo, hi = int(at[side].min()), int(at[side].max()) + size
+        lo, hi = int(at[side].min()), int((at[side] + sizes).max())
         edges = [edge - x.data_ptr() for edge in call.runtime.host_edges(x.data_ptr() + lo, x.data_ptr() + hi)]
         if edges:
             starts, sizes, origin, shift = split_at_boundaries(at[side], sizes, edges)
@@ -147,11 +148,9 @@ def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any], src
     plans = []
     for layer, (s, d) in enumerate(zip(src_layers, dst_layers, strict=True)):
         row = _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows")
-        for length in np.unique(lengths):
-            chosen = starts[lengths == length]
-            plans.append(_plan(call, d, f"dst_layers[{layer}]", _offsets(dst[chosen], row, f"dst_layers[{layer}]"),
-                               s, f"src_layers[{layer}]", _offsets(src[chosen], row, f"src_layers[{layer}]"),
-                               int(length) * row))
+        plans.append(_plan(call, d, f"dst_layers[{layer}]", _offsets(dst[starts], row, f"dst_layers[{layer}]"),
+                           s, f"src_layers[{layer}]", _offsets(src[starts], row, f"src_layers[{layer}]"),
+                           lengths * row))
     _submit(call, plans)
 
 
