@@ -520,13 +520,13 @@ def strided_groups(dst_offsets: np.ndarray, src_offsets: np.ndarray, sizes: np.n
                     axis=1).astype(np.int64)
 
 
-def split_groups(groups: np.ndarray, min_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the groups of at least ``min_rows`` copies, to go as strided copies; the index of every other copy, in
-    order, to go one by one or batched): a strided copy is one driver call, so a short group is cheaper as entries
-    of a batched call."""
-    count = groups[:, 1]
-    strided = groups[(count >= max(min_rows, 2))]
-    small = groups[(count < max(min_rows, 2)) & (count > 0)]
+def split_groups(groups: np.ndarray, min_rows: int | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the groups of at least ``min_rows`` copies (one bound for all, or one per group), to go as strided copies;
+    the index of every other copy, in order, to go one by one or batched): a strided copy is one driver call, so a
+    short group is cheaper as entries of a batched call."""
+    count, least = groups[:, 1], np.maximum(min_rows, 2)
+    strided = groups[count >= least]
+    small = groups[(count < least) & (count > 0)]
     starts, counts = small[:, 0], small[:, 1]
     within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     return strided, np.repeat(starts, counts) + within

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.address import Address, DeviceAddress
+from kvtier.address import Address, CpuAddress, DeviceAddress
 from kvtier.errors import InvalidArgument, KernelBuildError, RuntimeCallError, RuntimeUnavailable, WrongRuntime
 from kvtier.runtime.base import (
     DeviceAttributes,
@@ -47,7 +47,8 @@ def _bindings() -> Any:
 
 
 BATCH_LIMIT = 8192
-STRIDED_MIN_ROWS_BATCHED = 8  # a 2D copy costs a driver call (~5 µs of host time); a batch entry ~1.2 µs
+STRIDED_MIN_ROWS_BATCHED = 8  # a 2D copy costs a driver call (~5 µs of host time); a batch entry ~1-1.5 µs
+BATCH_H2D_MIN_BYTES = 32 << 10  # smaller H2D copies cost 4-6 µs each in a batch, 2-3.5 µs one call each (H200)
 LEGACY_STREAMS = (0, 1)  # the NULL stream and cudaStreamLegacy
 DETOUR_MIN_COPIES = 16
 
@@ -318,12 +319,17 @@ class CudaRuntime(Runtime):
         staged 1 GiB backup of random 1 MiB page runs spent 6-8 ms queuing 1,024 calls, and a load queued after it
         started that late (H200, both directions: 71% of the both-ways ceiling; batched 75%). The batched API refuses
         stream capture and older drivers lack it: those fall back to one call each. It refuses the legacy default
-        stream too: there a batch goes on a side stream (:meth:`_batch_stream`)."""
+        stream too: there a batch goes on a side stream (:meth:`_batch_stream`). With batching, strided groups of
+        fewer than STRIDED_MIN_ROWS_BATCHED copies go in the batch instead, and host-to-device copies under
+        BATCH_H2D_MIN_BYTES stay out of it (the driver takes 4-6 µs of host time for each such entry on the H200,
+        against ~1 µs from 32 KiB up)."""
         stream = self.as_stream(stream)
         cudart = self._cudart
         groups = self.groups(dst, dst_offsets, src, src_offsets, sizes)
         batching = batched and self._batch_supported and not stream.capturing
-        strided, single = split_groups(groups, STRIDED_MIN_ROWS_BATCHED if batching else 2)
+        h2d = isinstance(src, CpuAddress)
+        slow = h2d & (sizes[groups[:, 0]] < BATCH_H2D_MIN_BYTES) if groups.size else np.zeros(0, bool)
+        strided, single = split_groups(groups, np.where(batching & ~slow, STRIDED_MIN_ROWS_BATCHED, 2))
         kind, native = self._memcpy_default, stream.native
         for d, s, n, rows, dst_pitch, src_pitch in zip((dst.value + dst_offsets[strided[:, 0]]).tolist(),
                                                        (src.value + src_offsets[strided[:, 0]]).tolist(),
@@ -331,14 +337,24 @@ class CudaRuntime(Runtime):
                                                        strict=True):
             check(cudart.cudaMemcpy2DAsync(d, dst_pitch, s, src_pitch, n, rows, kind, native), "cudaMemcpy2DAsync")
         single = single[sizes[single] > 0]
-        dsts, srcs, counts = ((dst.value + dst_offsets[single]).tolist(), (src.value + src_offsets[single]).tolist(),
-                              sizes[single].tolist())
-        batch = len(counts) if batching and len(counts) > 1 else 0
+        batchable = (sizes[single] >= BATCH_H2D_MIN_BYTES) | (not h2d) if batching else np.zeros(single.size, bool)
+        each = self._copy_lists(dst, dst_offsets, src, src_offsets, sizes, single[~batchable])
+        for d, s, n in zip(*each, strict=True):
+            check(cudart.cudaMemcpyAsync(d, s, n, kind, native), "cudaMemcpyAsync")
+        dsts, srcs, counts = self._copy_lists(dst, dst_offsets, src, src_offsets, sizes, single[batchable])
+        batch = len(counts) if len(counts) > 1 else 0
         with self._batch_stream(stream, batch) as (target, batch_there):
             if batch_there and self._memcpy_batch(dsts, srcs, counts, target):
                 return
             for d, s, n in zip(dsts, srcs, counts, strict=True):
                 check(cudart.cudaMemcpyAsync(d, s, n, kind, target), "cudaMemcpyAsync")
+
+    @staticmethod
+    def _copy_lists(dst: Address, dst_offsets: np.ndarray, src: Address, src_offsets: np.ndarray, sizes: np.ndarray,
+                    chosen: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+        """(destination addresses, source addresses, sizes) of the ``chosen`` copies, as plain integers."""
+        return ((dst.value + dst_offsets[chosen]).tolist(), (src.value + src_offsets[chosen]).tolist(),
+                sizes[chosen].tolist())
 
     def _memcpy_batch(self, dsts: list[int], srcs: list[int], counts: list[int], native: Any) -> bool:
         """cudaMemcpyBatchAsync calls of BATCH_LIMIT copies; False (nothing queued) where the driver lacks it."""
