@@ -102,19 +102,27 @@ def host_views(host: HostPool, tensors: int, shape) -> list:
     return [flat[host.tensor_offset(t):host.tensor_offset(t) + size].view(shape) for t in range(tensors)]
 
 
-def seconds(op, finish, repeats: int) -> tuple[float, float]:
-    """Median seconds until ``op`` returned (host time to queue) and until its work finished."""
-    queued, done = [], []
+def timed(op, finish) -> tuple[float, float]:
+    """Seconds until ``op`` returned (host time to queue) and until its work finished, from an idle device."""
+    finish()
+    start = time.perf_counter()
+    op()
+    returned = time.perf_counter()
+    finish()
+    return returned - start, time.perf_counter() - start
+
+
+def interleaved(sides, repeats: int) -> list[tuple[float, float]]:
+    """Per side ``(op, finish)``: the median (queued, done) seconds, the sides taken in turn each repeat after one
+    warm-up round. Host-bound DMA rates drift 2-3x over a minute on the H200 host; alternating keeps the compat and
+    engine figures of one row under the same drift."""
+    samples: list[list[tuple[float, float]]] = [[] for _ in sides]
     for i in range(repeats + 1):
-        finish()
-        start = time.perf_counter()
-        op()
-        returned = time.perf_counter()
-        finish()
-        if i:
-            queued.append(returned - start)
-            done.append(time.perf_counter() - start)
-    return statistics.median(queued), statistics.median(done)
+        for side, (op, finish) in enumerate(sides):
+            result = timed(op, finish)
+            if i:
+                samples[side].append(result)
+    return [(statistics.median(q for q, _ in s), statistics.median(d for _, d in s)) for s in samples]
 
 
 def profile(name: str, call, finish, calls: int, console, rounds: int = 5) -> None:
@@ -137,8 +145,11 @@ def profile(name: str, call, finish, calls: int, console, rounds: int = 5) -> No
                   highlight=False)
 
 
-def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_host, pages_dev, pages_host, blocks):
-    """(name, direction, call) of the compat functions that move these pages on this host layout."""
+def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_host, pages_dev, pages_host, blocks,
+                 engine: TransferEngine):
+    """(name, direction, call) of the compat functions that move these pages on this host layout, each with the block
+    shape of ``engine`` (the kernel engine it is compared with): SGLang's default of 32 warps a block against the
+    engine's 512-thread backup blocks would measure the block shape, not the compat layer."""
     import torch
 
     g, L, item, ps = mem.g, mem.g.layers, mem.g.row_bytes, mem.g.page_size
@@ -149,7 +160,8 @@ def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_ho
     host_index = [torch.as_tensor(np.ascontiguousarray(x, dtype=np.int64)) for x in (tokens_dev, tokens_host)]
     si_cpu, di_cpu = host_index
     hi_cpu, dd_cpu = host_index[::-1]
-    quota = {"block_quota": blocks}
+    quota = {"block_quota": blocks, "num_warps_per_block": engine.threads // 32}
+    backup = {"block_quota": blocks, "num_warps_per_block": engine.backup_threads // 32}
     K = mem.layers[0]
     V = mem.layers[1] if not mla else None
     host_tokens = host.pages * ps
@@ -160,14 +172,14 @@ def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_ho
         if mla:
             cases.append(("transfer_kv_all_layer_mla_lf_pf", "backup",
                           lambda: kvcacheio.transfer_kv_all_layer_mla_lf_pf(tables[0], hk[0], si, di, item, L * item,
-                                                                            L, **quota)))
+                                                                            L, **backup)))
             cases.append(("transfer_kv_per_layer_mla_pf_lf", "load",
                           lambda: [kvcacheio.transfer_kv_per_layer_mla_pf_lf(hk[0], K[layer], hi, dd, layer, item,
                                                                              L * item, **quota)
                                    for layer in range(L)]))
         else:
             cases.append(("transfer_kv_all_layer_lf_pf", "backup", lambda: kvcacheio.transfer_kv_all_layer_lf_pf(
-                tables[0], hk[0], tables[1], hk[1], si, di, item, L * item, L, **quota)))
+                tables[0], hk[0], tables[1], hk[1], si, di, item, L * item, L, **backup)))
             cases.append(("transfer_kv_per_layer_pf_lf", "load", lambda: [kvcacheio.transfer_kv_per_layer_pf_lf(
                 hk[0], K[layer], hk[1], V[layer], hi, dd, layer, item, L * item, **quota) for layer in range(L)]))
     elif layout == "layer_first":
@@ -176,12 +188,12 @@ def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_ho
         host_tables = [mem.table([h[layer] for layer in range(L)]) for h in hl]
         if mla:
             cases.append(("transfer_kv_all_layer_mla", "backup", lambda: kvcacheio.transfer_kv_all_layer_mla(
-                dev_tables[0], host_tables[0], si, di, item, L, **quota)))
+                dev_tables[0], host_tables[0], si, di, item, L, **backup)))
             cases.append(("transfer_kv_per_layer_mla", "load", lambda: [kvcacheio.transfer_kv_per_layer_mla(
                 hl[0][layer], K[layer], hi, dd, item, **quota) for layer in range(L)]))
         else:
             cases.append(("transfer_kv_all_layer", "backup", lambda: kvcacheio.transfer_kv_all_layer(
-                dev_tables[0], host_tables[0], dev_tables[1], host_tables[1], si, di, item, L, **quota)))
+                dev_tables[0], host_tables[0], dev_tables[1], host_tables[1], si, di, item, L, **backup)))
             cases.append(("transfer_kv_per_layer", "load", lambda: [kvcacheio.transfer_kv_per_layer(
                 hl[0][layer], K[layer], hl[1][layer], V[layer], hi, dd, item, **quota) for layer in range(L)]))
         flat = [h[layer] for h in hl for layer in range(L)]
@@ -193,7 +205,7 @@ def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_ho
         hh = host_views(host, g.tensors, (host.pages, heads, ps, L, item // heads))
         tables = [mem.table(row) for row in mem.layers]
         cases.append(("transfer_kv_all_layer_lf_ph", "backup", lambda: kvcacheio.transfer_kv_all_layer_lf_ph(
-            tables[0], hh[0], tables[1], hh[1], si, di, item, L * item, L, ps, heads, **quota)))
+            tables[0], hh[0], tables[1], hh[1], si, di, item, L * item, L, ps, heads, **backup)))
         cases.append(("transfer_kv_per_layer_ph_lf", "load", lambda: [kvcacheio.transfer_kv_per_layer_ph_lf(
             hh[0], K[layer], hh[1], V[layer], hi, dd, layer, item, L * item, ps, heads, **quota)
             for layer in range(L)]))
@@ -214,18 +226,20 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
     hold are gone before the host pool closes)."""
     rows = []
     g, name = mem.g, mem.name
-    for function, op, call in compat_cases(mem, host, layout, *tokens, pages_dev, pages_host, args.blocks):
+    for function, op, call in compat_cases(mem, host, layout, *tokens, pages_dev, pages_host, args.blocks,
+                                           engines["kernel"]):
         backend, engine_op = ops[op]
         engine = engines[backend]
-        _, t_engine = seconds(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize, args.repeats)
-        q_compat, t_compat = seconds(call, mem.done, args.repeats)
+        (_, t_engine), (q_compat, t_compat) = interleaved(
+            [(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize), (call, mem.done)], args.repeats)
         calls = g.layers if function.startswith("transfer_kv_per_layer") else 1
         if function in args.profile:
             profile(function, call, mem.done, calls, console)
         key = "d2h_gbps" if op.startswith("backup") else "h2d_gbps"
         nbytes = len(pages_dev) * g.bytes_per_page
+        threads = engine.backup_threads if op == "backup" else engine.threads
         row = {"geometry": name, "layout": layout, "function": function, "direction": op,
-               "engine": f"{backend}:{args.blocks}" if backend == "kernel" else "batch",
+               "engine": f"{backend}:{args.blocks}x{threads}" if backend == "kernel" else "batch",
                "engine_gbps": nbytes / t_engine / 1e9, "compat_gbps": nbytes / t_compat / 1e9,
                "compat_queued_ms": 1e3 * q_compat, "calls": calls, "compat_call_us": 1e6 * q_compat / calls}
         row["engine_pct"] = 100 * row["engine_gbps"] / ceiling[key]
