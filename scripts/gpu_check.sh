@@ -4,11 +4,11 @@
 # probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py,
 # TESTS narrows the AOT suite (default: tests), ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane),
-# STORAGE_ARGS to bench/storage.py, FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, BOTH_ARGS to bench/bidirectional.py, GEMM_ARGS to bench/gemm_beside.py, SGLANG_ARGS to bench/sglang_compat.py, E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark). The storage phase
+# STORAGE_ARGS to bench/storage.py, FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, BOTH_ARGS to bench/bidirectional.py, GEMM_ARGS to bench/gemm_beside.py, SGLANG_ARGS to bench/sglang_compat.py (phase dmaq: bench/dma_queue.py), E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark). The storage phase
 # needs redis-server on PATH and redis-py importable.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
-PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench both gemm families small enqueue demo cache limits storage e2e sglang"}
+PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench both gemm families small enqueue demo cache limits storage e2e sglang dmaq"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
@@ -69,6 +69,9 @@ fi
 if want sglang; then
     python3 bench/sglang_compat.py ${SGLANG_ARGS:-} --json "$OUT/sglang_compat.json" 2>&1 \
         | tee "$OUT/sglang_compat.txt" || status=1
+fi
+if want dmaq; then
+    python3 bench/dma_queue.py --json "$OUT/dma_queue.json" 2>&1 | tee "$OUT/dma_queue.txt" || status=1
 fi
 if want families; then
     python3 bench/families.py ${FAMILY_ARGS:-} --json "$OUT/families.json" 2>&1 | tee "$OUT/families.txt" || status=1

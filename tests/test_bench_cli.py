@@ -138,3 +138,13 @@ def test_sglang_compat_on_the_emulator(tmp_path):
         "transfer_kv_per_layer_direct_pf_lf"}
     assert all(r["compat_gbps"] > 0 and r["engine_gbps"] > 0 for r in rows)
     assert all(r["calls"] == (61 if "per_layer" in r["function"] else 1) and r["compat_call_us"] > 0 for r in rows)
+
+
+def test_dma_queue_on_the_emulator(tmp_path):
+    out = tmp_path / "dma.json"
+    done = run(str(BENCH / "dma_queue.py"), "--runtime", "emulated:split", "--copies", "16", "--repeats", "1",
+               "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 5 * 2 * 2 * 2 and all(r["queue_us_per_copy"] > 0 and r["gbps"] > 0 for r in rows)
+    assert {r["mode"] for r in rows} == {"batch", "one call each"}
