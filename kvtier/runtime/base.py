@@ -300,7 +300,9 @@ class Runtime:
         a page-major host layout) go as one strided copy each (cudaMemcpy2DAsync: the copy engines move 32 KiB rows
         at the link's ceiling, where one call per row is bound by the calls); the rest go one memcpy_async each, or
         with ``batched`` in the platform's batched copy (cudaMemcpyBatchAsync) where it has one. Offsets
-        keep the domain of their base: there is no raw address."""
+        keep the domain of their base: there is no raw address. The copies of one call run in no defined order (a
+        batch does not order its entries), so no two may write the same bytes; callers taking indices from users
+        check that (the compat ``*_direct`` functions refuse repeated destinations)."""
         self._copy_size(dst, src, 0, "memcpy_runs_async")
         given = [np.asarray(a) for a in (dst_offsets, src_offsets, sizes)]
         for name, array in zip(("destination offsets", "source offsets", "sizes"), given, strict=True):
@@ -495,18 +497,24 @@ class Runtime:
         return f"<{type(self).__name__} {self.name}>"
 
 
+MAX_PITCH = (1 << 31) - 1
+"""The largest pitch a strided copy may have: cudaMemcpy2DAsync refuses more (``cudaDevAttrMaxPitch``, 2 GiB - 1 on
+NVIDIA GPUs; HIP's is no larger). Copies farther apart than this go one by one or batched."""
+
+
 def strided_groups(dst_offsets: np.ndarray, src_offsets: np.ndarray, sizes: np.ndarray,
                    dst_segments: np.ndarray | None = None, src_segments: np.ndarray | None = None) -> np.ndarray:
     """Consecutive copies that form one strided copy: rows ``(first, count, dst_pitch, src_pitch)``. A group's copies
-    have one size and are evenly spaced, forwards, at least a size apart, on both sides (what a 2D copy can express);
-    a copy that fits no group is a group of one. Vectorised (a load of 2,048 pages × 64 layer tensors is one pass):
-    a group ends where the next copy does not link, or where the spacing changes after a link. ``*_segments`` (one id
-    per copy) keep a group within one segment: a registration a strided copy may not leave."""
+    have one size and are evenly spaced, forwards, at least a size and at most MAX_PITCH apart, on both sides (what a
+    2D copy can express); a copy that fits no group is a group of one. Vectorised (a load of 2,048 pages × 64 layer
+    tensors is one pass): a group ends where the next copy does not link, or where the spacing changes after a link.
+    ``*_segments`` (one id per copy) keep a group within one segment: a registration a strided copy may not leave."""
     n = sizes.size
     if n < 2:
         return np.array([[0, n, 0, 0]] if n else [], dtype=np.int64).reshape(-1, 4)
     dst_step, src_step = np.diff(dst_offsets), np.diff(src_offsets)
     links = (sizes[1:] == sizes[:-1]) & (sizes[:-1] > 0) & (dst_step >= sizes[:-1]) & (src_step >= sizes[:-1])
+    links &= (dst_step <= MAX_PITCH) & (src_step <= MAX_PITCH)
     for segment in (dst_segments, src_segments):
         if segment is not None:
             links &= segment[1:] == segment[:-1]

@@ -102,6 +102,7 @@ def _plan(call: Call, dst: Any, dst_name: str, dst_offsets: np.ndarray, src: Any
         if end > extent(x):
             raise InvalidArgument(f"{name}: a copy reaches byte {end} of a tensor of {extent(x)} bytes: index out "
                                   f"of range")
+    _refuse_overlap(dst_offsets, sizes, dst_name)
     bases: list[Address] = [address(call, dst, dst_name), address(call, src, src_name)]
     at = [dst_offsets, src_offsets]
     for side, x in enumerate((dst, src)):
@@ -114,6 +115,19 @@ def _plan(call: Call, dst: Any, dst_name: str, dst_offsets: np.ndarray, src: Any
             starts, sizes, origin, shift = split_at_boundaries(at[side], sizes, edges)
             at = [starts if i == side else other[origin] + shift for i, other in enumerate(at)]
     return Copies(bases[0], at[0], bases[1], at[1], sizes)
+
+
+def _refuse_overlap(offsets: np.ndarray, sizes: np.ndarray, name: str) -> None:
+    """Two copies writing the same bytes (a repeated destination index, or pages that overlap) are refused: one call's
+    copies land in no defined order, so which source would win is undefined (SGLang's loop of ``copy_`` keeps the
+    last, its kernels race)."""
+    order = np.argsort(offsets, kind="stable")
+    starts, ends = offsets[order], offsets[order] + sizes[order]
+    clash = np.flatnonzero(starts[1:] < ends[:-1])
+    if clash.size:
+        first, second = int(starts[clash[0]]), int(starts[clash[0] + 1])
+        raise InvalidArgument(f"{name}: two copies write the same bytes (at byte {first} and {second}): destination "
+                              f"indices repeat or overlap, and one call's copies land in no defined order")
 
 
 def _submit(call: Call, plans: list[Copies | None]) -> None:
