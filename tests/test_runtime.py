@@ -299,6 +299,32 @@ def test_batched_runs_on_the_legacy_stream_keep_its_order(runtime, pieces):
 
 
 @pytest.mark.parametrize("batched", [False, True])
+def test_copies_farther_apart_than_the_maximum_pitch_still_land(runtime, batched):
+    """Three equal 4 KiB copies 3 GiB apart in the host (evenly spaced: one strided copy of pitch 3 GiB): a 2D copy
+    refuses a pitch above 2 GiB - 1 (cudaErrorInvalidPitchValue, and so does the emulator), so they must go one by
+    one or batched, and every byte lands."""
+    from kvtier.runtime.base import MAX_PITCH
+
+    row, far = 4096, 3 << 30
+    assert far > MAX_PITCH
+    rng = np.random.default_rng()
+    with HostBuffer.allocate(2 * far + row, HostKind.PINNED, runtime=runtime) as host, \
+            DeviceBuffer(3 * row, 0, runtime=runtime) as dev:
+        view = host.as_tensor().numpy()
+        rows = [rng.integers(1, 256, row, dtype=np.uint8) for _ in range(3)]
+        for i, data in enumerate(rows):
+            view[i * far:i * far + row] = data
+        dev.upload(np.full(3 * row, 0xA5, np.uint8))
+        stream = runtime.create_stream(0)
+        runtime.memcpy_runs_async(dev.address, np.arange(3) * row, host.cpu_address, np.arange(3) * far,
+                                  np.full(3, row), stream=stream, batched=batched)
+        stream.synchronize()
+        stream.close()
+        del view
+        np.testing.assert_array_equal(np.frombuffer(dev.download(), np.uint8), np.concatenate(rows))
+
+
+@pytest.mark.parametrize("batched", [False, True])
 def test_runs_between_typed_bases_scatter_and_gather(runtime, batched):
     n, piece = 64, 1024
     rng = np.random.default_rng()

@@ -20,6 +20,7 @@ from kvtier import osmem
 from kvtier.address import Address, CpuAddress, DeviceAddress
 from kvtier.errors import IllegalAddress, InvalidArgument, RegistrationError, RuntimeCallError, WrongRuntime
 from kvtier.runtime.base import (
+    MAX_PITCH,
     DeviceAttributes,
     Event,
     HostRegisterFlags,
@@ -305,7 +306,11 @@ class EmulatedRuntime(Runtime):
     def _memcpy_2d_async(self, dst: Address, dst_pitch: int, src: Address, src_pitch: int, width: int, height: int,
                          stream: Stream) -> None:
         """As cudaMemcpy2DAsync: the whole extent of each side (first row to the end of the last) must lie in one
-        registration, not only each row (the H200 refused a 2D copy across two with cudaErrorInvalidValue)."""
+        registration, not only each row (the H200 refused a 2D copy across two with cudaErrorInvalidValue), and no
+        pitch may exceed the device's maximum (cudaErrorInvalidPitchValue)."""
+        if max(dst_pitch, src_pitch) > MAX_PITCH:
+            raise RuntimeCallError("cudaMemcpy2DAsync", "cudaErrorInvalidPitchValue",
+                                   f"pitch {max(dst_pitch, src_pitch)} is above the maximum {MAX_PITCH}")
         for address, pitch in ((dst, dst_pitch), (src, src_pitch)):
             self._locate(address, (height - 1) * pitch + width, "cudaMemcpy2DAsync")
         super()._memcpy_2d_async(dst, dst_pitch, src, src_pitch, width, height, stream)
