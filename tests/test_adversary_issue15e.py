@@ -459,3 +459,91 @@ def test_ok_strided_and_split_groups_cover_every_copy_once_evenly_spaced(rows, c
     assert strided.tolist() == [g for g, low in zip(groups.tolist(), least, strict=True) if g[1] >= low]
     assert single.tolist() == [g[0] + i for g, low in zip(groups.tolist(), least, strict=True) if g[1] < low
                                for i in range(g[1])]
+
+
+class OrderingCudart(FakeCudart):
+    """FakeCudart that also keeps streams, events and devices, and logs every call that orders work, so a test can
+    read back on which stream each copy was queued and what it waited for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cudaStreamNonBlocking, self.cudaEventDisableTiming = 1, 2
+        self.log: list[tuple] = []
+        self._next = 0x9000
+
+    def _handle(self) -> int:
+        self._next += 1
+        return self._next
+
+    def cudaGetDevice(self):  # noqa: N802
+        return 0, 0
+
+    def cudaSetDevice(self, device):  # noqa: N802
+        return (0,)
+
+    def cudaStreamCreateWithFlags(self, flags):  # noqa: N802
+        handle = self._handle()
+        self.log.append(("create stream", handle))
+        return 0, handle
+
+    def cudaStreamDestroy(self, handle):  # noqa: N802
+        return (0,)
+
+    def cudaEventCreateWithFlags(self, flags):  # noqa: N802
+        return 0, self._handle()
+
+    def cudaEventDestroy(self, handle):  # noqa: N802
+        return (0,)
+
+    def cudaEventRecord(self, event, stream):  # noqa: N802
+        self.log.append(("record", event, int(stream)))
+        return (0,)
+
+    def cudaStreamWaitEvent(self, stream, event, flags):  # noqa: N802
+        self.log.append(("wait", int(stream), event))
+        return (0,)
+
+    def cudaMemcpyAsync(self, dst, src, n, kind, native):  # noqa: N802
+        self.log.append(("copy", int(native)))
+        return super().cudaMemcpyAsync(dst, src, n, kind, native)
+
+    def cudaMemcpyBatchAsync(self, dsts, srcs, counts, n, attrs, attr_index, n_attrs, native):  # noqa: N802
+        self.log.append(("batch", int(native), n))
+        return super().cudaMemcpyBatchAsync(dsts, srcs, counts, n, attrs, attr_index, n_attrs, native)
+
+
+@pytest.mark.parametrize("copies, stream_handle", [(64, 0), (64, 1), (4, 0), (64, 0x1234)])
+def test_cuda_batches_on_the_legacy_stream_go_through_a_joined_side_stream(monkeypatch, copies, stream_handle):
+    """cudaMemcpyBatchAsync refuses the legacy default stream (handle 0, or cudaStreamLegacy = 1): a batch queued
+    there goes on a side stream that first waits for an event recorded on the legacy stream, and the legacy stream
+    then waits for an event recorded on the side stream after the batch, so nothing queued before or after on the
+    legacy stream can overlap it. A batch too small to pay for that goes one copy per call on the legacy stream; any
+    other stream gets the batch itself. Every byte lands either way."""
+    fake = OrderingCudart()
+    monkeypatch.setattr(cuda_module, "_bindings", lambda: fake)
+    runtime = object.__new__(cuda_module.CudaRuntime)
+    Runtime.__init__(runtime)
+    runtime._cudart, runtime._memcpy_default, runtime._batch_supported, runtime._count = fake, 4, True, 1
+    runtime._detours, runtime._detour_lock = {}, threading.Lock()
+    stream = cuda_module.CudaStream(fake, 0, stream_handle, owned=False)
+    rng = np.random.default_rng()
+    row = 64 << 10
+    src = rng.integers(1, 256, copies * row, dtype=np.uint8)
+    dst = np.full(copies * row, POISON, np.uint8)
+    order = rng.permutation(copies)     # scattered: no strided groups
+    runtime.memcpy_runs_async(DeviceAddress(dst.ctypes.data, 0), order * row, CpuAddress(src.ctypes.data),
+                              np.arange(copies) * row, np.full(copies, row), stream=stream, batched=True)
+    want = np.empty_like(dst).reshape(copies, row)
+    want[order] = src.reshape(copies, row)
+    assert np.array_equal(dst.reshape(copies, row), want)
+    work = [entry for entry in fake.log if entry[0] != "create stream"]
+    if stream_handle not in (0, 1):
+        assert work == [("batch", stream_handle, copies)]
+    elif copies < cuda_module.DETOUR_MIN_COPIES:
+        assert work == [("copy", stream_handle)] * copies
+    else:
+        side = next(entry[1] for entry in fake.log if entry[0] == "create stream")
+        (_, fork, on), (_, waiter, waited), batch, (_, join, on_side), (_, last, joined) = work
+        assert (on, waiter, waited) == (stream_handle, side, fork)
+        assert batch == ("batch", side, copies)
+        assert (on_side, last, joined) == (side, stream_handle, join) and join != fork
