@@ -96,16 +96,21 @@ class FakeCudart:
         return (0,)
 
 
+def fake_runtime(monkeypatch, fake: FakeCudart) -> cuda_module.CudaRuntime:
+    """A CudaRuntime of one device whose driver is ``fake``."""
+    monkeypatch.setattr(cuda_module, "_bindings", lambda: fake)
+    runtime = object.__new__(cuda_module.CudaRuntime)
+    Runtime.__init__(runtime)
+    runtime._cudart, runtime._memcpy_default, runtime._batch_supported, runtime._count = fake, 4, True, 1
+    runtime._detours, runtime._detour_lock = {}, threading.Lock()
+    return runtime
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """(a CudaRuntime whose driver is a FakeCudart, a non-default stream of it, the fake)."""
     fake = FakeCudart()
-    monkeypatch.setattr(cuda_module, "_bindings", lambda: fake)
-    runtime = object.__new__(cuda_module.CudaRuntime)
-    Runtime.__init__(runtime)
-    runtime._cudart, runtime._memcpy_default, runtime._batch_supported = fake, 4, True
-    runtime._detours, runtime._detour_lock = {}, threading.Lock()
-    return runtime, cuda_module.CudaStream(fake, 0, 0x1234, owned=False), fake
+    return fake_runtime(monkeypatch, fake), cuda_module.CudaStream(fake, 0, 0x1234, owned=False), fake
 
 
 def in_order(dst: np.ndarray, src: np.ndarray, dst_offsets, src_offsets, sizes) -> np.ndarray:
@@ -520,11 +525,7 @@ def test_cuda_batches_on_the_legacy_stream_go_through_a_joined_side_stream(monke
     legacy stream can overlap it. A batch too small to pay for that goes one copy per call on the legacy stream; any
     other stream gets the batch itself. Every byte lands either way."""
     fake = OrderingCudart()
-    monkeypatch.setattr(cuda_module, "_bindings", lambda: fake)
-    runtime = object.__new__(cuda_module.CudaRuntime)
-    Runtime.__init__(runtime)
-    runtime._cudart, runtime._memcpy_default, runtime._batch_supported, runtime._count = fake, 4, True, 1
-    runtime._detours, runtime._detour_lock = {}, threading.Lock()
+    runtime = fake_runtime(monkeypatch, fake)
     stream = cuda_module.CudaStream(fake, 0, stream_handle, owned=False)
     rng = np.random.default_rng()
     row = 64 << 10
