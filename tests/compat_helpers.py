@@ -97,6 +97,20 @@ def closing_cleanup(buffer, errors: list):
     return cleanup
 
 
+class Engine:
+    """A stand-in for a serving engine's object that holds host views and cleans up with ``weakref.finalize``."""
+
+
+def buffer_with_closing_cleanup():
+    """(a 64 KiB host buffer on a fresh split emulator, the list its cleanup's errors go to, the cleanup)."""
+    from kvtier.memory import HostBuffer
+    from kvtier.runtime import create
+
+    buffer = HostBuffer.allocate(1 << 16, runtime=create("emulated:split"))
+    errors: list = []
+    return buffer, errors, closing_cleanup(buffer, errors)
+
+
 def index_overwrite(runtime):
     """Checks on, lazy streams: a copy of 8 tokens whose pinned dst indices [0, 1] a device array [0, 300] (out of
     range) is about to overwrite. Returns (operands, dst, src, src_idx, dst_idx, computed, dst_idx's HostBuffer)."""

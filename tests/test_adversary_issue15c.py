@@ -16,7 +16,7 @@ import weakref
 
 import pytest
 import torch
-from compat_helpers import all_poison, closing_cleanup, index_overwrite
+from compat_helpers import Engine, all_poison, buffer_with_closing_cleanup, index_overwrite
 from compat_helpers import byte_operands as Mem
 
 from kvtier.compat import DeviceArray
@@ -216,14 +216,7 @@ def test_close_from_a_finalizer_of_the_cycle_holding_the_last_view_closes_the_bu
     holds (a reference cycle ...) are collected first and do not count' — here only garbage holds the view.
     Expected: after gc.collect() the buffer is closed (e.g. a close refused during a collection completes when
     its last view goes)."""
-    runtime = create("emulated:split")
-    buffer = HostBuffer.allocate(1 << 16, runtime=runtime)
-    errors = []
-
-    class Engine:
-        pass
-
-    cleanup = closing_cleanup(buffer, errors)
+    buffer, errors, cleanup = buffer_with_closing_cleanup()
 
     engine = Engine()
     weakref.finalize(engine, cleanup)

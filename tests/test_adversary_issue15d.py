@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from compat_helpers import all_poison, closing_cleanup, index_overwrite
+from compat_helpers import Engine, all_poison, buffer_with_closing_cleanup, index_overwrite
 from compat_helpers import byte_operands as Mem
 
 from kvtier.compat import DeviceArray
@@ -222,14 +222,7 @@ def test_a_close_deferred_in_a_young_collection_is_not_lost_when_old_garbage_hol
     registered and pinned, although close() was called and returned without an error. HostBuffer.close: 'views
     only garbage holds ... are collected first and do not count'. Expected: once the views are gone (here: after
     gc.collect()), the buffer is closed."""
-    runtime = create("emulated:split")
-    buffer = HostBuffer.allocate(1 << 16, runtime=runtime)
-    errors = []
-
-    class Engine:
-        pass
-
-    cleanup = closing_cleanup(buffer, errors)
+    buffer, errors, cleanup = buffer_with_closing_cleanup()
 
     gc.disable()
     try:
