@@ -4,8 +4,9 @@ For each geometry and host layout the script allocates one device pool and one h
 by default) with a ``TransferEngine`` (kernel backend at ``--blocks`` SMs, or the DMA backend the compat function
 corresponds to), then the same pages with the compat function over the very same memory (token indices, tables of
 ``data_ptr()``s, ``block_quota`` = ``--blocks``), and reports both rates against the same run's contiguous ceiling.
-Per-layer rows call the compat function once per layer, as SGLang's load-back does; the engine row is one per-layer
-load. ``page_head`` is compared with kvtier's own head-major layout, which orders a head's tokens and layers the other
+Per-layer rows call the compat function once per layer, as SGLang's load-back does (a launch per layer); the engine row
+is one per-layer load (one launch, each layer signalled from the device), and a second engine column gives the same
+load as a launch per layer (``layer_signals=False``): the API's own cost apart from the compat layer's. ``page_head`` is compared with kvtier's own head-major layout, which orders a head's tokens and layers the other
 way round (same 256-byte pieces).
 
 Run on a GPU machine: ``python bench/sglang_compat.py [--json out.json]``; ``--runtime emulated:split`` is a smoke test
@@ -230,8 +231,13 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
                                            engines["kernel"]):
         backend, engine_op = ops[op]
         engine = engines[backend]
-        (_, t_engine), (q_compat, t_compat) = interleaved(
-            [(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize), (call, mem.done)], args.repeats)
+        sides = [(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize), (call, mem.done)]
+        per_layer = function.startswith("transfer_kv_per_layer") and backend == "kernel"
+        if per_layer:   # SGLang's per-layer API is a launch per layer; the engine's load is one, signalled per layer
+            layered = engines["kernel-layers"]
+            sides.append((lambda e=layered, f=engine_op: f(e).wait(), layered.synchronize))
+        timings = interleaved(sides, args.repeats)
+        (q_engine, t_engine), (q_compat, t_compat) = timings[:2]
         calls = g.layers if function.startswith("transfer_kv_per_layer") else 1
         if function in args.profile:
             profile(function, call, mem.done, calls, console)
@@ -241,10 +247,13 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
         row = {"geometry": name, "layout": layout, "function": function, "direction": op,
                "engine": f"{backend}:{args.blocks}x{threads}" if backend == "kernel" else "batch",
                "engine_gbps": nbytes / t_engine / 1e9, "compat_gbps": nbytes / t_compat / 1e9,
-               "compat_queued_ms": 1e3 * q_compat, "calls": calls, "compat_call_us": 1e6 * q_compat / calls}
+               "compat_queued_ms": 1e3 * q_compat, "engine_queued_ms": 1e3 * q_engine, "calls": calls, "compat_call_us": 1e6 * q_compat / calls}
         row["engine_pct"] = 100 * row["engine_gbps"] / ceiling[key]
         row["compat_pct"] = 100 * row["compat_gbps"] / ceiling[key]
         row["compat_vs_engine_pct"] = 100 * t_engine / t_compat
+        if per_layer:
+            row["engine_layer_launches_gbps"] = nbytes / timings[2][1] / 1e9
+            row["compat_vs_layer_launches_pct"] = 100 * timings[2][1] / t_compat
         rows.append(row)
         console.log(f"{name} {layout} {function}: compat {row['compat_gbps']:.1f} GB/s "
                     f"({row['compat_pct']:.0f}%), engine {row['engine_gbps']:.1f} ({row['engine_pct']:.0f}%)")
@@ -253,7 +262,7 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    console = Console(width=200)
+    console = Console(width=240)
     runtime, emulated = bench_runtime(args, console, EMULATED_NOTE, emulated_gib=1 / 256)
     size = int(args.gib * (1 << 30))
     ceiling = probe_bandwidth(runtime, min(1 << 30, max(1 << 20, size)))
@@ -274,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
             pages_host = rng.choice(host.pages, pages, replace=False)
             tokens = [(p[:, None] * g.page_size + np.arange(g.page_size)).reshape(-1) for p in (pages_dev, pages_host)]
             engines = {"kernel": TransferEngine(mem.pool, host, backend="kernel", max_blocks=args.blocks),
+                       "kernel-layers": TransferEngine(mem.pool, host, backend="kernel", max_blocks=args.blocks,
+                                                       layer_signals=False),
                        "dma": TransferEngine(mem.pool, host, backend="batch")}
             ops = {"backup": ("kernel", lambda e, d=pages_dev, h=pages_host: e.backup(d, h)),
                    "load": ("kernel", lambda e, d=pages_dev, h=pages_host: e.load(h, d)),
@@ -288,13 +299,16 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(title=f"kvtier.compat.sglang.kvcacheio against the engine ({runtime.device_attributes(0).name}; "
                         f"ceiling H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f} GB/s)")
     for column in ("geometry", "host layout", "compat function", "engine call", "compat GB/s (%)",
-                   "engine GB/s (%)", "compat / engine %", "compat queued ms", "µs / call"):
+                   "engine GB/s (%)", "compat / engine %", "engine, a launch per layer: GB/s", "compat / it %",
+                   "queued ms: compat", "engine", "µs / compat call"):
         table.add_column(column)
     for r in rows:
         table.add_row(r["geometry"], r["layout"], r["function"], f"{r['engine']} {r['direction'].split('-')[0]}",
                       f"{r['compat_gbps']:.1f} ({r['compat_pct']:.0f}%)",
                       f"{r['engine_gbps']:.1f} ({r['engine_pct']:.0f}%)", f"{r['compat_vs_engine_pct']:.0f}",
-                      f"{r['compat_queued_ms']:.2f}", f"{r['compat_call_us']:.0f}")
+                      f"{r['engine_layer_launches_gbps']:.1f}" if "engine_layer_launches_gbps" in r else "",
+                      f"{r['compat_vs_layer_launches_pct']:.0f}" if "compat_vs_layer_launches_pct" in r else "",
+                      f"{r['compat_queued_ms']:.2f}", f"{r['engine_queued_ms']:.2f}", f"{r['compat_call_us']:.0f}")
     console.print(table)
     if args.json:
         with open(args.json, "w") as out:

@@ -127,16 +127,16 @@ def test_an_evicted_kernel_table_is_not_closed_under_a_call_about_to_launch_with
     # warm up: a's tables are cached
     kvcacheio.transfer_kv_per_layer_mla(a_src, a_dst, m.indices([0]), m.indices([0]), ITEM)
     launcher = operands._per_runtime(runtime).launcher
-    real = launcher.copy_chunks
+    real = launcher.prepare
     interleaved = []
 
-    def copy_chunks(*args, **kwargs):
+    def prepare(*args, **kwargs):
         if not interleaved:         # another thread's call, between this call's table lookup and its launch
             interleaved.append(True)
             kvcacheio.transfer_kv_per_layer_mla(b_src, b_dst, m.indices([2]), m.indices([3]), ITEM)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(launcher, "copy_chunks", copy_chunks)
+    monkeypatch.setattr(launcher, "prepare", prepare)
     kvcacheio.transfer_kv_per_layer_mla(a_src, a_dst, m.indices([1]), m.indices([4]), ITEM)
     runtime.synchronize(0)
     assert torch.equal(a_dst.cpu()[4], a_src.cpu()[1])

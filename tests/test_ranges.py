@@ -19,12 +19,15 @@ def test_index_matches_a_brute_force_model(ranges, probes):
         except ValueError:
             added = False
         assert added != overlaps
+        assert index.generation == len(kept) + added     # a refused add changes nothing
         if added:
             kept.append((start, size))
     for probe in probes:
         expected = [(s, n) for s, n in kept if s <= probe < s + n]
         found = index.find(probe)
         assert (found.start, found.nbytes) == expected[0] if expected else found is None
+    before = index.generation
     for start, _ in kept[::2]:
         index.pop(start)
     assert len(index) == len(kept) - len(kept[::2])
+    assert index.generation == before + len(kept[::2])

@@ -491,6 +491,133 @@ def test_a_new_table_tensor_at_a_freed_ones_address_is_read_again(split):
         mem.close()
 
 
+def test_a_warm_table_call_resolves_only_what_kvtier_cannot_see_change(memory, monkeypatch):
+    """Table entries inside kvtier's host ranges keep their resolution while those ranges are unchanged, so a warm
+    all-layer call asks the driver nothing for them (~10 µs each on the H200, 64-128 per call); device entries and
+    torch-pinned host entries, which kvtier cannot see freed, are resolved on every call; a host buffer allocated or
+    closed anywhere makes the next call resolve everything again; and every call copies right."""
+    import kvtier.compat.operands as operands
+
+    resolved: list[int] = []
+    real = operands.resolve_foreign_address
+
+    def counting(value, device, *, runtime=None):
+        resolved.append(value)
+        return real(value, device, runtime=runtime)
+
+    monkeypatch.setattr(operands, "resolve_foreign_address", counting)
+    dev = device_layers(memory)
+    host = memory.host((LAYERS, HOST_TOKENS, HEADS, DIM), data=False)
+    host_layers = [host[layer] for layer in range(LAYERS)]
+    dev_table, host_table = memory.table(dev), memory.table(host_layers)
+    host_addresses = {t.data_ptr() for t in host_layers}
+
+    def backup():
+        src, dst = pairs(DEVICE_TOKENS, HOST_TOKENS, absent=False)
+        resolved.clear()
+        kvcacheio.transfer_kv_all_layer_mla(dev_table, host_table, memory.indices(src), memory.indices(dst), ITEM,
+                                            LAYERS)
+        memory.runtime.synchronize(0)
+        got = memory.cpu(host)
+        for layer in range(LAYERS):
+            source = memory.cpu(dev[layer])
+            for s, d in zip(src, dst, strict=True):
+                assert torch.equal(got[layer, d], source[s]), f"layer {layer} token {d}"
+        return set(resolved) & host_addresses, len(resolved)
+
+    cold = (host_addresses, 2 * LAYERS)
+    warm = cold if memory.torch_pinned else (set(), LAYERS)
+    assert backup() == cold
+    assert backup() == warm
+    memory.buffer(4096)                                       # kvtier's host ranges changed
+    assert backup() == cold
+    assert backup() == warm
+
+
+def _counting_prepares(monkeypatch, runtime) -> list:
+    import kvtier.compat.operands as operands
+
+    launcher = operands._per_runtime(runtime).launcher
+    real, prepared = launcher.prepare, []
+
+    def prepare(*args, **kwargs):
+        prepared.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launcher, "prepare", prepare)
+    return prepared
+
+
+def test_a_repeated_per_layer_call_reuses_its_plan_and_copies_what_the_indices_say_now(memory, monkeypatch):
+    """A per-layer load is ~60 calls a request over the same tensors: the second on are planned once (resolution,
+    checks, kernel arguments) and only launched, ~10x less host time. Index values are read by the kernel, so a
+    reused plan with rewritten device indices copies the new items; a torch-pinned host operand (whose alias kvtier
+    cannot see change) is planned on every call."""
+    prepared = _counting_prepares(monkeypatch, memory.runtime)
+    item = MLA_DIM * 2
+    host = memory.host((HOST_TOKENS, LAYERS, MLA_DIM))
+    dev = [memory.device((DEVICE_TOKENS, MLA_DIM), data=False) for _ in range(LAYERS)]
+    src_i, dst_i = memory.indices([0] * 20), memory.indices([0] * 20)
+    for turn in range(3):
+        src, dst = pairs(HOST_TOKENS, DEVICE_TOKENS)
+        for index, values in ((src_i, src), (dst_i, dst)):
+            index.copy_(torch.tensor(values))
+        for layer in range(LAYERS):
+            kvcacheio.transfer_kv_per_layer_mla_pf_lf(host, dev[layer], src_i, dst_i, layer, item, LAYERS * item)
+        for layer in range(LAYERS):
+            got = memory.cpu(dev[layer])
+            for s, d in copied(src, dst):
+                assert torch.equal(got[d], host[s, layer]), f"turn {turn} layer {layer} token {d}"
+    assert len(prepared) == (3 * LAYERS if memory.torch_pinned else LAYERS)
+
+
+def test_a_kept_plan_over_a_closed_device_array_is_refused_by_name(split, monkeypatch):
+    """Emulator DeviceArrays can be closed under a kept plan: the next call must refuse the operand by name, not
+    launch at its freed address."""
+    mem = Memory(split)
+    src = DeviceArray.from_tensor(torch.randint(-300, 300, (DEVICE_TOKENS, HEADS, DIM), dtype=torch.int16),
+                                  runtime=split)
+    dst = mem.device((DEVICE_TOKENS, HEADS, DIM), data=False)
+    try:
+        si, di = mem.indices([1, 2]), mem.indices([3, 4])
+        kvcacheio.transfer_kv_per_layer_mla(src, dst, si, di, ITEM)
+        kvcacheio.transfer_kv_per_layer_mla(src, dst, si, di, ITEM)
+        src.close()
+        with pytest.raises(KvtierError, match="src"):
+            kvcacheio.transfer_kv_per_layer_mla(src, dst, si, di, ITEM)
+    finally:
+        mem.close()
+
+
+def test_a_host_buffer_closed_and_reallocated_under_a_kept_plan_is_planned_again(runtime, monkeypatch):
+    """A per-layer load planned over a kvtier host buffer; the buffer is closed and a new one allocated (often at
+    the same CPU address, on split-alias platforms with another device alias). The new buffer's call is planned
+    again and copies from the new bytes."""
+    prepared = _counting_prepares(monkeypatch, runtime)
+    mem = Memory(runtime)
+    try:
+        dst = mem.device((DEVICE_TOKENS, HEADS, DIM), data=False)
+        si, di = mem.indices([5, 6]), mem.indices([7, 8])
+
+        def load():
+            buffer = HostBuffer.allocate(HOST_TOKENS * ITEM, HostKind.PINNED, runtime=runtime)
+            host = buffer.as_tensor(torch.int16).view(HOST_TOKENS, HEADS, DIM)
+            host.copy_(torch.randint(-300, 300, host.shape, dtype=torch.int16))
+            for _ in range(2):
+                kvcacheio.transfer_kv_per_layer_mla(host, dst, si, di, ITEM)
+            got = mem.cpu(dst)
+            assert torch.equal(got[7], host[5]) and torch.equal(got[8], host[6])
+            del host
+            buffer.close()
+
+        load()
+        assert len(prepared) == 1
+        load()
+        assert len(prepared) == 2
+    finally:
+        mem.close()
+
+
 def test_pageable_indices_are_refused_by_name(split):
     mem = Memory(split)
     try:

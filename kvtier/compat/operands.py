@@ -22,7 +22,7 @@ from kvtier.compat.device_array import DeviceArray
 from kvtier.errors import InvalidArgument, KvtierError, WrongRuntime, about
 from kvtier.kernels.launch import KernelLauncher
 from kvtier.memory import DeviceAddress, get_device_accessible_ptr, resolve_foreign_address, tensor_extent
-from kvtier.memory.registration import registered_span
+from kvtier.memory.registration import registered_span, span_generation
 from kvtier.pools import PointerTable, build_pointer_table
 from kvtier.runtime import Runtime, Stream
 from kvtier.runtime import get as get_runtime
@@ -45,11 +45,25 @@ class Call:
     launcher: KernelLauncher
 
 
+ENTRIES_KEPT = 1 << 16
+"""Resolutions of table entries inside kvtier's host ranges kept per runtime (least recently used dropped)."""
+
+
+def _keep(cache: OrderedDict, key: tuple, value: Any, limit: int | None = None) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > (limit or TABLES_KEPT):
+        cache.popitem(last=False)
+
+
 class _PerRuntime:
     def __init__(self, runtime: Runtime) -> None:
         self.launcher = KernelLauncher(runtime)
         self.tables: OrderedDict[tuple, PointerTable] = OrderedDict()
         self.foreign: OrderedDict[tuple, tuple[Any, list[int]]] = OrderedDict()
+        self.aliases: OrderedDict[tuple[int, int], tuple[tuple[int, int], DeviceAddress]] = OrderedDict()
+        self.rooms: OrderedDict[tuple, tuple[tuple[int, int], tuple[int | None, bool]]] = OrderedDict()
+        self.plans: OrderedDict[tuple, Any] = OrderedDict()
         self.lock = threading.Lock()
 
 
@@ -115,6 +129,46 @@ def extent(x: Any) -> int:
     return x.nbytes if isinstance(x, DeviceArray) else tensor_extent(x)[1]
 
 
+def operand_key(call: Call, x: Any) -> tuple | None:
+    """What resolving the tensor or DeviceArray ``x`` for the call depends on, or None where kvtier cannot tell that
+    unchanged: host memory it did not register (pinned by torch or anyone else), whose alias may differ under the
+    same address after a free. A device tensor's address is its ``data_ptr()``; a CPU tensor inside kvtier's host
+    ranges resolves the same while :func:`span_generation` is unchanged (part of every plan key); a DeviceArray is
+    resolved again on every use (its buffer may be closed)."""
+    if isinstance(x, DeviceArray):
+        return ("array", id(x.buffer), x.offset, x.shape, x.dtype)
+    if not is_tensor(x):
+        return None
+    if x.device.type == "cpu" and call.runtime.host_range(x.data_ptr()) is None:
+        return None
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+
+
+def kept_plan(call: Call, key: tuple | None, arrays: Sequence[tuple[Any, str]]) -> Any:
+    """The plan stored under ``key`` (see :func:`keep_plan`), once the DeviceArrays among its operands still
+    resolve (a closed one is refused here, by name); None if there is none."""
+    if key is None:
+        return None
+    state = _per_runtime(call.runtime)
+    with state.lock:
+        plan = state.plans.get(key)
+        if plan is not None:
+            state.plans.move_to_end(key)
+    if plan is not None:
+        for x, what in arrays:
+            address(call, x, what)
+    return plan
+
+
+def keep_plan(call: Call, key: tuple | None, plan: Any) -> None:
+    """Keep a checked, resolved call under ``key``: every operand's :func:`operand_key`, the call's own numbers and
+    :func:`span_generation` (so a host buffer registered or closed since makes every call plan again)."""
+    if key is not None:
+        state = _per_runtime(call.runtime)
+        with state.lock:
+            _keep(state.plans, key, plan)
+
+
 def table_values(table: Any, what: str) -> np.ndarray:
     """The raw entries of a ``uint64`` pointer table: a tensor (any device; a device one is read back) or a
     DeviceArray."""
@@ -135,8 +189,10 @@ def table_values(table: Any, what: str) -> np.ndarray:
 def table_entries(call: Call, table: Any, what: str) -> tuple[list[int], list[DeviceAddress]]:
     """A raw pointer table's entries, as given and resolved for the call's device. A tensor table is read back once
     per tensor object and version (torch counts in-place changes; a new tensor at a freed one's address is another
-    table), a DeviceArray's on every call; the entries are resolved on every call, so memory closed or moved since
-    is refused or followed, never reached through a stale alias."""
+    table), a DeviceArray's on every call. An entry inside kvtier's host ranges keeps its resolution while those
+    ranges are unchanged (:func:`span_generation`: a buffer closed or registered since makes the next call resolve
+    again); any other entry is resolved on every call. So memory closed or moved since is refused or followed,
+    never reached through a stale alias, and a warm call asks nothing of the driver for kvtier's buffers."""
     state = _per_runtime(call.runtime)
     key = None
     if is_tensor(table):
@@ -155,16 +211,27 @@ def table_entries(call: Call, table: Any, what: str) -> tuple[list[int], list[De
         values = table_values(table, what).tolist()
         if key is not None:
             with state.lock:
-                state.foreign[key] = (weakref.ref(table), values)
-                while len(state.foreign) > TABLES_KEPT:
-                    state.foreign.popitem(last=False)
-    entries = []
-    for i, value in enumerate(values):
-        try:
-            entries.append(resolve_foreign_address(value, call.device, runtime=call.runtime))
-        except KvtierError as error:
-            raise about(error, f"{what}[{i}] = 0x{value:x}") from None
-    return values, entries
+                _keep(state.foreign, key, (weakref.ref(table), values))
+    generation = span_generation(call.runtime)
+    return values, [_resolve_entry(call, state, generation, value, f"{what}[{i}]")
+                    for i, value in enumerate(values)]
+
+
+def _resolve_entry(call: Call, state: _PerRuntime, generation: tuple[int, int], value: int,
+                   what: str) -> DeviceAddress:
+    key = (call.device, value)
+    with state.lock:
+        found = state.aliases.get(key)
+    if found is not None and found[0] == generation:
+        return found[1]
+    try:
+        entry = resolve_foreign_address(value, call.device, runtime=call.runtime)
+    except KvtierError as error:
+        raise about(error, f"{what} = 0x{value:x}") from None
+    if call.runtime.host_range(value) is not None:
+        with state.lock:
+            _keep(state.aliases, key, (generation, entry), ENTRIES_KEPT)
+    return entry
 
 
 def pointer_table(call: Call, entries: Sequence[DeviceAddress]) -> PointerTable:
@@ -184,11 +251,30 @@ def pointer_table(call: Call, entries: Sequence[DeviceAddress]) -> PointerTable:
     return table                                # the device), never closed under a call about to launch with it
 
 
-def table_room(call: Call, raw: int, resolved: DeviceAddress) -> tuple[int | None, bool]:
+def table_room(call: Call, raw: int, resolved: DeviceAddress,
+               generation: tuple[int, int] | None = None) -> tuple[int | None, bool]:
     """(bytes reachable from a table entry at contiguous device addresses, where known; whether the memory goes on
     past that at a different alias). A kvtier host buffer registered in chunks is one span where the chunks'
     aliases continue each other (always in unified addressing); where they do not (split aliases), a kernel must
-    not run from one chunk into the next."""
+    not run from one chunk into the next. Kept per entry while kvtier's host ranges are unchanged (``generation``:
+    :func:`span_generation`, read by a caller asking about many entries)."""
+    runtime = call.runtime
+    state, key = _per_runtime(runtime), (call.device, raw, resolved.value)
+    generation = generation or span_generation(runtime)
+    with state.lock:
+        found = state.rooms.get(key)
+    if found is not None and found[0] == generation:
+        return found[1]
+    if runtime.host_range(raw) is None:
+        end = runtime.allocation_end(raw)
+        return (None, False) if end is None else (end - raw, False)
+    result = _registered_room(call, raw, resolved)
+    with state.lock:
+        _keep(state.rooms, key, (generation, result), ENTRIES_KEPT)
+    return result
+
+
+def _registered_room(call: Call, raw: int, resolved: DeviceAddress) -> tuple[int | None, bool]:
     runtime = call.runtime
     end = runtime.allocation_end(raw)
     if end is None:

@@ -20,6 +20,19 @@ DEFAULT_REGISTER_CHUNK_BYTES = 64 << 30
 
 _spans_lock = threading.Lock()
 _spans: weakref.WeakKeyDictionary[Runtime, dict[int, tuple[int, int]]] = weakref.WeakKeyDictionary()
+_span_versions: weakref.WeakKeyDictionary[Runtime, int] = weakref.WeakKeyDictionary()
+
+
+def span_generation(runtime: Runtime) -> tuple[int, int]:
+    """Changes whenever kvtier's host ranges or the spans joining chunks into buffers change: what
+    :func:`registered_span` and the resolver said at one generation holds while it is unchanged."""
+    with _spans_lock:
+        version = _span_versions.get(runtime, 0)
+    return runtime.host_generation, version
+
+
+def _spans_changed(runtime: Runtime) -> None:
+    _span_versions[runtime] = _span_versions.get(runtime, 0) + 1
 
 
 def registered_span(runtime: Runtime, address: int) -> tuple[int, int] | None:
@@ -74,6 +87,7 @@ def register_chunks(runtime: Runtime, address: int, nbytes: int, *, chunk_bytes:
             spans = _spans.setdefault(runtime, {})
             for start, _ in done:
                 spans[start] = (address, address + nbytes)
+            _spans_changed(runtime)
     return done
 
 
@@ -85,6 +99,7 @@ def unregister_chunks(runtime: Runtime, chunks: list[tuple[int, int]]) -> None:
         gone = {spans[start] for start, _ in chunks if start in spans}
         for start in [start for start, span in spans.items() if span in gone]:
             del spans[start]
+        _spans_changed(runtime)
     while chunks:
         start, _ = chunks.pop()
         try:

@@ -238,6 +238,13 @@ class Runtime:
         with self._lock:
             return self._host.find(address, nbytes)
 
+    @property
+    def host_generation(self) -> int:
+        """Changes whenever a kvtier host range is added or removed: a resolution of an address inside one (its
+        alias, its span) made at one generation holds while this is unchanged."""
+        with self._lock:
+            return self._host.generation
+
     def allocation_end(self, address: int) -> int | None:
         """Where the allocation or registration holding ``address`` ends, where the runtime knows it (kvtier's host
         ranges here; device allocations too where the platform tells), else None: what bounds a raw pointer that

@@ -34,6 +34,8 @@ class RangeIndex(Generic[T]):
     def __init__(self) -> None:
         self._starts: list[int] = []
         self._ranges: list[Range[T]] = []
+        self.generation = 0
+        """Counts every add and pop: what was looked up at one generation still holds while it is unchanged."""
 
     def __len__(self) -> int:
         return len(self._ranges)
@@ -57,6 +59,7 @@ class RangeIndex(Generic[T]):
         entry = Range(start, nbytes, value)
         self._starts.insert(i, start)
         self._ranges.insert(i, entry)
+        self.generation += 1
         return entry
 
     def edges(self, start: int, end: int) -> list[int]:
@@ -84,4 +87,5 @@ class RangeIndex(Generic[T]):
         if i == len(self._starts) or self._starts[i] != start:
             raise KeyError(start)
         del self._starts[i]
+        self.generation += 1
         return self._ranges.pop(i)

@@ -44,10 +44,6 @@ def _indices(src_indices: Any, dst_indices: Any, page_size: Any) -> tuple[np.nda
         raise InvalidArgument(f"src_indices ({src.size}) and dst_indices ({dst.size}) must have the same length")
     if src.size % page_size:
         raise InvalidArgument(f"{src.size} indices are not whole pages of page_size={page_size}")
-    if src.size and min(src.min(), dst.min()) < 0:
-        raise InvalidArgument("direct transfers take non-negative indices only")
-    if src.size and max(src.max(), dst.max()) > LIMIT // 1024:
-        raise InvalidArgument(f"index {max(src.max(), dst.max())} is out of range of any tensor")
     return src, dst, int(page_size)
 
 
@@ -68,6 +64,46 @@ def _bytes(x: Any, dim: int) -> int:
 
 
 @dataclass(frozen=True)
+class Runs:
+    """A call's copies in bytes from each side's start of a layer, the same for every layer of one stride: computed
+    once per call and shared, so each layer adds only two resolutions and two bounds checks (a per-layer call queues
+    ~1000 copies in ~1 ms; rebuilding these arrays for every layer cost the compat call ~3% of that)."""
+
+    dst_offsets: np.ndarray
+    src_offsets: np.ndarray
+    sizes: np.ndarray
+    dst_span: tuple[int, int]
+    src_span: tuple[int, int]
+
+
+def _offsets(positions: np.ndarray, stride: int, name: str) -> tuple[np.ndarray, int, int]:
+    """(``positions * stride`` bytes, the lowest and highest of them): the indices a call uses are checked here, once,
+    to be non-negative and never to overflow int64."""
+    if not positions.size:
+        return positions * stride, 0, 0
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0:
+        raise InvalidArgument(f"{name}: index {lo}: direct transfers take non-negative indices only")
+    if hi > LIMIT // max(stride, 1):
+        raise InvalidArgument(f"{name}: index {hi} is out of range of any tensor")
+    return positions * stride, lo * stride, hi * stride
+
+
+def _runs(dst_positions: np.ndarray, dst_stride: int, dst_name: str, src_positions: np.ndarray, src_stride: int,
+          src_name: str, size: int | np.ndarray) -> Runs:
+    """Copy ``i`` moves ``size`` (or ``size[i]``) bytes from source entry ``src_positions[i]`` to destination entry
+    ``dst_positions[i]``, entries ``*_stride`` bytes apart."""
+    (dst_offsets, dst_lo, dst_hi), (src_offsets, src_lo, src_hi) = (
+        _offsets(dst_positions, dst_stride, dst_name), _offsets(src_positions, src_stride, src_name))
+    if isinstance(size, np.ndarray):
+        sizes = size.astype(np.int64, copy=False)
+        return Runs(dst_offsets, src_offsets, sizes, (dst_lo, int((dst_offsets + sizes).max())),
+                    (src_lo, int((src_offsets + sizes).max())))
+    return Runs(dst_offsets, src_offsets, np.full(dst_offsets.shape, size, np.int64), (dst_lo, dst_hi + size),
+                (src_lo, src_hi + size))
+
+
+@dataclass(frozen=True)
 class Copies:
     """One layer's copies, checked and resolved: ``sizes[i]`` bytes at each offset pair. A host side's base is its
     CPU address (copies take that), cut where kvtier registrations meet, which no single copy may cross."""
@@ -79,55 +115,53 @@ class Copies:
     sizes: np.ndarray
 
 
-def _offsets(positions: np.ndarray, stride: int, name: str, base: int = 0) -> np.ndarray:
-    """``base + positions * stride`` bytes, refused before it could overflow int64."""
-    if positions.size and int(positions.max()) > (LIMIT - base) // max(stride, 1):
-        raise InvalidArgument(f"{name}: index {int(positions.max())} is out of range of any tensor")
-    return base + positions * stride
-
-
 def _is_host(x: Any) -> bool:
     return is_tensor(x) and x.device.type == "cpu"
 
 
-def _plan(call: Call, dst: Any, dst_name: str, dst_offsets: np.ndarray, src: Any, src_name: str,
-          src_offsets: np.ndarray, size: int | np.ndarray) -> Copies | None:
-    """The copies (``size`` bytes each, or ``size[i]`` for copy ``i``), once every one is checked to lie inside both
-    tensors and both resolve for the call's device."""
-    if not dst_offsets.size:
+def _plan(call: Call, runs: Runs, dst: Any, dst_name: str, src: Any, src_name: str, dst_shift: int = 0,
+          src_shift: int = 0) -> Copies | None:
+    """``runs`` between ``dst`` and ``src`` (each side's offsets moved on by its ``*_shift`` bytes: the layer's place
+    in a page), once every copy is checked to lie inside both tensors and both resolve for the call's device."""
+    if not runs.sizes.size:
         return None
-    sizes = np.broadcast_to(np.asarray(size, np.int64), dst_offsets.shape).copy()
-    for x, offsets, name in ((dst, dst_offsets, dst_name), (src, src_offsets, src_name)):
-        end = int((offsets + sizes).max())
-        if end > extent(x):
-            raise InvalidArgument(f"{name}: a copy reaches byte {end} of a tensor of {extent(x)} bytes: index out "
-                                  f"of range")
-    _refuse_overlap(dst_offsets, sizes, dst_name)
-    bases: list[Address] = [address(call, dst, dst_name), address(call, src, src_name)]
-    at = [dst_offsets, src_offsets]
-    for side, x in enumerate((dst, src)):
+    sides = ((dst, dst_name, dst_shift, runs.dst_span), (src, src_name, src_shift, runs.src_span))
+    for x, name, shift, (_, end) in sides:
+        if shift + end > extent(x):
+            raise InvalidArgument(f"{name}: a copy reaches byte {shift + end} of a tensor of {extent(x)} bytes: "
+                                  f"index out of range")
+    bases: list[Address] = []
+    at, sizes = [runs.dst_offsets, runs.src_offsets], runs.sizes
+    for side, (x, name, shift, (lo, end)) in enumerate(sides):
         if not _is_host(x):
+            bases.append(address(call, x, name) + shift)
             continue
-        bases[side] = CpuAddress(x.data_ptr())
-        lo, hi = int(at[side].min()), int((at[side] + sizes).max())
-        edges = [edge - x.data_ptr() for edge in call.runtime.host_edges(x.data_ptr() + lo, x.data_ptr() + hi)]
+        address(call, x, name)
+        base = x.data_ptr() + shift
+        bases.append(CpuAddress(base))
+        edges = [edge - base for edge in call.runtime.host_edges(base + lo, base + end)]
         if edges:
-            starts, sizes, origin, shift = split_at_boundaries(at[side], sizes, edges)
-            at = [starts if i == side else other[origin] + shift for i, other in enumerate(at)]
+            starts, sizes, origin, moved = split_at_boundaries(at[side], sizes, edges)
+            at = [starts if i == side else other[origin] + moved for i, other in enumerate(at)]
     return Copies(bases[0], at[0], bases[1], at[1], sizes)
 
 
-def _refuse_overlap(offsets: np.ndarray, sizes: np.ndarray, name: str) -> None:
-    """Two copies writing the same bytes (a repeated destination index, or pages that overlap) are refused: one call's
+def _refuse_overlap(starts: np.ndarray, lengths: np.ndarray | int, name: str, unit: str) -> None:
+    """Two copies writing the same bytes (a repeated destination index, or runs that overlap) are refused: one call's
     copies land in no defined order, so which source would win is undefined (SGLang's loop of ``copy_`` keeps the
-    last, its kernels race)."""
-    order = np.argsort(offsets, kind="stable")
-    starts, ends = offsets[order], offsets[order] + sizes[order]
-    clash = np.flatnonzero(starts[1:] < ends[:-1])
+    last, its kernels race). Checked once per call on the destination indices (``lengths`` ``unit``s from each of
+    ``starts``): every layer's copies are those runs scaled by the layer's row or page bytes."""
+    if isinstance(lengths, np.ndarray):
+        order = np.argsort(starts)
+        first, ends = starts[order], starts[order] + lengths[order]
+    else:
+        first = np.sort(starts)
+        ends = first + lengths
+    clash = np.flatnonzero(first[1:] < ends[:-1])
     if clash.size:
-        first, second = int(starts[clash[0]]), int(starts[clash[0] + 1])
-        raise InvalidArgument(f"{name}: two copies write the same bytes (at byte {first} and {second}): destination "
-                              f"indices repeat or overlap, and one call's copies land in no defined order")
+        a, b = int(first[clash[0]]), int(first[clash[0] + 1])
+        raise InvalidArgument(f"{name}: two copies write the same bytes ({unit} {a} and {b}): destination indices "
+                              f"repeat or overlap, and one call's copies land in no defined order")
 
 
 def _submit(call: Call, plans: list[Copies | None]) -> None:
@@ -159,12 +193,15 @@ def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any], src
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [src.size])))
+    _refuse_overlap(dst[starts], lengths, "dst_layers[0]", "tokens")
+    runs: dict[int, Runs] = {}
     plans = []
     for layer, (s, d) in enumerate(zip(src_layers, dst_layers, strict=True)):
         row = _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows")
-        plans.append(_plan(call, d, f"dst_layers[{layer}]", _offsets(dst[starts], row, f"dst_layers[{layer}]"),
-                           s, f"src_layers[{layer}]", _offsets(src[starts], row, f"src_layers[{layer}]"),
-                           lengths * row))
+        if row not in runs:
+            runs[row] = _runs(dst[starts], row, f"dst_layers[{layer}]", src[starts], row, f"src_layers[{layer}]",
+                              lengths * row)
+        plans.append(_plan(call, runs[row], d, f"dst_layers[{layer}]", s, f"src_layers[{layer}]"))
     _submit(call, plans)
 
 
@@ -183,6 +220,11 @@ def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name:
                  pages: np.ndarray, tokens: np.ndarray, first_layer: int, page_size: int, to_page_first: bool) -> None:
     mla, layers = _kv_split(page_first, layer_first, pf_name, lf_name)
     call = call_for([*page_first, *layer_first], [])
+    if to_page_first:
+        _refuse_overlap(pages, 1, f"{pf_name}[0]", "page")
+    else:
+        _refuse_overlap(tokens, page_size, f"{lf_name}[0]", "tokens from")
+    runs: dict[tuple[int, int, int], Runs] = {}
     plans = []
     for t, host in enumerate(page_first):
         if host.dim() < 3:
@@ -193,18 +235,21 @@ def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name:
         if first_layer + layers > host.shape[1]:
             raise InvalidArgument(f"layers [{first_layer}, {first_layer + layers}) exceed the {host.shape[1]} of "
                                   f"{pf_name}[{t}]")
+        host_name = f"{pf_name}[{t}]"
         for j in range(layers):
             other = layer_first[j if mla else j + t * layers]
             other_name = f"{lf_name}[{j if mla else j + t * layers}]"
             size = _same(page_size * _bytes(host, 2), page_size * _bytes(other, 0), f"{other_name} pages")
-            host_offsets = _offsets(pages, _bytes(host, 0), f"{pf_name}[{t}]", (first_layer + j) * _bytes(host, 1))
-            other_offsets = _offsets(tokens, _bytes(other, 0), other_name)
+            key = (_bytes(host, 0), _bytes(other, 0), size)
+            layer_shift = (first_layer + j) * _bytes(host, 1)
+            if key not in runs:
+                host_side, other_side = (pages, key[0], host_name), (tokens, key[1], other_name)
+                runs[key] = _runs(*(host_side if to_page_first else other_side),
+                                  *(other_side if to_page_first else host_side), size)
             if to_page_first:
-                plans.append(_plan(call, host, f"{pf_name}[{t}]", host_offsets, other, other_name, other_offsets,
-                                   size))
+                plans.append(_plan(call, runs[key], host, host_name, other, other_name, dst_shift=layer_shift))
             else:
-                plans.append(_plan(call, other, other_name, other_offsets, host, f"{pf_name}[{t}]", host_offsets,
-                                   size))
+                plans.append(_plan(call, runs[key], other, other_name, host, host_name, src_shift=layer_shift))
     _submit(call, plans)
 
 

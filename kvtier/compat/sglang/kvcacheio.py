@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.compat.device_array import DeviceArray
 from kvtier.compat.operands import (
     LIMIT,
     Call,
@@ -32,6 +33,9 @@ from kvtier.compat.operands import (
     checks_on,
     extent,
     host_indices,
+    keep_plan,
+    kept_plan,
+    operand_key,
     pointer_table,
     table_entries,
     table_room,
@@ -44,6 +48,7 @@ from kvtier.compat.sglang.direct import (
 from kvtier.errors import InvalidArgument, KvtierError, about
 from kvtier.kernels.launch import ChunkCopy, ChunkSide
 from kvtier.memory import DeviceAddress
+from kvtier.memory.registration import span_generation
 
 _is_hip = getattr(torch.version, "hip", None) is not None
 WARPS = 16 if _is_hip else 32
@@ -108,13 +113,14 @@ class Side:
             offsets = pages * self.page_stride + slots * self.unit_stride
             worst, far = int(units[np.argmax(offsets)]), int(offsets.max())
         reach = far + (pieces - 1) * self.piece_stride + chunk_bytes
+        generation = span_generation(call.runtime)
         for entry in entries:
             room = entry.room
             if entry.raw is not None:
                 if units is None and call.runtime.host_range(entry.raw) is None:
                     continue   # device memory, or host memory kvtier did not register: one alias, size unknown
                 try:
-                    room, split = table_room(call, entry.raw, entry.address)
+                    room, split = table_room(call, entry.raw, entry.address, generation)
                 except KvtierError as error:
                     raise about(error, entry.what) from None
                 if split and units is None:
@@ -158,10 +164,21 @@ def _layout_holds(layout_dim: int, layers: int, item_size: int, name: str) -> No
                               f"{item_size}: layers would overlap the next token")
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A checked, resolved kernel call: each side's entries (for index checks), the pointer tables it reads (held, so
+    they outlive every launch of it) and the prepared launch."""
+
+    entries: list[list[Entry]]
+    tables: list[Any]
+    launch: Any
+
+
 def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers: int, chunk_bytes: int,
           pieces: int = 1, block_quota: Any, num_warps_per_block: Any, unit_major: bool = False) -> None:
     """One kernel launch on the caller's current stream: for each KV tensor, layer, index pair and piece, copy
-    ``chunk_bytes``."""
+    ``chunk_bytes``. A call like an earlier one (same tensors, numbers and kvtier host ranges; no raw tables) reuses
+    its checked plan: a per-layer load is ~60 such calls a request, each otherwise resolving and checking anew."""
     block_quota = _positive(block_quota, "block_quota")
     warps = _positive(num_warps_per_block, "num_warps_per_block")
     if warps > 32:
@@ -169,26 +186,61 @@ def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers:
     index_bytes = check_indices(src_indices, dst_indices)
     call = call_for([*src.operands, *dst.operands, src_indices, dst_indices], [src_indices, dst_indices])
     call.launcher.check_threads(warps * 32, block_quota)
-    entries = [side.entries(call, n_layers) for side in (src, dst)]
-    named = ((src_indices, "src_indices"), (dst_indices, "dst_indices"))
-    index_addresses = [address(call, x, what) for x, what in named] if src_indices.numel() else []
+    numbers = (n_layers, chunk_bytes, pieces, block_quota, warps, unit_major, index_bytes)
+    named = [(x, f"{side.name}_{'kv'[i]}" if len(side.operands) == 2 else side.name)
+             for side in (src, dst) for i, x in enumerate(side.operands)]
+    named += [(src_indices, "src_indices"), (dst_indices, "dst_indices")]
     if checks_on():
         call.stream.synchronize()   # what is checked is what the kernel reads, also in pinned indices still written
     host = [host_indices(src_indices), host_indices(dst_indices)]
-    for side, own, other, side_entries in ((src, 0, 1, entries[0]), (dst, 1, 0, entries[1])):
+    unread = (host[0] is None, host[1] is None)
+    key = _plan_key(call, src, dst, named, (*numbers, unread))
+    plan = kept_plan(call, key, [(x, what) for x, what in named if isinstance(x, DeviceArray)])
+    if plan is None:
+        plan = _plan(call, src, dst, src_indices, dst_indices, numbers, unread)
+        keep_plan(call, key, plan)
+    for side, own, other, side_entries in ((src, 0, 1, plan.entries[0]), (dst, 1, 0, plan.entries[1])):
         units, partner = host[own], host[other]
         if units is not None:   # a unit whose pair is absent on either side is skipped, so not checked
             units = units[(units >= 0) & (partner >= 0)] if partner is not None else units[units >= 0]
-        side.check_reach(call, side_entries, units, chunk_bytes, pieces)
+            side.check_reach(call, side_entries, units, chunk_bytes, pieces)
+    plan.launch(0, n_layers, call.stream)
+
+
+def _plan_key(call: Call, src: Side, dst: Side, named: list[tuple[Any, str]], numbers: tuple) -> tuple | None:
+    """The key a call's plan is kept under, or None (raw tables, or an operand kvtier cannot tell unchanged)."""
+    if src.tables or dst.tables:
+        return None
+    operands = [operand_key(call, x) for x, _ in named]
+    if any(k is None for k in operands):
+        return None
+    shape = [(s.page_stride, tuple(s.layers), s.layer_stride, s.unit_stride, s.piece_stride, s.units_per_page)
+             for s in (src, dst)]
+    return (call.device, span_generation(call.runtime), *shape, *numbers, *operands)
+
+
+def _plan(call: Call, src: Side, dst: Side, src_indices: Any, dst_indices: Any, numbers: tuple,
+          unread: tuple[bool, bool]) -> Plan:
+    """Resolve and check everything about a call that does not depend on index values (each side whose indices are
+    ``unread`` is checked as far as it can be without them), and prepare its launch."""
+    n_layers, chunk_bytes, pieces, block_quota, warps, unit_major, index_bytes = numbers
+    entries = [side.entries(call, n_layers) for side in (src, dst)]
+    named = ((src_indices, "src_indices"), (dst_indices, "dst_indices"))
+    index_addresses = [address(call, x, what) for x, what in named] if src_indices.numel() else []
+    for side, side_entries, check in zip((src, dst), entries, unread, strict=True):
+        if check:
+            side.check_reach(call, side_entries, None, chunk_bytes, pieces)
     n_units = src_indices.numel()
     if n_units == 0:
-        return
-    sides = [ChunkSide(pointer_table(call, [entry.address for entry in e]), s.page_stride, s.unit_stride,
-                       s.piece_stride, s.units_per_page) for e, s in zip(entries, (src, dst), strict=True)]
+        return Plan(entries, [], lambda begin, count, stream: None)
+    tables = [pointer_table(call, [entry.address for entry in e]) for e in entries]
+    sides = [ChunkSide(table, s.page_stride, s.unit_stride, s.piece_stride, s.units_per_page)
+             for table, s in zip(tables, (src, dst), strict=True)]
     copy = ChunkCopy(sides[0], sides[1], index_addresses[0], index_addresses[1], index_bytes, n_units, 0, n_layers,
                      pieces, chunk_bytes, len(src.operands), n_layers, unit_major=unit_major)
-    call.launcher.copy_chunks(copy, device=call.device, stream=call.stream, max_blocks=block_quota,
-                              threads=warps * 32)
+    launch = call.launcher.prepare(copy, [(0, n_layers)], device=call.device, max_blocks=block_quota,
+                                   threads=warps * 32)
+    return Plan(entries, tables, launch)
 
 
 def _heads(item_size: int, head_num: Any, layout_dim: int | None = None) -> tuple[int, int]:
