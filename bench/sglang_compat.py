@@ -6,8 +6,9 @@ corresponds to), then the same pages with the compat function over the very same
 ``data_ptr()``s, ``block_quota`` = ``--blocks``), and reports both rates against the same run's contiguous ceiling.
 Per-layer rows call the compat function once per layer, as SGLang's load-back does (a launch per layer); the engine row
 is one per-layer load (one launch, each layer signalled from the device), and a second engine column gives the same
-load as a launch per layer (``layer_signals=False``): the API's own cost apart from the compat layer's. ``page_head`` is compared with kvtier's own head-major layout, which orders a head's tokens and layers the other
-way round (same 256-byte pieces).
+load as a launch per layer (``layer_signals=False``): the API's own cost apart from the compat layer's. ``page_head`` is
+compared with kvtier's own head-major layout, which orders a head's tokens and layers the other way round (same
+256-byte pieces). ``--stream side`` runs the compat calls on a torch stream of their own, as SGLang's HiCache does.
 
 Run on a GPU machine: ``python bench/sglang_compat.py [--json out.json]``; ``--runtime emulated:split`` is a smoke test
 on the CPU emulator (the numbers are not speeds).
@@ -48,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gib", type=float, help="GiB per transfer (default: 1; 1/256 on an emulated runtime)")
     parser.add_argument("--repeats", type=int, help="timed repeats after one warm-up (default: 3; 1 emulated)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--stream", choices=["default", "side"], default="default",
+                        help="torch stream of the compat calls: the default (legacy) stream, or a stream of their own "
+                             "(SGLang's HiCache loads and backups run on side streams)")
     parser.add_argument("--profile", metavar="FUNCTION", action="append", default=[],
                         help="also print where the host time of this compat function goes (cProfile); repeatable")
     args = parser.parse_args(argv)
@@ -60,10 +64,11 @@ class Memory:
     """Device layers as the compat functions take them (CUDA tensors, or DeviceArrays on the emulator) over one
     pool, and host views of one host pool, all as uint8 rows."""
 
-    def __init__(self, runtime, name: str, g, pages: int, seed: HostBuffer) -> None:
+    def __init__(self, runtime, name: str, g, pages: int, seed: HostBuffer, stream: str = "default") -> None:
         import torch
 
         self.runtime, self.name, self.g, self.cuda = runtime, name, g, runtime.name == "cuda"
+        self.stream = torch.cuda.Stream() if self.cuda and stream == "side" else None
         tokens = pages * g.page_size
         if self.cuda:
             self.layers = [[torch.empty((tokens, g.row_bytes), dtype=torch.uint8, device="cuda")
@@ -87,11 +92,25 @@ class Memory:
         raw = torch.tensor([x.data_ptr() for x in operands], dtype=torch.uint64)
         return raw.to("cuda") if self.cuda else DeviceArray.from_tensor(raw, runtime=self.runtime)
 
+    def on_stream(self, call):
+        """``call`` on the chosen torch stream (``--stream``)."""
+        if self.stream is None:
+            return call
+
+        def on_side():
+            import torch
+
+            with torch.cuda.stream(self.stream):
+                call()
+        return on_side
+
     def done(self) -> None:
         if self.cuda:
             import torch
 
             torch.cuda.current_stream().synchronize()
+            if self.stream is not None:
+                self.stream.synchronize()
         else:
             self.runtime.synchronize(0)
 
@@ -231,7 +250,7 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
                                            engines["kernel"]):
         backend, engine_op = ops[op]
         engine = engines[backend]
-        sides = [(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize), (call, mem.done)]
+        sides = [(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize), (mem.on_stream(call), mem.done)]
         per_layer = function.startswith("transfer_kv_per_layer") and backend == "kernel"
         if per_layer:   # SGLang's per-layer API is a launch per layer; the engine's load is one, signalled per layer
             layered = engines["kernel-layers"]
@@ -240,14 +259,15 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
         (q_engine, t_engine), (q_compat, t_compat) = timings[:2]
         calls = g.layers if function.startswith("transfer_kv_per_layer") else 1
         if function in args.profile:
-            profile(function, call, mem.done, calls, console)
+            profile(function, mem.on_stream(call), mem.done, calls, console)
         key = "d2h_gbps" if op.startswith("backup") else "h2d_gbps"
         nbytes = len(pages_dev) * g.bytes_per_page
         threads = engine.backup_threads if op == "backup" else engine.threads
         row = {"geometry": name, "layout": layout, "function": function, "direction": op,
                "engine": f"{backend}:{args.blocks}x{threads}" if backend == "kernel" else "batch",
                "engine_gbps": nbytes / t_engine / 1e9, "compat_gbps": nbytes / t_compat / 1e9,
-               "compat_queued_ms": 1e3 * q_compat, "engine_queued_ms": 1e3 * q_engine, "calls": calls, "compat_call_us": 1e6 * q_compat / calls}
+               "compat_queued_ms": 1e3 * q_compat, "engine_queued_ms": 1e3 * q_engine, "calls": calls,
+               "compat_call_us": 1e6 * q_compat / calls}
         row["engine_pct"] = 100 * row["engine_gbps"] / ceiling[key]
         row["compat_pct"] = 100 * row["compat_gbps"] / ceiling[key]
         row["compat_vs_engine_pct"] = 100 * t_engine / t_compat
@@ -274,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.geometry or ["llama3-8b-p16", "dsv3-mla-p16"]:
         g = GEOMETRIES[name]
         pages = max(1, size // g.bytes_per_page)
-        mem = Memory(runtime, name, g, 2 * pages, seed)
+        mem = Memory(runtime, name, g, 2 * pages, seed, args.stream)
         for layout in ("page_first", "layer_first", "page_head", "page_first_direct"):
             if layout == "page_head" and g.tensors == 1:
                 continue
@@ -297,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         mem.pool.close()
     seed.close()
     table = Table(title=f"kvtier.compat.sglang.kvcacheio against the engine ({runtime.device_attributes(0).name}; "
+                        f"compat calls on the {args.stream} stream; "
                         f"ceiling H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f} GB/s)")
     for column in ("geometry", "host layout", "compat function", "engine call", "compat GB/s (%)",
                    "engine GB/s (%)", "compat / engine %", "engine, a launch per layer: GB/s", "compat / it %",
@@ -312,7 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     console.print(table)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"runtime": runtime.name, "ceiling": ceiling, "blocks": args.blocks, "rows": rows}, out, indent=1)
+            json.dump({"runtime": runtime.name, "ceiling": ceiling, "blocks": args.blocks, "stream": args.stream,
+                       "rows": rows}, out, indent=1)
     if emulated:
         console.print(EMULATED_NOTE.format(name=runtime.name))
 

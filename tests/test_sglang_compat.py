@@ -274,6 +274,35 @@ def test_direct_page_first_both_ways(memory, mla):
         assert_poison_except(memory.cpu(out[t]), expected)
 
 
+def test_direct_per_layer_calls_reuse_what_they_derived_only_while_the_index_values_hold(memory):
+    """A per-layer direct load derives its copies once and reuses them for the next layers' calls with the same
+    index tensors. Index values rewritten in place (a numpy write: torch's version counter does not move) are seen
+    by the next call; a bad rewrite is refused on every call, nothing copied."""
+    import numpy as np
+
+    pf = [memory.host((HOST_TOKENS // PAGE, LAYERS, PAGE, HEADS, DIM)) for _ in range(2)]
+    src_i, dst_i = torch.zeros(5 * PAGE, dtype=torch.int64), torch.zeros(5 * PAGE, dtype=torch.int64)
+    for turn in range(3):
+        src, dst = page_aligned(HOST_TOKENS, DEVICE_TOKENS, runs=False)
+        src_i.numpy()[:], dst_i.numpy()[:] = src, dst
+        dev = [memory.device((DEVICE_TOKENS, HEADS, DIM), data=False) for _ in range(2 * LAYERS)]
+        for layer in range(LAYERS):
+            kvcacheio.transfer_kv_per_layer_direct_pf_lf(pf, [dev[layer], dev[LAYERS + layer]], src_i, dst_i, layer,
+                                                         PAGE)
+        for t in range(2):
+            for layer in range(LAYERS):
+                expected = torch.full((DEVICE_TOKENS, HEADS, DIM), POISON, dtype=torch.int16)
+                for s, d in zip(src, dst, strict=True):
+                    expected[d] = pf[t][s // PAGE, layer, s % PAGE]
+                assert_poison_except(memory.cpu(dev[t * LAYERS + layer]), expected), f"turn {turn}"
+    np.copyto(dst_i.numpy()[PAGE:2 * PAGE], dst_i.numpy()[:PAGE])      # two pages to one destination page
+    dev = [memory.device((DEVICE_TOKENS, HEADS, DIM), data=False) for _ in range(2)]
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match="same bytes"):
+            kvcacheio.transfer_kv_per_layer_direct_pf_lf(pf, dev, src_i, dst_i, 0, PAGE)
+    assert all(memory.poisoned(x) for x in dev)
+
+
 # -- refusals: clear errors, nothing copied ------------------------------------------------------------------------
 def test_a_pageable_table_entry_is_refused_by_name_and_nothing_is_copied(memory):
     dev_k, dev_v = device_layers(memory), device_layers(memory)

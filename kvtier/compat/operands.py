@@ -134,9 +134,12 @@ def operand_key(call: Call, x: Any) -> tuple | None:
     unchanged: host memory it did not register (pinned by torch or anyone else), whose alias may differ under the
     same address after a free. A device tensor's address is its ``data_ptr()``; a CPU tensor inside kvtier's host
     ranges resolves the same while :func:`span_generation` is unchanged (part of every plan key); a DeviceArray is
-    resolved again on every use (its buffer may be closed)."""
+    keyed by its address and resolved again on every use (its buffer may be closed since)."""
     if isinstance(x, DeviceArray):
-        return ("array", id(x.buffer), x.offset, x.shape, x.dtype)
+        try:
+            return ("array", x.data_ptr(), x.device_index, x.shape, x.dtype)
+        except KvtierError:     # closed: the full path refuses it by name
+            return None
     if not is_tensor(x):
         return None
     if x.device.type == "cpu" and call.runtime.host_range(x.data_ptr()) is None:

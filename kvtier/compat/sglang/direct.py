@@ -9,17 +9,29 @@ read them asynchronously).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvtier.address import Address, CpuAddress
 from kvtier.compat.device_array import DeviceArray
-from kvtier.compat.operands import LIMIT, Call, address, call_for, extent, is_tensor
+from kvtier.compat.operands import (
+    LIMIT,
+    Call,
+    address,
+    call_for,
+    extent,
+    is_tensor,
+    keep_plan,
+    kept_plan,
+    operand_key,
+)
 from kvtier.errors import InvalidArgument
-from kvtier.memory.registration import split_at_boundaries
+from kvtier.memory.registration import span_generation, split_at_boundaries
 
 
 def _index_values(x: Any, name: str) -> np.ndarray:
@@ -47,6 +59,47 @@ def _indices(src_indices: Any, dst_indices: Any, page_size: Any) -> tuple[np.nda
     return src, dst, int(page_size)
 
 
+@dataclass(eq=False)
+class Indexed:
+    """A call's index values and what was derived from them (copy runs, the overlap check), kept for the next call
+    with equal values: a per-layer load passes the same index tensors for each of its ~60 calls, which then compare
+    the values instead of deriving everything again."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    page_size: int
+    derived: dict[Any, Any] = field(default_factory=dict)
+
+    def get(self, key: Any, make: Callable[..., Any], *args: Any) -> Any:
+        """``make(*args)``, made once per key."""
+        found = self.derived.get(key)
+        if found is None:
+            found = self.derived[key] = make(*args)
+        return found
+
+
+INDEXED_KEPT = 16
+_indexed: OrderedDict[tuple, Indexed] = OrderedDict()
+_indexed_lock = threading.Lock()
+
+
+def _indexed_values(src_indices: Any, dst_indices: Any, page_size: Any) -> Indexed:
+    """The checked index values of a call, with what earlier calls derived from equal values."""
+    src, dst, page_size = _indices(src_indices, dst_indices, page_size)
+    key = (id(src_indices), id(dst_indices), page_size)
+    with _indexed_lock:
+        found = _indexed.get(key)
+    if found is not None and np.array_equal(found.src, src) and np.array_equal(found.dst, dst):
+        return found
+    made = Indexed(src, dst, page_size)
+    with _indexed_lock:
+        _indexed[key] = made
+        _indexed.move_to_end(key)
+        while len(_indexed) > INDEXED_KEPT:
+            _indexed.popitem(last=False)
+    return made
+
+
 def _tensors(xs: Sequence[Any], name: str) -> list[Any]:
     if not isinstance(xs, (list, tuple)) or not xs:
         raise InvalidArgument(f"{name} must be a non-empty list of tensors")
@@ -63,7 +116,7 @@ def _bytes(x: Any, dim: int) -> int:
     return int(x.stride(dim)) * x.element_size()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Runs:
     """A call's copies in bytes from each side's start of a layer, the same for every layer of one stride: computed
     once per call and shared, so each layer adds only two resolutions and two bounds checks (a per-layer call queues
@@ -117,6 +170,22 @@ class Copies:
 
 def _is_host(x: Any) -> bool:
     return is_tensor(x) and x.device.type == "cpu"
+
+
+def _kept(call: Call, runs: Runs, dst: Any, dst_name: str, src: Any, src_name: str, dst_shift: int = 0,
+          src_shift: int = 0) -> Copies | None:
+    """:func:`_plan`, kept for the next call over the same runs, tensors and shifts while kvtier's host ranges are
+    unchanged (tensors kvtier cannot tell unchanged are planned every time)."""
+    keys = (operand_key(call, dst), operand_key(call, src))
+    key = None if None in keys else ("direct", call.device, span_generation(call.runtime), runs, *keys, dst_shift,
+                                     src_shift)
+    arrays = [(x, name) for x, name in ((dst, dst_name), (src, src_name)) if isinstance(x, DeviceArray)]
+    plan = kept_plan(call, key, arrays)
+    if plan is None:
+        plan = _plan(call, runs, dst, dst_name, src, src_name, dst_shift, src_shift)
+        if plan is not None:
+            keep_plan(call, key, plan)
+    return plan
 
 
 def _plan(call: Call, runs: Runs, dst: Any, dst_name: str, src: Any, src_name: str, dst_shift: int = 0,
@@ -186,23 +255,27 @@ def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any], src
     if len(src_layers) != len(dst_layers):
         raise InvalidArgument(f"src_layers ({len(src_layers)}) and dst_layers ({len(dst_layers)}) must have the same "
                               f"number of layers")
-    src, dst, _ = _indices(src_indices, dst_indices, page_size)
+    indexed = _indexed_values(src_indices, dst_indices, page_size)
     call = call_for([*src_layers, *dst_layers], [])
-    if not src.size:
+    if not indexed.src.size:
         return
+    starts, lengths = indexed.get("token runs", _token_runs, indexed.src, indexed.dst)
+    plans = []
+    for layer, (s, d) in enumerate(zip(src_layers, dst_layers, strict=True)):
+        row = _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows")
+        runs = indexed.get(("rows", row), _runs, indexed.dst[starts], row, f"dst_layers[{layer}]",
+                           indexed.src[starts], row, f"src_layers[{layer}]", lengths * row)
+        plans.append(_kept(call, runs, d, f"dst_layers[{layer}]", s, f"src_layers[{layer}]"))
+    _submit(call, plans)
+
+
+def _token_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first index, length) of each run of indices consecutive on both sides, checked not to overlap."""
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [src.size])))
     _refuse_overlap(dst[starts], lengths, "dst_layers[0]", "tokens")
-    runs: dict[int, Runs] = {}
-    plans = []
-    for layer, (s, d) in enumerate(zip(src_layers, dst_layers, strict=True)):
-        row = _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows")
-        if row not in runs:
-            runs[row] = _runs(dst[starts], row, f"dst_layers[{layer}]", src[starts], row, f"src_layers[{layer}]",
-                              lengths * row)
-        plans.append(_plan(call, runs[row], d, f"dst_layers[{layer}]", s, f"src_layers[{layer}]"))
-    _submit(call, plans)
+    return starts, lengths
 
 
 def _kv_split(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: str, lf_name: str) -> tuple[bool, int]:
@@ -216,15 +289,40 @@ def _kv_split(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: st
     return mla, len(layer_first) if mla else len(layer_first) // 2
 
 
-def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: str, lf_name: str,
-                 pages: np.ndarray, tokens: np.ndarray, first_layer: int, page_size: int, to_page_first: bool) -> None:
-    mla, layers = _kv_split(page_first, layer_first, pf_name, lf_name)
-    call = call_for([*page_first, *layer_first], [])
+def _page_starts(indexed: Indexed, to_page_first: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(pages of the page-first side, first tokens of the layer-first side): every ``page_size``-th index."""
+    ps = indexed.page_size
+    pf_indices, lf_indices = (indexed.dst, indexed.src) if to_page_first else (indexed.src, indexed.dst)
+    return pf_indices[::ps] // ps, lf_indices[::ps]
+
+
+def _page_overlap(pages: np.ndarray, tokens: np.ndarray, page_size: int, pf_name: str, lf_name: str,
+                  to_page_first: bool) -> bool:
     if to_page_first:
         _refuse_overlap(pages, 1, f"{pf_name}[0]", "page")
     else:
         _refuse_overlap(tokens, page_size, f"{lf_name}[0]", "tokens from")
-    runs: dict[tuple[int, int, int], Runs] = {}
+    return True
+
+
+def _page_runs(pages: np.ndarray, tokens: np.ndarray, strides: tuple[int, int, int], host_name: str,
+               other_name: str, to_page_first: bool) -> Runs:
+    """Page copies of ``strides`` (page-first page bytes, layer-first token bytes, bytes a copy)."""
+    host_side, other_side = (pages, strides[0], host_name), (tokens, strides[1], other_name)
+    dst, src = (host_side, other_side) if to_page_first else (other_side, host_side)
+    return _runs(*dst, *src, strides[2])
+
+
+def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: str, lf_name: str,
+                 indexed: Indexed, first_layer: int, to_page_first: bool) -> None:
+    """Whole pages between ``page_first`` tensors and layer-first ones: the page-first side's pages and the other
+    side's first tokens are every ``page_size``-th index of their side."""
+    mla, layers = _kv_split(page_first, layer_first, pf_name, lf_name)
+    call = call_for([*page_first, *layer_first], [])
+    page_size = indexed.page_size
+    pf_indices, lf_indices = (indexed.dst, indexed.src) if to_page_first else (indexed.src, indexed.dst)
+    pages, tokens = indexed.get(("pages", to_page_first), _page_starts, indexed, to_page_first)
+    indexed.get(("overlap", to_page_first), _page_overlap, pages, tokens, page_size, pf_name, lf_name, to_page_first)
     plans = []
     for t, host in enumerate(page_first):
         if host.dim() < 3:
@@ -240,16 +338,14 @@ def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name:
             other = layer_first[j if mla else j + t * layers]
             other_name = f"{lf_name}[{j if mla else j + t * layers}]"
             size = _same(page_size * _bytes(host, 2), page_size * _bytes(other, 0), f"{other_name} pages")
-            key = (_bytes(host, 0), _bytes(other, 0), size)
+            strides = (_bytes(host, 0), _bytes(other, 0), size)
             layer_shift = (first_layer + j) * _bytes(host, 1)
-            if key not in runs:
-                host_side, other_side = (pages, key[0], host_name), (tokens, key[1], other_name)
-                runs[key] = _runs(*(host_side if to_page_first else other_side),
-                                  *(other_side if to_page_first else host_side), size)
+            runs = indexed.get(("runs", to_page_first, strides), _page_runs, pages, tokens, strides, host_name,
+                               other_name, to_page_first)
             if to_page_first:
-                plans.append(_plan(call, runs[key], host, host_name, other, other_name, dst_shift=layer_shift))
+                plans.append(_kept(call, runs, host, host_name, other, other_name, dst_shift=layer_shift))
             else:
-                plans.append(_plan(call, runs[key], other, other_name, host, host_name, src_shift=layer_shift))
+                plans.append(_kept(call, runs, other, other_name, host, host_name, src_shift=layer_shift))
     _submit(call, plans)
 
 
@@ -260,9 +356,8 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs: Sequence[Any], dst_ptrs: Sequen
     src_ptrs, dst_ptrs = _tensors(src_ptrs, "src_ptrs"), _tensors(dst_ptrs, "dst_ptrs")
     if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) or layer_id < 0:
         raise InvalidArgument(f"layer_id must be a non-negative integer, got {layer_id!r}")
-    src, dst, page_size = _indices(src_indices, dst_indices, page_size)
-    _page_copies(src_ptrs, dst_ptrs, "src_ptrs", "dst_ptrs", src[::page_size] // page_size, dst[::page_size],
-                 int(layer_id), page_size, to_page_first=False)
+    _page_copies(src_ptrs, dst_ptrs, "src_ptrs", "dst_ptrs", _indexed_values(src_indices, dst_indices, page_size),
+                 int(layer_id), to_page_first=False)
 
 
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs: Sequence[Any], dst_ptrs: Sequence[Any], src_indices: Any,
@@ -270,6 +365,5 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs: Sequence[Any], dst_ptrs: Sequen
     """Every layer of layer-first ``src_ptrs`` (K's layers then V's) into pages of a ``page_first_direct``
     destination (``dst_ptrs``: K and V, or one MLA tensor), a page per copy."""
     src_ptrs, dst_ptrs = _tensors(src_ptrs, "src_ptrs"), _tensors(dst_ptrs, "dst_ptrs")
-    src, dst, page_size = _indices(src_indices, dst_indices, page_size)
-    _page_copies(dst_ptrs, src_ptrs, "dst_ptrs", "src_ptrs", dst[::page_size] // page_size, src[::page_size], 0,
-                 page_size, to_page_first=True)
+    _page_copies(dst_ptrs, src_ptrs, "dst_ptrs", "src_ptrs", _indexed_values(src_indices, dst_indices, page_size), 0,
+                 to_page_first=True)
