@@ -42,7 +42,7 @@ def _index_values(x: Any, name: str) -> np.ndarray:
     if x.dtype not in (torch.int64, torch.int32):
         raise InvalidArgument(f"{name} must be int64 (or int32), got {x.dtype}")
     values = x.cpu() if isinstance(x, DeviceArray) else x.detach().to("cpu")
-    return values.numpy().reshape(-1).astype(np.int64)
+    return values.numpy().reshape(-1).astype(np.int64, copy=False)
 
 
 def _indices(src_indices: Any, dst_indices: Any, page_size: Any) -> tuple[np.ndarray, np.ndarray, int]:
@@ -91,7 +91,7 @@ def _indexed_values(src_indices: Any, dst_indices: Any, page_size: Any) -> Index
         found = _indexed.get(key)
     if found is not None and np.array_equal(found.src, src) and np.array_equal(found.dst, dst):
         return found
-    made = Indexed(src, dst, page_size)
+    made = Indexed(src.copy(), dst.copy(), page_size)   # the caller may rewrite its index tensors in place
     with _indexed_lock:
         _indexed[key] = made
         _indexed.move_to_end(key)
