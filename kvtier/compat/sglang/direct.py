@@ -26,8 +26,6 @@ from kvtier.compat.operands import (
     call_for,
     extent,
     is_tensor,
-    keep_plan,
-    kept_plan,
     operand_key,
 )
 from kvtier.errors import InvalidArgument
@@ -69,6 +67,29 @@ class Indexed:
     dst: np.ndarray
     page_size: int
     derived: dict[Any, Any] = field(default_factory=dict)
+    plans: dict[tuple, list[Copies | None]] = field(default_factory=dict)
+    plans_at: tuple[int, int] | None = None
+
+    def call_plans(self, call: Call, key: tuple, operands: Sequence[tuple[Any, str]],
+                   build: Callable[[], list[Copies | None]]) -> list[Copies | None]:
+        """A call's checked, resolved copies over these index values, kept for the next call over the same tensors
+        (by :func:`operand_key`) while kvtier's host ranges are unchanged; DeviceArrays are resolved again on every
+        use (a closed one is refused by name). Kept here, with the values, so they go when the values do."""
+        keys = [operand_key(call, x) for x, _ in operands]
+        generation = span_generation(call.runtime)
+        if None in keys:
+            return build()
+        if self.plans_at != generation:
+            self.plans, self.plans_at = {}, generation
+        full = (call.device, *key, *keys)
+        plans = self.plans.get(full)
+        if plans is None:
+            plans = self.plans[full] = build()
+        else:
+            for x, name in operands:
+                if isinstance(x, DeviceArray):
+                    address(call, x, name)
+        return plans
 
     def get(self, key: Any, make: Callable[..., Any], *args: Any) -> Any:
         """``make(*args)``, made once per key."""
@@ -78,7 +99,8 @@ class Indexed:
         return found
 
 
-INDEXED_KEPT = 16
+INDEXED_KEPT = 4
+"""Index value sets kept (with their copies): a per-layer load uses one; a few streams load at once."""
 _indexed: OrderedDict[tuple, Indexed] = OrderedDict()
 _indexed_lock = threading.Lock()
 
@@ -172,22 +194,6 @@ def _is_host(x: Any) -> bool:
     return is_tensor(x) and x.device.type == "cpu"
 
 
-def _kept(call: Call, runs: Runs, dst: Any, dst_name: str, src: Any, src_name: str, dst_shift: int = 0,
-          src_shift: int = 0) -> Copies | None:
-    """:func:`_plan`, kept for the next call over the same runs, tensors and shifts while kvtier's host ranges are
-    unchanged (tensors kvtier cannot tell unchanged are planned every time)."""
-    keys = (operand_key(call, dst), operand_key(call, src))
-    key = None if None in keys else ("direct", call.device, span_generation(call.runtime), runs, *keys, dst_shift,
-                                     src_shift)
-    arrays = [(x, name) for x, name in ((dst, dst_name), (src, src_name)) if isinstance(x, DeviceArray)]
-    plan = kept_plan(call, key, arrays)
-    if plan is None:
-        plan = _plan(call, runs, dst, dst_name, src, src_name, dst_shift, src_shift)
-        if plan is not None:
-            keep_plan(call, key, plan)
-    return plan
-
-
 def _plan(call: Call, runs: Runs, dst: Any, dst_name: str, src: Any, src_name: str, dst_shift: int = 0,
           src_shift: int = 0) -> Copies | None:
     """``runs`` between ``dst`` and ``src`` (each side's offsets moved on by its ``*_shift`` bytes: the layer's place
@@ -260,13 +266,19 @@ def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any], src
     if not indexed.src.size:
         return
     starts, lengths = indexed.get("token runs", _token_runs, indexed.src, indexed.dst)
-    plans = []
-    for layer, (s, d) in enumerate(zip(src_layers, dst_layers, strict=True)):
-        row = _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows")
-        runs = indexed.get(("rows", row), _runs, indexed.dst[starts], row, f"dst_layers[{layer}]",
-                           indexed.src[starts], row, f"src_layers[{layer}]", lengths * row)
-        plans.append(_kept(call, runs, d, f"dst_layers[{layer}]", s, f"src_layers[{layer}]"))
-    _submit(call, plans)
+
+    def build() -> list[Copies | None]:
+        plans = []
+        for layer, (s, d) in enumerate(zip(src_layers, dst_layers, strict=True)):
+            row = _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows")
+            runs = indexed.get(("rows", row), _runs, indexed.dst[starts], row, f"dst_layers[{layer}]",
+                               indexed.src[starts], row, f"src_layers[{layer}]", lengths * row)
+            plans.append(_plan(call, runs, d, f"dst_layers[{layer}]", s, f"src_layers[{layer}]"))
+        return plans
+
+    named = [(x, f"{side}[{i}]") for side, xs in (("src_layers", src_layers), ("dst_layers", dst_layers))
+             for i, x in enumerate(xs)]
+    _submit(call, indexed.call_plans(call, ("direct",), named, build))
 
 
 def _token_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -317,12 +329,22 @@ def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name:
                  indexed: Indexed, first_layer: int, to_page_first: bool) -> None:
     """Whole pages between ``page_first`` tensors and layer-first ones: the page-first side's pages and the other
     side's first tokens are every ``page_size``-th index of their side."""
-    mla, layers = _kv_split(page_first, layer_first, pf_name, lf_name)
+    _kv_split(page_first, layer_first, pf_name, lf_name)
     call = call_for([*page_first, *layer_first], [])
-    page_size = indexed.page_size
-    pf_indices, lf_indices = (indexed.dst, indexed.src) if to_page_first else (indexed.src, indexed.dst)
     pages, tokens = indexed.get(("pages", to_page_first), _page_starts, indexed, to_page_first)
-    indexed.get(("overlap", to_page_first), _page_overlap, pages, tokens, page_size, pf_name, lf_name, to_page_first)
+    indexed.get(("overlap", to_page_first), _page_overlap, pages, tokens, indexed.page_size, pf_name, lf_name,
+                to_page_first)
+    named = [(x, f"{name}[{i}]") for name, xs in ((pf_name, page_first), (lf_name, layer_first))
+             for i, x in enumerate(xs)]
+    _submit(call, indexed.call_plans(call, ("pages", first_layer, to_page_first), named, lambda: _page_plans(
+        call, page_first, layer_first, pf_name, lf_name, indexed, first_layer, to_page_first)))
+
+
+def _page_plans(call: Call, page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: str, lf_name: str,
+                indexed: Indexed, first_layer: int, to_page_first: bool) -> list[Copies | None]:
+    mla, layers = _kv_split(page_first, layer_first, pf_name, lf_name)
+    page_size = indexed.page_size
+    pages, tokens = indexed.get(("pages", to_page_first), _page_starts, indexed, to_page_first)
     plans = []
     for t, host in enumerate(page_first):
         if host.dim() < 3:
@@ -343,10 +365,10 @@ def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name:
             runs = indexed.get(("runs", to_page_first, strides), _page_runs, pages, tokens, strides, host_name,
                                other_name, to_page_first)
             if to_page_first:
-                plans.append(_kept(call, runs, host, host_name, other, other_name, dst_shift=layer_shift))
+                plans.append(_plan(call, runs, host, host_name, other, other_name, dst_shift=layer_shift))
             else:
-                plans.append(_kept(call, runs, other, other_name, host, host_name, src_shift=layer_shift))
-    _submit(call, plans)
+                plans.append(_plan(call, runs, other, other_name, host, host_name, src_shift=layer_shift))
+    return plans
 
 
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs: Sequence[Any], dst_ptrs: Sequence[Any], src_indices: Any,
