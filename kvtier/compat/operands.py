@@ -190,15 +190,17 @@ def table_values(table: Any, what: str) -> np.ndarray:
 
 
 def table_entries(call: Call, table: Any, what: str) -> tuple[list[int], list[DeviceAddress]]:
-    """A raw pointer table's entries, as given and resolved for the call's device. A tensor table is read back once
-    per tensor object and version (torch counts in-place changes; a new tensor at a freed one's address is another
-    table), a DeviceArray's on every call. An entry inside kvtier's host ranges keeps its resolution while those
-    ranges are unchanged (:func:`span_generation`: a buffer closed or registered since makes the next call resolve
-    again); any other entry is resolved on every call. So memory closed or moved since is refused or followed,
-    never reached through a stale alias, and a warm call asks nothing of the driver for kvtier's buffers."""
+    """A raw pointer table's entries, as given and resolved for the call's device. A CPU table is read on every call
+    (a few µs: writes through ``.data``, ``.numpy()`` or its storage change no version counter); a device tensor
+    table, whose read-back waits for the stream, once per tensor object and version (torch counts in-place changes;
+    a new tensor at a freed one's address is another table); a DeviceArray's on every call. An entry inside kvtier's
+    host ranges keeps its resolution while those ranges are unchanged (:func:`span_generation`: a buffer closed or
+    registered since makes the next call resolve again); any other entry is resolved on every call. So memory closed
+    or moved since is refused or followed, never reached through a stale alias, and a warm call asks nothing of the
+    driver for kvtier's buffers."""
     state = _per_runtime(call.runtime)
     key = None
-    if is_tensor(table):
+    if is_tensor(table) and table.device.type != "cpu":
         try:
             key = (call.device, id(table), table.data_ptr(), table.numel(), str(table.device), table._version)
         except RuntimeError:    # an inference tensor keeps no version: read it every time
