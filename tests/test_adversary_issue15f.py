@@ -194,3 +194,27 @@ def test_ok_threads_with_different_operands(spec):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_ok_direct_index_tensors_shared_by_two_runtimes():
+    """The same CPU index tensors drive per-layer direct loads on a split and a unified runtime in turn: the copies
+    kept with the index values belong to the runtime they were planned on, and each runtime's load lands right."""
+    P, PS, L, D = 6, 4, 2, 16
+    si = torch.tensor([p * PS + i for p in (4, 1, 5) for i in range(PS)])
+    di = torch.tensor([p * PS + i for p in (0, 3, 2) for i in range(PS)])
+    sides = []
+    for spec in MODES:
+        rt = create(spec)
+        buffer, pf = host(rt, (P, L, PS, D))
+        lf = [device(rt, (P * PS, D), data=False) for _ in range(L)]
+        sides.append((rt, buffer, pf, lf))
+    for _ in range(2):
+        for rt, _, pf, lf in sides:
+            for layer in range(L):
+                io.transfer_kv_per_layer_direct_pf_lf([pf], [lf[layer]], si, di, layer, PS)
+            rt.synchronize(0)
+            for layer in range(L):
+                expected = torch.full((P * PS, D), POISON, dtype=torch.uint8)
+                for s, d in zip(si.tolist(), di.tolist(), strict=True):
+                    expected[d] = pf[s // PS, layer, s % PS]
+                assert torch.equal(lf[layer].cpu(), expected)

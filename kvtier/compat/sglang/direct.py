@@ -68,7 +68,7 @@ class Indexed:
     page_size: int
     derived: dict[Any, Any] = field(default_factory=dict)
     plans: dict[tuple, list[Copies | None]] = field(default_factory=dict)
-    plans_at: tuple[int, int] | None = None
+    plans_at: tuple[int, ...] | None = None
 
     def call_plans(self, call: Call, key: tuple, operands: Sequence[tuple[Any, str]],
                    build: Callable[[], list[Copies | None]]) -> list[Copies | None]:
@@ -76,7 +76,7 @@ class Indexed:
         (by :func:`operand_key`) while kvtier's host ranges are unchanged; DeviceArrays are resolved again on every
         use (a closed one is refused by name). Kept here, with the values, so they go when the values do."""
         keys = [operand_key(call, x) for x, _ in operands]
-        generation = span_generation(call.runtime)
+        generation = (id(call.runtime), *span_generation(call.runtime))
         if None in keys:
             return build()
         if self.plans_at != generation:
