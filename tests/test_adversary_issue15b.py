@@ -118,14 +118,13 @@ def test_an_evicted_kernel_table_is_not_closed_under_a_call_about_to_launch_with
     evicted and closed, and the first call's launch raises BufferClosed ('<DeviceBuffer 8 bytes ...> is closed',
     naming no operand) — seen with 4 threads calling per-layer functions on fresh tensors. Reproduced here
     deterministically with a cache of 1 table and the other thread's call run between the first call's table
-    lookup and its launch. Expected: both calls copy their bytes; no exception."""
+    lookup and its launch (now inside the preparation of a's first call: a later call binds its indices to a kept
+    plan, which holds its tables). Expected: both calls copy their bytes; no exception."""
     runtime = create("emulated:split")
     m = Mem(runtime)
     monkeypatch.setattr(operands, "TABLES_KEPT", 1)
     a_src, a_dst = m.device((TOKENS, ITEM)), m.device((TOKENS, ITEM), data=False)
     b_src, b_dst = m.device((TOKENS, ITEM)), m.device((TOKENS, ITEM), data=False)
-    # warm up: a's tables are cached
-    kvcacheio.transfer_kv_per_layer_mla(a_src, a_dst, m.indices([0]), m.indices([0]), ITEM)
     launcher = operands._per_runtime(runtime).launcher
     real = launcher.prepare
     interleaved = []

@@ -578,10 +578,11 @@ def _counting_prepares(monkeypatch, runtime) -> list:
 
 
 def test_a_repeated_per_layer_call_reuses_its_plan_and_copies_what_the_indices_say_now(memory, monkeypatch):
-    """A per-layer load is ~60 calls a request over the same tensors: the second on are planned once (resolution,
-    checks, kernel arguments) and only launched, ~10x less host time. Index values are read by the kernel, so a
-    reused plan with rewritten device indices copies the new items; a torch-pinned host operand (whose alias kvtier
-    cannot see change) is planned on every call."""
+    """A per-layer load is ~60 calls a request over the same tensors: each layer is planned once (resolution,
+    checks, kernel arguments) and later calls only bind their indices and launch, ~4x less host time. Index values
+    are read by the kernel, so a kept plan with rewritten device indices copies the new items, and a request's new
+    index tensors (another count too) bind to the same plans; a torch-pinned host operand (whose alias kvtier cannot
+    see change) is planned on every call."""
     prepared = _counting_prepares(monkeypatch, memory.runtime)
     item = MLA_DIM * 2
     host = memory.host((HOST_TOKENS, LAYERS, MLA_DIM))
@@ -598,6 +599,16 @@ def test_a_repeated_per_layer_call_reuses_its_plan_and_copies_what_the_indices_s
             for s, d in copied(src, dst):
                 assert torch.equal(got[d], host[s, layer]), f"turn {turn} layer {layer} token {d}"
     assert len(prepared) == (3 * LAYERS if memory.torch_pinned else LAYERS)
+    for turn in range(2):       # each request brings index tensors of its own: bound to the kept plans
+        src, dst = pairs(HOST_TOKENS, DEVICE_TOKENS, count=12 + turn)
+        src_i, dst_i = memory.indices(src), memory.indices(dst)
+        for layer in range(LAYERS):
+            kvcacheio.transfer_kv_per_layer_mla_pf_lf(host, dev[layer], src_i, dst_i, layer, item, LAYERS * item)
+        for layer in range(LAYERS):
+            got = memory.cpu(dev[layer])
+            for s, d in copied(src, dst):
+                assert torch.equal(got[d], host[s, layer]), f"request {turn} layer {layer} token {d}"
+    assert len(prepared) == (5 * LAYERS if memory.torch_pinned else LAYERS)
 
 
 def test_a_kept_plan_over_a_closed_device_array_is_refused_by_name(split, monkeypatch):

@@ -228,10 +228,12 @@ class PreparedCopy:
 
     def __init__(self, program: Any, name: str, head: list[KernelArg], shape: tuple[KernelArg, ...], blocks: int,
                  threads: int, allowed: set[tuple[int, int]], table_layers: int, chunks_per_layer: int,
-                 runtime: Runtime | None = None, shared_bytes: int = 0) -> None:
+                 runtime: Runtime | None = None, shared_bytes: int = 0, index_bytes: int = 0,
+                 chunks_per_unit: int = 0, layers: int = 0) -> None:
         self.program, self.name, self.head, self.shape = program, name, head, shape
         self.blocks, self.threads, self.allowed, self.table_layers = blocks, threads, allowed, table_layers
         self.chunks_per_layer, self.runtime, self.shared_bytes = chunks_per_layer, runtime, shared_bytes
+        self.index_bytes, self.chunks_per_unit, self.layers = index_bytes, chunks_per_unit, layers
 
     def __call__(self, begin: int, count: int, stream: Stream) -> None:
         if (begin, count) not in self.allowed:
@@ -349,11 +351,29 @@ class KernelLauncher:
             warps = BULK_THREADS // 32
             return PreparedCopy(program, bulk_kernel(call.index_bytes), head, shape, max_blocks, BULK_THREADS,
                                 set(spans), call.table_layers, chunks, self.runtime,
-                                warps * BULK_STAGES * (BULK_STAGE_BYTES + 8))
+                                warps * BULK_STAGES * (BULK_STAGE_BYTES + 8), call.index_bytes,
+                                call.n_tensors * call.n_pieces, call.n_layers)
         shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(group), i32(call.walk_group),
                  counters)
         return PreparedCopy(program, copy_kernel(call.index_bytes, width), head, shape, max_blocks, threads,
-                            set(spans), call.table_layers, chunks, self.runtime)
+                            set(spans), call.table_layers, chunks, self.runtime, 0, call.index_bytes,
+                            call.n_tensors * call.n_pieces, call.n_layers)
+
+    def rebind(self, prepared: PreparedCopy, src_index: Any, dst_index: Any, n_units: int,
+               device: int) -> PreparedCopy | None:
+        """``prepared`` over other index operands of the same item size and ``n_units`` pairs: a per-layer loader
+        prepares each layer once and binds every request's indices to it (resolving two operands instead of
+        checking and resolving the whole copy). None where ``prepared`` cannot take them (nothing to copy, or more
+        chunks than it was cut for): prepare the copy again."""
+        if prepared.program is None or n_units <= 0 or n_units * prepared.chunks_per_unit * prepared.layers > \
+                MAX_COUNT:
+            return None
+        indices = [self.resolve(index, device, prepared.index_bytes) for index in (src_index, dst_index)]
+        head = [*prepared.head[:2], *indices, i64(n_units)]
+        return PreparedCopy(prepared.program, prepared.name, head, prepared.shape, prepared.blocks, prepared.threads,
+                            prepared.allowed, prepared.table_layers, n_units * prepared.chunks_per_unit,
+                            prepared.runtime, prepared.shared_bytes, prepared.index_bytes, prepared.chunks_per_unit,
+                            prepared.layers)
 
     def _bulk_capable(self, device: int) -> bool:
         capable = self._bulk_devices.get(device)

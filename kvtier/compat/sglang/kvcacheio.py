@@ -17,7 +17,7 @@ it in a CUDA graph. See docs/sglang.md.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,7 +46,7 @@ from kvtier.compat.sglang.direct import (
     transfer_kv_per_layer_direct_pf_lf,
 )
 from kvtier.errors import InvalidArgument, KvtierError, about
-from kvtier.kernels.launch import ChunkCopy, ChunkSide
+from kvtier.kernels.launch import ChunkCopy, ChunkSide, PreparedCopy
 from kvtier.memory import DeviceAddress
 from kvtier.memory.registration import span_generation
 
@@ -164,21 +164,42 @@ def _layout_holds(layout_dim: int, layers: int, item_size: int, name: str) -> No
                               f"{item_size}: layers would overlap the next token")
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Plan:
-    """A checked, resolved kernel call: each side's entries (for index checks), the pointer tables it reads (held, so
-    they outlive every launch of it) and the prepared launch."""
+    """A call's operands checked and resolved: each side's entries (for index checks), its strides, and the pointer
+    tables and prepared launch once built (the tables held, so they outlive every launch of it). Index operands are
+    not part of it: every call binds its own (a per-layer loader passes new indices each request, the same layers)."""
 
     entries: list[list[Entry]]
-    tables: list[Any]
-    launch: Any
+    strides: list[tuple[int, int, int, int]]
+    n_tensors: int
+    tables: list[Any] = field(default_factory=list)
+    prepared: PreparedCopy | None = None
+
+    def bind(self, call: Call, indices: list[DeviceAddress], n_units: int, numbers: tuple) -> PreparedCopy:
+        """The launch over ``indices`` (``n_units`` pairs): the kept preparation with these indices bound, or a new
+        one."""
+        n_layers, chunk_bytes, pieces, block_quota, warps, unit_major, index_bytes = numbers
+        if self.prepared is not None:
+            bound = call.launcher.rebind(self.prepared, indices[0], indices[1], n_units, call.device)
+            if bound is not None:
+                return bound
+        if not self.tables:
+            self.tables = [pointer_table(call, [entry.address for entry in e]) for e in self.entries]
+        sides = [ChunkSide(table, *strides) for table, strides in zip(self.tables, self.strides, strict=True)]
+        copy = ChunkCopy(sides[0], sides[1], indices[0], indices[1], index_bytes, n_units, 0, n_layers, pieces,
+                         chunk_bytes, self.n_tensors, n_layers, unit_major=unit_major)
+        self.prepared = call.launcher.prepare(copy, [(0, n_layers)], device=call.device, max_blocks=block_quota,
+                                              threads=warps * 32)
+        return self.prepared
 
 
 def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers: int, chunk_bytes: int,
           pieces: int = 1, block_quota: Any, num_warps_per_block: Any, unit_major: bool = False) -> None:
     """One kernel launch on the caller's current stream: for each KV tensor, layer, index pair and piece, copy
-    ``chunk_bytes``. A call like an earlier one (same tensors, numbers and kvtier host ranges; no raw tables) reuses
-    its checked plan: a per-layer load is ~60 such calls a request, each otherwise resolving and checking anew."""
+    ``chunk_bytes``. A call over the same tensors and numbers as an earlier one (and no raw tables, no kvtier host
+    buffer registered or closed since) reuses its checked plan and binds its own indices: a per-layer load is ~60
+    such calls a request, each otherwise resolving and checking anew."""
     block_quota = _positive(block_quota, "block_quota")
     warps = _positive(num_warps_per_block, "num_warps_per_block")
     if warps > 32:
@@ -189,22 +210,32 @@ def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers:
     numbers = (n_layers, chunk_bytes, pieces, block_quota, warps, unit_major, index_bytes)
     named = [(x, f"{side.name}_{'kv'[i]}" if len(side.operands) == 2 else side.name)
              for side in (src, dst) for i, x in enumerate(side.operands)]
-    named += [(src_indices, "src_indices"), (dst_indices, "dst_indices")]
     if checks_on():
         call.stream.synchronize()   # what is checked is what the kernel reads, also in pinned indices still written
     host = [host_indices(src_indices), host_indices(dst_indices)]
     unread = (host[0] is None, host[1] is None)
     key = _plan_key(call, src, dst, named, (*numbers, unread))
     plan = kept_plan(call, key, [(x, what) for x, what in named if isinstance(x, DeviceArray)])
+    fresh = plan is None
     if plan is None:
-        plan = _plan(call, src, dst, src_indices, dst_indices, numbers, unread)
+        plan = Plan([side.entries(call, n_layers) for side in (src, dst)],
+                    [(s.page_stride, s.unit_stride, s.piece_stride, s.units_per_page) for s in (src, dst)],
+                    len(src.operands))
+    n_units = src_indices.numel()
+    indices = [address(call, x, what) for x, what in ((src_indices, "src_indices"), (dst_indices, "dst_indices"))] \
+        if n_units else []
+    if fresh:
+        for side, side_entries, check in zip((src, dst), plan.entries, unread, strict=True):
+            if check:   # as far as it can be checked without index values
+                side.check_reach(call, side_entries, None, chunk_bytes, pieces)
         keep_plan(call, key, plan)
     for side, own, other, side_entries in ((src, 0, 1, plan.entries[0]), (dst, 1, 0, plan.entries[1])):
         units, partner = host[own], host[other]
         if units is not None:   # a unit whose pair is absent on either side is skipped, so not checked
             units = units[(units >= 0) & (partner >= 0)] if partner is not None else units[units >= 0]
             side.check_reach(call, side_entries, units, chunk_bytes, pieces)
-    plan.launch(0, n_layers, call.stream)
+    if n_units:
+        plan.bind(call, indices, n_units, numbers)(0, n_layers, call.stream)
 
 
 def _plan_key(call: Call, src: Side, dst: Side, named: list[tuple[Any, str]], numbers: tuple) -> tuple | None:
@@ -217,30 +248,6 @@ def _plan_key(call: Call, src: Side, dst: Side, named: list[tuple[Any, str]], nu
     shape = [(s.page_stride, tuple(s.layers), s.layer_stride, s.unit_stride, s.piece_stride, s.units_per_page)
              for s in (src, dst)]
     return (call.device, span_generation(call.runtime), *shape, *numbers, *operands)
-
-
-def _plan(call: Call, src: Side, dst: Side, src_indices: Any, dst_indices: Any, numbers: tuple,
-          unread: tuple[bool, bool]) -> Plan:
-    """Resolve and check everything about a call that does not depend on index values (each side whose indices are
-    ``unread`` is checked as far as it can be without them), and prepare its launch."""
-    n_layers, chunk_bytes, pieces, block_quota, warps, unit_major, index_bytes = numbers
-    entries = [side.entries(call, n_layers) for side in (src, dst)]
-    named = ((src_indices, "src_indices"), (dst_indices, "dst_indices"))
-    index_addresses = [address(call, x, what) for x, what in named] if src_indices.numel() else []
-    for side, side_entries, check in zip((src, dst), entries, unread, strict=True):
-        if check:
-            side.check_reach(call, side_entries, None, chunk_bytes, pieces)
-    n_units = src_indices.numel()
-    if n_units == 0:
-        return Plan(entries, [], lambda begin, count, stream: None)
-    tables = [pointer_table(call, [entry.address for entry in e]) for e in entries]
-    sides = [ChunkSide(table, s.page_stride, s.unit_stride, s.piece_stride, s.units_per_page)
-             for table, s in zip(tables, (src, dst), strict=True)]
-    copy = ChunkCopy(sides[0], sides[1], index_addresses[0], index_addresses[1], index_bytes, n_units, 0, n_layers,
-                     pieces, chunk_bytes, len(src.operands), n_layers, unit_major=unit_major)
-    launch = call.launcher.prepare(copy, [(0, n_layers)], device=call.device, max_blocks=block_quota,
-                                   threads=warps * 32)
-    return Plan(entries, tables, launch)
 
 
 def _heads(item_size: int, head_num: Any, layout_dim: int | None = None) -> tuple[int, int]:
