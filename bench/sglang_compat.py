@@ -9,6 +9,8 @@ is one per-layer load (one launch, each layer signalled from the device), and a 
 load as a launch per layer (``layer_signals=False``): the API's own cost apart from the compat layer's. ``page_head`` is
 compared with kvtier's own head-major layout, which orders a head's tokens and layers the other way round (same
 256-byte pieces). ``--stream side`` runs the compat calls on a torch stream of their own, as SGLang's HiCache does.
+Each repeat gives the compat calls new index tensors (same values), as each SGLang request brings its own;
+``--same-indices`` reuses one set.
 
 Run on a GPU machine: ``python bench/sglang_compat.py [--json out.json]``; ``--runtime emulated:split`` is a smoke test
 on the CPU emulator (the numbers are not speeds).
@@ -52,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--stream", choices=["default", "side"], default="default",
                         help="torch stream of the compat calls: the default (legacy) stream, or a stream of their own "
                              "(SGLang's HiCache loads and backups run on side streams)")
+    parser.add_argument("--same-indices", action="store_true",
+                        help="give every repeat the same index tensors (default: new ones each repeat, as each "
+                             "SGLang request brings its own)")
     parser.add_argument("--profile", metavar="FUNCTION", action="append", default=[],
                         help="also print where the host time of this compat function goes (cProfile); repeatable")
     args = parser.parse_args(argv)
@@ -122,8 +127,11 @@ def host_views(host: HostPool, tensors: int, shape) -> list:
     return [flat[host.tensor_offset(t):host.tensor_offset(t) + size].view(shape) for t in range(tensors)]
 
 
-def timed(op, finish) -> tuple[float, float]:
-    """Seconds until ``op`` returned (host time to queue) and until its work finished, from an idle device."""
+def timed(op, finish, setup=None) -> tuple[float, float]:
+    """Seconds until ``op`` returned (host time to queue) and until its work finished, from an idle device;
+    ``setup`` runs first, untimed."""
+    if setup is not None:
+        setup()
     finish()
     start = time.perf_counter()
     op()
@@ -133,13 +141,13 @@ def timed(op, finish) -> tuple[float, float]:
 
 
 def interleaved(sides, repeats: int) -> list[tuple[float, float]]:
-    """Per side ``(op, finish)``: the median (queued, done) seconds, the sides taken in turn each repeat after one
-    warm-up round. Host-bound DMA rates drift 2-3x over a minute on the H200 host; alternating keeps the compat and
-    engine figures of one row under the same drift."""
+    """Per side ``(op, finish[, setup])``: the median (queued, done) seconds, the sides taken in turn each repeat
+    after one warm-up round. Host-bound DMA rates drift 2-3x over a minute on the H200 host; alternating keeps the
+    compat and engine figures of one row under the same drift."""
     samples: list[list[tuple[float, float]]] = [[] for _ in sides]
     for i in range(repeats + 1):
-        for side, (op, finish) in enumerate(sides):
-            result = timed(op, finish)
+        for side, (op, finish, *setup) in enumerate(sides):
+            result = timed(op, finish, *setup)
             if i:
                 samples[side].append(result)
     return [(statistics.median(q for q, _ in s), statistics.median(d for _, d in s)) for s in samples]
@@ -165,21 +173,35 @@ def profile(name: str, call, finish, calls: int, console, rounds: int = 5) -> No
                   highlight=False)
 
 
+class Indices:
+    """The index tensors of the compat calls: device ones for the kernel functions, CPU ones for ``*_direct``
+    (SGLang's controller reads those on the host). ``fresh()`` makes new tensors of the same values, as each SGLang
+    request brings its own (the old ones stay alive while the new are made, so no object or address is reused)."""
+
+    def __init__(self, mem: Memory, tokens_dev, tokens_host) -> None:
+        self.mem, self.tokens = mem, (tokens_dev, tokens_host)
+        self.fresh()
+
+    def fresh(self) -> None:
+        import torch
+
+        mem, (dev, host) = self.mem, self.tokens
+        made = {"si": mem.tensor(dev), "di": mem.tensor(host), "hi": mem.tensor(host), "dd": mem.tensor(dev)}
+        made.update({name: torch.as_tensor(np.ascontiguousarray(x, dtype=np.int64)) for name, x in
+                     (("si_cpu", dev), ("di_cpu", host), ("hi_cpu", host), ("dd_cpu", dev))})
+        self.__dict__.update(made)
+
+
 def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_host, pages_dev, pages_host, blocks,
                  engine: TransferEngine):
-    """(name, direction, call) of the compat functions that move these pages on this host layout, each with the block
-    shape of ``engine`` (the kernel engine it is compared with): SGLang's default of 32 warps a block against the
-    engine's 512-thread backup blocks would measure the block shape, not the compat layer."""
-    import torch
+    """((name, direction, call) of the compat functions that move these pages on this host layout, and the function
+    that gives those calls new index tensors). Each call has the block shape of ``engine`` (the kernel engine it is
+    compared with): SGLang's default of 32 warps a block against the engine's 512-thread backup blocks would measure
+    the block shape, not the compat layer."""
 
     g, L, item, ps = mem.g, mem.g.layers, mem.g.row_bytes, mem.g.page_size
     mla = g.tensors == 1
-    si, di = mem.tensor(tokens_dev), mem.tensor(tokens_host)
-    hi, dd = mem.tensor(tokens_host), mem.tensor(tokens_dev)
-    # *_direct read their indices on the host: SGLang's controller hands them CPU tensors for that backend
-    host_index = [torch.as_tensor(np.ascontiguousarray(x, dtype=np.int64)) for x in (tokens_dev, tokens_host)]
-    si_cpu, di_cpu = host_index
-    hi_cpu, dd_cpu = host_index[::-1]
+    ix = Indices(mem, tokens_dev, tokens_host)
     quota = {"block_quota": blocks, "num_warps_per_block": engine.threads // 32}
     backup = {"block_quota": blocks, "num_warps_per_block": engine.backup_threads // 32}
     K = mem.layers[0]
@@ -191,54 +213,54 @@ def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_ho
         tables = [mem.table(row) for row in mem.layers]
         if mla:
             cases.append(("transfer_kv_all_layer_mla_lf_pf", "backup",
-                          lambda: kvcacheio.transfer_kv_all_layer_mla_lf_pf(tables[0], hk[0], si, di, item, L * item,
-                                                                            L, **backup)))
+                          lambda: kvcacheio.transfer_kv_all_layer_mla_lf_pf(tables[0], hk[0], ix.si, ix.di, item,
+                                                                            L * item, L, **backup)))
             cases.append(("transfer_kv_per_layer_mla_pf_lf", "load",
-                          lambda: [kvcacheio.transfer_kv_per_layer_mla_pf_lf(hk[0], K[layer], hi, dd, layer, item,
+                          lambda: [kvcacheio.transfer_kv_per_layer_mla_pf_lf(hk[0], K[layer], ix.hi, ix.dd, layer, item,
                                                                              L * item, **quota)
                                    for layer in range(L)]))
         else:
             cases.append(("transfer_kv_all_layer_lf_pf", "backup", lambda: kvcacheio.transfer_kv_all_layer_lf_pf(
-                tables[0], hk[0], tables[1], hk[1], si, di, item, L * item, L, **backup)))
+                tables[0], hk[0], tables[1], hk[1], ix.si, ix.di, item, L * item, L, **backup)))
             cases.append(("transfer_kv_per_layer_pf_lf", "load", lambda: [kvcacheio.transfer_kv_per_layer_pf_lf(
-                hk[0], K[layer], hk[1], V[layer], hi, dd, layer, item, L * item, **quota) for layer in range(L)]))
+                hk[0], K[layer], hk[1], V[layer], ix.hi, ix.dd, layer, item, L * item, **quota) for layer in range(L)]))
     elif layout == "layer_first":
         hl = host_views(host, g.tensors, (L, host_tokens, item))
         dev_tables = [mem.table(row) for row in mem.layers]
         host_tables = [mem.table([h[layer] for layer in range(L)]) for h in hl]
         if mla:
             cases.append(("transfer_kv_all_layer_mla", "backup", lambda: kvcacheio.transfer_kv_all_layer_mla(
-                dev_tables[0], host_tables[0], si, di, item, L, **backup)))
+                dev_tables[0], host_tables[0], ix.si, ix.di, item, L, **backup)))
             cases.append(("transfer_kv_per_layer_mla", "load", lambda: [kvcacheio.transfer_kv_per_layer_mla(
-                hl[0][layer], K[layer], hi, dd, item, **quota) for layer in range(L)]))
+                hl[0][layer], K[layer], ix.hi, ix.dd, item, **quota) for layer in range(L)]))
         else:
             cases.append(("transfer_kv_all_layer", "backup", lambda: kvcacheio.transfer_kv_all_layer(
-                dev_tables[0], host_tables[0], dev_tables[1], host_tables[1], si, di, item, L, **backup)))
+                dev_tables[0], host_tables[0], dev_tables[1], host_tables[1], ix.si, ix.di, item, L, **backup)))
             cases.append(("transfer_kv_per_layer", "load", lambda: [kvcacheio.transfer_kv_per_layer(
-                hl[0][layer], K[layer], hl[1][layer], V[layer], hi, dd, item, **quota) for layer in range(L)]))
+                hl[0][layer], K[layer], hl[1][layer], V[layer], ix.hi, ix.dd, item, **quota) for layer in range(L)]))
         flat = [h[layer] for h in hl for layer in range(L)]
         device_flat = [x for row in mem.layers for x in row]
         cases.append(("transfer_kv_direct", "load-dma", lambda: kvcacheio.transfer_kv_direct(
-            flat, device_flat, hi_cpu, dd_cpu, ps)))
+            flat, device_flat, ix.hi_cpu, ix.dd_cpu, ps)))
     elif layout == "page_head" and not mla:
         heads = g.heads
         hh = host_views(host, g.tensors, (host.pages, heads, ps, L, item // heads))
         tables = [mem.table(row) for row in mem.layers]
         cases.append(("transfer_kv_all_layer_lf_ph", "backup", lambda: kvcacheio.transfer_kv_all_layer_lf_ph(
-            tables[0], hh[0], tables[1], hh[1], si, di, item, L * item, L, ps, heads, **backup)))
+            tables[0], hh[0], tables[1], hh[1], ix.si, ix.di, item, L * item, L, ps, heads, **backup)))
         cases.append(("transfer_kv_per_layer_ph_lf", "load", lambda: [kvcacheio.transfer_kv_per_layer_ph_lf(
-            hh[0], K[layer], hh[1], V[layer], hi, dd, layer, item, L * item, ps, heads, **quota)
+            hh[0], K[layer], hh[1], V[layer], ix.hi, ix.dd, layer, item, L * item, ps, heads, **quota)
             for layer in range(L)]))
     elif layout == "page_first_direct":
         hd = host_views(host, g.tensors, (host.pages, L, ps, item))
         device_flat = [x for row in mem.layers for x in row]
         cases.append(("transfer_kv_all_layer_direct_lf_pf", "backup-dma", lambda: (
-            kvcacheio.transfer_kv_all_layer_direct_lf_pf(device_flat, hd, si_cpu, di_cpu, ps))))
+            kvcacheio.transfer_kv_all_layer_direct_lf_pf(device_flat, hd, ix.si_cpu, ix.di_cpu, ps))))
         cases.append(("transfer_kv_per_layer_direct_pf_lf", "load-dma", lambda: [
-            kvcacheio.transfer_kv_per_layer_direct_pf_lf(hd, [row[layer] for row in mem.layers], hi_cpu, dd_cpu, layer,
-                                                         ps)
+            kvcacheio.transfer_kv_per_layer_direct_pf_lf(hd, [row[layer] for row in mem.layers], ix.hi_cpu, ix.dd_cpu,
+                                                         layer, ps)
             for layer in range(L)]))
-    return cases
+    return cases, ix.fresh
 
 
 def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceiling, args, console) -> list[dict]:
@@ -246,11 +268,12 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
     hold are gone before the host pool closes)."""
     rows = []
     g, name = mem.g, mem.name
-    for function, op, call in compat_cases(mem, host, layout, *tokens, pages_dev, pages_host, args.blocks,
-                                           engines["kernel"]):
+    cases, fresh = compat_cases(mem, host, layout, *tokens, pages_dev, pages_host, args.blocks, engines["kernel"])
+    for function, op, call in cases:
         backend, engine_op = ops[op]
         engine = engines[backend]
-        sides = [(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize), (mem.on_stream(call), mem.done)]
+        compat = (mem.on_stream(call), mem.done) + (() if args.same_indices else (fresh,))
+        sides = [(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize), compat]
         per_layer = function.startswith("transfer_kv_per_layer") and backend == "kernel"
         if per_layer:   # SGLang's per-layer API is a launch per layer; the engine's load is one, signalled per layer
             layered = engines["kernel-layers"]
@@ -334,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"runtime": runtime.name, "ceiling": ceiling, "blocks": args.blocks, "stream": args.stream,
-                       "rows": rows}, out, indent=1)
+                       "same_indices": args.same_indices, "rows": rows}, out, indent=1)
     if emulated:
         console.print(EMULATED_NOTE.format(name=runtime.name))
 
