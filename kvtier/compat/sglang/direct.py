@@ -26,6 +26,8 @@ from kvtier.compat.operands import (
     call_for,
     extent,
     is_tensor,
+    keep_plan,
+    kept_plan,
     operand_key,
 )
 from kvtier.errors import InvalidArgument
@@ -200,25 +202,37 @@ def _plan(call: Call, runs: Runs, dst: Any, dst_name: str, src: Any, src_name: s
     in a page), once every copy is checked to lie inside both tensors and both resolve for the call's device."""
     if not runs.sizes.size:
         return None
-    sides = ((dst, dst_name, dst_shift, runs.dst_span), (src, src_name, src_shift, runs.src_span))
-    for x, name, shift, (_, end) in sides:
-        if shift + end > extent(x):
-            raise InvalidArgument(f"{name}: a copy reaches byte {shift + end} of a tensor of {extent(x)} bytes: "
-                                  f"index out of range")
+    sides = [(*_base(call, dst, dst_name), dst_name, dst_shift, runs.dst_span),
+             (*_base(call, src, src_name), src_name, src_shift, runs.src_span)]
+    for _, size, name, shift, (_, end) in sides:
+        if shift + end > size:
+            raise InvalidArgument(f"{name}: a copy reaches byte {shift + end} of a tensor of {size} bytes: index out "
+                                  f"of range")
     bases: list[Address] = []
     at, sizes = [runs.dst_offsets, runs.src_offsets], runs.sizes
-    for side, (x, name, shift, (lo, end)) in enumerate(sides):
-        if not _is_host(x):
-            bases.append(address(call, x, name) + shift)
-            continue
-        address(call, x, name)
-        base = x.data_ptr() + shift
-        bases.append(CpuAddress(base))
-        edges = [edge - base for edge in call.runtime.host_edges(base + lo, base + end)]
-        if edges:
-            starts, sizes, origin, moved = split_at_boundaries(at[side], sizes, edges)
-            at = [starts if i == side else other[origin] + moved for i, other in enumerate(at)]
+    for side, (base, _, _, shift, (lo, end)) in enumerate(sides):
+        bases.append(base + shift)
+        if isinstance(base, CpuAddress):
+            start = base.value + shift
+            edges = [edge - start for edge in call.runtime.host_edges(start + lo, start + end)]
+            if edges:
+                starts, sizes, origin, moved = split_at_boundaries(at[side], sizes, edges)
+                at = [starts if i == side else other[origin] + moved for i, other in enumerate(at)]
     return Copies(bases[0], at[0], bases[1], at[1], sizes)
+
+
+def _base(call: Call, x: Any, name: str) -> tuple[Address, int]:
+    """(what copies take as ``x``'s start: its device address, or the CPU address of a host tensor once it is checked
+    to resolve for the device; the bytes it spans), kept per operand like a plan (a request's new indices reuse it)."""
+    key = operand_key(call, x)
+    full = None if key is None else ("direct base", call.device, span_generation(call.runtime), key)
+    found = kept_plan(call, full, [(x, name)] if isinstance(x, DeviceArray) else [])
+    if found is not None:
+        return found
+    resolved = address(call, x, name)
+    made = (CpuAddress(x.data_ptr()) if _is_host(x) else resolved, extent(x))
+    keep_plan(call, full, made)
+    return made
 
 
 def _refuse_overlap(starts: np.ndarray, lengths: np.ndarray | int, name: str, unit: str) -> None:
