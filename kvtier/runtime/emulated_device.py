@@ -55,13 +55,30 @@ class AddressMap:
         return entry.value.backing + (address - entry.start), entry.value
 
     def translate(self, address: int, nbytes: int) -> int:
-        found = self.lookup(address, nbytes)
+        found = self.lookup(address, nbytes) or self._across(address, nbytes)
         if found is None:
             raise IllegalAddress(
                 f"emulated device {self.device}: illegal address 0x{address:x} (+{nbytes} bytes) is not mapped on "
                 f"this device; kernels need the device alias of registered host memory, not its CPU address"
             )
         return found[0]
+
+
+    def _across(self, address: int, nbytes: int) -> tuple[int, Mapping] | None:
+        """An access running from one mapping into the next ones, as a GPU reads across adjacent mappings (a buffer
+        registered in chunks, under unified addressing): found where each next mapping starts where the last ends and
+        its backing continues the last's, so the bytes are one run of host memory."""
+        entry = self.ranges.find(address, 1)
+        if entry is None:
+            return None
+        first, end = entry, address + nbytes
+        while entry.end < end:
+            following = self.ranges.find(entry.end, 1)
+            if following is None or following.start != entry.end or \
+                    following.value.backing != entry.value.backing + entry.nbytes:
+                return None
+            entry = following
+        return first.value.backing + (address - first.start), first.value
 
 
 class DeviceMemory:

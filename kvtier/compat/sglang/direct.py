@@ -292,7 +292,7 @@ def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any], src
 
     named = [(x, f"{side}[{i}]") for side, xs in (("src_layers", src_layers), ("dst_layers", dst_layers))
              for i, x in enumerate(xs)]
-    _submit(call, indexed.call_plans(call, ("direct",), named, build))
+    _submit(call, indexed.call_plans(call, ("direct", len(src_layers)), named, build))
 
 
 def _token_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -350,7 +350,8 @@ def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name:
                 to_page_first)
     named = [(x, f"{name}[{i}]") for name, xs in ((pf_name, page_first), (lf_name, layer_first))
              for i, x in enumerate(xs)]
-    _submit(call, indexed.call_plans(call, ("pages", first_layer, to_page_first), named, lambda: _page_plans(
+    shape = ("pages", first_layer, to_page_first, len(page_first), len(layer_first))
+    _submit(call, indexed.call_plans(call, shape, named, lambda: _page_plans(
         call, page_first, layer_first, pf_name, lf_name, indexed, first_layer, to_page_first)))
 
 

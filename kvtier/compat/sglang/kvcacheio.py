@@ -189,9 +189,10 @@ class Plan:
         sides = [ChunkSide(table, *strides) for table, strides in zip(self.tables, self.strides, strict=True)]
         copy = ChunkCopy(sides[0], sides[1], indices[0], indices[1], index_bytes, n_units, 0, n_layers, pieces,
                          chunk_bytes, self.n_tensors, n_layers, unit_major=unit_major)
-        self.prepared = call.launcher.prepare(copy, [(0, n_layers)], device=call.device, max_blocks=block_quota,
-                                              threads=warps * 32)
-        return self.prepared
+        prepared = call.launcher.prepare(copy, [(0, n_layers)], device=call.device, max_blocks=block_quota,
+                                         threads=warps * 32)
+        self.prepared = prepared    # another thread may store its own meanwhile: launch this one
+        return prepared
 
 
 def _copy(src: Side, dst: Side, src_indices: Any, dst_indices: Any, *, n_layers: int, chunk_bytes: int,

@@ -1,0 +1,433 @@
+"""Adversary round 7 (issue #15): kept plans of kvtier.compat.sglang.kvcacheio that bind each call's own index
+tensors (``Plan.bind`` / ``KernelLauncher.rebind``) and the *_direct functions' kept bases and copies. The three tests
+not named ``test_ok_*`` failed on defects, since fixed; ``test_ok_*`` tests document cases that held up."""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import os
+import random
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.compat import DeviceArray
+from kvtier.compat.sglang import kvcacheio as io
+from kvtier.compat.sglang.kvcacheio import Plan
+from kvtier.errors import InvalidArgument, KvtierError
+from kvtier.memory import HostBuffer, HostKind
+from kvtier.runtime import create
+
+POISON = 0x5A
+MODES = ["emulated:split", "emulated:unified"]
+
+
+def rnd(shape):
+    return torch.randint(1, 255, shape, dtype=torch.uint8)
+
+
+def host(rt, shape, data=True, keep=None):
+    buffer = HostBuffer.allocate(int(np.prod(shape)), HostKind.PINNED, runtime=rt)
+    tensor = buffer.as_tensor(torch.uint8).view(shape)
+    tensor.copy_(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8))
+    if keep is not None:
+        keep.append(buffer)
+    return tensor
+
+
+def device(rt, shape, data=True):
+    return DeviceArray.from_tensor(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8), runtime=rt)
+
+
+def dev_idx(rt, values, dtype=torch.int64):
+    return DeviceArray.from_tensor(torch.tensor(values, dtype=dtype), runtime=rt)
+
+
+_keep: list = []
+
+
+def pin_idx(rt, values, dtype=torch.int64):
+    size = torch.empty((), dtype=dtype).element_size()
+    buffer = HostBuffer.allocate(max(8, size * len(values)), HostKind.PINNED, runtime=rt)
+    _keep.append(buffer)
+    tensor = buffer.as_tensor(dtype)[:len(values)]
+    tensor.copy_(torch.tensor(values, dtype=dtype))
+    return tensor
+
+
+def poison(x):
+    if isinstance(x, DeviceArray):
+        x.copy_(torch.full(x.shape, POISON, dtype=torch.uint8))
+    else:
+        x.fill_(POISON)
+
+
+def cpu(x):
+    return x.cpu() if isinstance(x, DeviceArray) else x.detach().clone()
+
+
+# -- defects ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", MODES)
+def test_a_direct_pf_lf_mla_call_does_not_reuse_the_copies_of_a_kv_call_over_the_same_tensors(spec):
+    """``Indexed.call_plans`` keys a ``_page_copies`` call's kept copies by ``(device, "pages", first_layer,
+    to_page_first, *operand keys of page_first + layer_first)``: the split between the page-first list and the
+    layer-first list is not in the key. A K/V call ``pf=[A, B], lf=[C, D]`` and an MLA call ``pf=[A], lf=[B, C, D]``
+    (same index tensors) flatten to the same key, so the MLA call replays the K/V call's copies: B is left as it was,
+    C gets A's layer 0 (should be layer 1) and D gets B's page (should be A's layer 2). The MLA call should copy
+    A's layers 0, 1, 2 into B, C, D, as it does on a fresh runtime. Fixed: the key holds both lists' lengths."""
+    rt = create(spec)
+    pages, tokens, row = 4, 4, 16
+    a = host(rt, (pages, 3, 1, row), keep=_keep)          # page_first_direct, 3 layers, page_size 1
+    b = host(rt, (tokens, 1, 1, row), keep=_keep)         # page-first (1 layer) here, layer-first [tokens, row] there
+    c, d = device(rt, (tokens, row), data=False), device(rt, (tokens, row), data=False)
+    src_idx, dst_idx = torch.tensor([2, 0]), torch.tensor([1, 3])
+    io.transfer_kv_per_layer_direct_pf_lf([a, b], [c, d], src_idx, dst_idx, 0, 1)      # K/V
+    rt.synchronize(0)
+    b_before = b.clone()
+    poison(c), poison(d)
+    io.transfer_kv_per_layer_direct_pf_lf([a], [b, c, d], src_idx, dst_idx, 0, 1)      # MLA, 3 layers
+    rt.synchronize(0)
+    want_b, want_c = b_before.clone(), torch.full((tokens, row), POISON, dtype=torch.uint8)
+    want_d = want_c.clone()
+    for s, t in zip(src_idx.tolist(), dst_idx.tolist()):
+        want_b[t, 0, 0] = a[s, 0, 0]
+        want_c[t] = a[s, 1, 0]
+        want_d[t] = a[s, 2, 0]
+    assert torch.equal(b, want_b), "dst layer 0 (b) did not get A's layer 0"
+    assert torch.equal(c.cpu(), want_c), "dst layer 1 (c) did not get A's layer 1"
+    assert torch.equal(d.cpu(), want_d), "dst layer 2 (d) did not get A's layer 2"
+
+
+def _bind_lines():
+    lines, start = inspect.getsourcelines(Plan.bind)
+    store = next(i for i, line in enumerate(lines) if "self.prepared = " in line and "prepare(" not in line)
+    ret = next(i for i, line in enumerate(lines) if i > store and line.strip().startswith("return"))
+    return start + store, start + ret
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_two_threads_preparing_one_kept_plan_each_launch_their_own_indices(spec):
+    """A plan kept by a call with no index pairs has nothing prepared. Two threads then calling with the same operands
+    and their own indices both reach ``Plan.bind``'s prepare; ``self.prepared = prepare(...)`` followed by
+    ``return self.prepared`` re-reads the shared attribute, so a thread whose store is overwritten by the other's
+    before its return launched the OTHER thread's indices: its destination rows stayed poison and the other's pairs
+    were copied twice. (The interleaving is forced with a trace function that only orders the two threads, between
+    the store of the prepared copy and the return; a GIL switch there gives the same.) Fixed: bind returns the copy
+    it prepared."""
+    rt = create(spec)
+    n, row = 32, 16
+    src, dst = device(rt, (n, row)), device(rt, (n, row), data=False)
+    io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, []), dev_idx(rt, []), row)   # a plan, nothing prepared
+    store, ret = _bind_lines()
+    code = Plan.bind.__code__
+    both, a_stored, b_stored = threading.Barrier(2, timeout=5), threading.Event(), threading.Event()
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+
+        def local(frame, event, arg):
+            me = threading.current_thread().name
+            if event == "line" and frame.f_lineno == store:
+                both.wait()                     # both threads found nothing prepared
+                if me == "B":
+                    a_stored.wait(5)
+            elif event == "line" and frame.f_lineno == ret:
+                if me == "A":
+                    a_stored.set()
+                    b_stored.wait(5)
+                else:
+                    b_stored.set()
+            return local
+        return local
+
+    jobs = {"A": ([1, 2, 3], [0, 1, 2]), "B": ([7, 8, 9], [10, 11, 12])}
+    indices = {k: (dev_idx(rt, s), dev_idx(rt, d)) for k, (s, d) in jobs.items()}
+    errors = []
+
+    def work(name):
+        sys.settrace(tracer)
+        try:
+            io.transfer_kv_per_layer_mla(src, dst, *indices[name], row)
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+        finally:
+            sys.settrace(None)
+
+    threads = [threading.Thread(target=work, args=(name,), name=name) for name in "AB"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    rt.synchronize(0)
+    assert not errors
+    want = torch.full((n, row), POISON, dtype=torch.uint8)
+    source = src.cpu()
+    for s, d in jobs.values():
+        want[d] = source[s]
+    got = dst.cpu()
+    assert torch.equal(got[[0, 1, 2]], want[[0, 1, 2]]), "thread A's pairs were not copied (it launched B's)"
+    assert torch.equal(got, want)
+
+
+def test_the_unified_emulator_reads_an_index_tensor_across_two_registration_chunks():
+    """(Not from the reuse; found on the way.) In ``emulated:unified`` the chunks of a HostBuffer registered in
+    pieces continue each other (alias == CPU address), and kvtier's resolver rightly accepts an index tensor (or a
+    tensor item) crossing a chunk boundary, as real unified-addressing hardware reads it fine. The emulated kernel,
+    though, read the 32 index bytes through ``AddressMap.translate``, which needed one mapping: it raised
+    IllegalAddress on the stream and poisoned device 0 for the rest of the process. Fixed: an access may run into
+    the next mappings where they continue the last in both address and backing."""
+    rt = create("emulated:unified")
+    n, row = 16, 32
+    buffer = HostBuffer.allocate(2 * 4096, HostKind.REGISTERED, runtime=rt, register_chunk_bytes=4096)
+    assert len(buffer.chunks) == 2
+    idx = buffer.as_tensor(torch.int64)
+    idx.copy_(torch.arange(1024) % n)
+    src, dst = device(rt, (n, row)), device(rt, (n, row), data=False)
+    s_idx, d_idx = idx[510:514], idx[600:604]                  # s_idx crosses the chunk boundary at 4096 bytes
+    io.transfer_kv_per_layer_mla(src, dst, s_idx, d_idx, row)
+    rt.synchronize(0)
+    want = torch.full((n, row), POISON, dtype=torch.uint8)
+    want[d_idx.tolist()] = src.cpu()[s_idx.tolist()]
+    assert torch.equal(dst.cpu(), want)
+    del s_idx, d_idx, idx
+
+
+# -- held up ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", MODES)
+def test_ok_one_plan_bound_to_index_tensors_of_every_kind_dtype_and_length(spec):
+    """Same operands, calls alternating int64/int32, DeviceArray/pinned indices, 0/1/few/all pairs, absent (-1,
+    -7) units and block shapes: every call copies exactly its own pairs."""
+    rng = random.Random(7)
+    rt = create(spec)
+    n, row = 64, 32
+    sk, sv = device(rt, (n, row)), device(rt, (n, row))
+    dk, dv = device(rt, (n, row), data=False), device(rt, (n, row), data=False)
+    makers = [dev_idx, pin_idx, lambda r, v: dev_idx(r, v, torch.int32), lambda r, v: pin_idx(r, v, torch.int32)]
+    for step in range(24):
+        count = rng.choice([0, 1, 2, 5, n])
+        si, di = rng.sample(range(n), count), rng.sample(range(n), count)
+        if count > 2 and step % 3 == 0:
+            si[0], di[1] = -1, -7
+        make = makers[step % 4] if step < 12 else rng.choice(makers)
+        quota, warps = rng.choice([(2, 32), (1, 1), (5, 3)])
+        poison(dk), poison(dv)
+        io.transfer_kv_per_layer(sk, dk, sv, dv, make(rt, si), make(rt, di), row, quota, warps)
+        rt.synchronize(0)
+        for s, d in ((sk, dk), (sv, dv)):
+            want = torch.full((n, row), POISON, dtype=torch.uint8)
+            for x, y in zip(si, di):
+                if x >= 0 and y >= 0:
+                    want[y] = s.cpu()[x]
+            assert torch.equal(d.cpu(), want), (step, count)
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_ok_out_of_range_indices_after_in_range_calls_are_refused_untouched(spec, monkeypatch):
+    """pf_lf over a pinned page_first host: in-range calls, then pinned indices past either end (refused, nothing
+    copied), an out-of-range index paired with -1 (skipped), and with KVTIER_COMPAT_CHECKS=1 toggled on after
+    checks-off calls, device indices past the end (refused, nothing copied)."""
+    rt = create(spec)
+    n, layers, row = 16, 3, 32
+    hk, hv = host(rt, (n, layers, row), keep=_keep), host(rt, (n, layers, row), keep=_keep)
+    dk, dv = device(rt, (n, row), data=False), device(rt, (n, row), data=False)
+
+    def call(si, di, layer=1):
+        io.transfer_kv_per_layer_pf_lf(hk, dk, hv, dv, si, di, layer, row, layers * row)
+        rt.synchronize(0)
+
+    call(pin_idx(rt, [1, 2]), pin_idx(rt, [3, 4]))
+    call(dev_idx(rt, [1, 2]), dev_idx(rt, [3, 4]))
+    poison(dk), poison(dv)
+    for si, di in (([1, n], [3, 5]), ([1, 2], [3, n])):
+        with pytest.raises(InvalidArgument):
+            call(pin_idx(rt, si), pin_idx(rt, di))
+    assert all(bool((x.cpu() == POISON).all()) for x in (dk, dv))
+    call(pin_idx(rt, [n + 5, 2]), pin_idx(rt, [-1, 6]))
+    want = torch.full((n, row), POISON, dtype=torch.uint8)
+    want[6] = hk[2, 1]
+    assert torch.equal(dk.cpu(), want)
+    poison(dk), poison(dv)
+    monkeypatch.setenv("KVTIER_COMPAT_CHECKS", "1")
+    for _ in range(2):
+        with pytest.raises(InvalidArgument):
+            call(dev_idx(rt, [1, 2]), dev_idx(rt, [3, n + 1]))
+        assert all(bool((x.cpu() == POISON).all()) for x in (dk, dv))
+        call(dev_idx(rt, [1, 2]), dev_idx(rt, [3, 4]))
+        poison(dk), poison(dv)
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_ok_index_views_with_a_storage_offset_bind_their_own_address(spec):
+    """Pinned int64/int32 index views at element offsets into one buffer, DeviceArray rows of a 2-D index array and
+    a whole 2-D index array, all on one plan: each copy reads its own view. A strided index view is refused."""
+    rt = create(spec)
+    n, layers, row = 16, 3, 32
+    hk, hv = host(rt, (n, layers, row), keep=_keep), host(rt, (n, layers, row), keep=_keep)
+    dk, dv = device(rt, (n, row), data=False), device(rt, (n, row), data=False)
+    cases = []
+    for dtype in (torch.int64, torch.int32):
+        size = torch.empty((), dtype=dtype).element_size()
+        b1 = HostBuffer.allocate(64 * size, HostKind.PINNED, runtime=rt)
+        b2 = HostBuffer.allocate(64 * size, HostKind.PINNED, runtime=rt)
+        _keep.extend([b1, b2])
+        s_all, d_all = b1.as_tensor(dtype), b2.as_tensor(dtype)
+        s_all.copy_((torch.arange(64) % n).to(dtype))
+        d_all.copy_(((torch.arange(64) * 7 + 3) % n).to(dtype))
+        cases += [(s_all[o:o + c], d_all[o:o + c]) for o, c in ((0, 3), (5, 4), (17, 1), (33, 9))]
+    s2 = DeviceArray.from_tensor(torch.tensor([[0, 1, 2], [5, 6, 7]]), runtime=rt)
+    d2 = DeviceArray.from_tensor(torch.tensor([[9, 8, 7], [1, 2, 3]]), runtime=rt)
+    cases += [(s2[0], d2[0]), (s2[1], d2[1]), (s2, d2)]
+    for si, di in cases:
+        poison(dk)
+        io.transfer_kv_per_layer_pf_lf(hk, dk, hv, dv, si, di, 2, row, layers * row)
+        rt.synchronize(0)
+        want = torch.full((n, row), POISON, dtype=torch.uint8)
+        for x, y in zip(cpu(si).reshape(-1).tolist(), cpu(di).reshape(-1).tolist()):
+            want[y] = hk[x, 2]
+        assert torch.equal(dk.cpu(), want)
+    with pytest.raises(InvalidArgument):
+        io.transfer_kv_per_layer_pf_lf(hk, dk, hv, dv, cases[3][0][0:8:2], cases[3][1][0:8:2], 0, row, layers * row)
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_ok_many_threads_binding_to_a_prepared_plan(spec):
+    """A plan with a prepared launch; 8 threads each bind their own indices (device and pinned) many times at once
+    (switch interval 1 µs): every pair lands, nothing else is written."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        rt = create(spec)
+        n, row, workers = 256, 16, 8
+        src, dst = device(rt, (n, row)), device(rt, (n, row), data=False)
+        io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, [0]), dev_idx(rt, [0]), row)
+        rt.synchronize(0)
+        poison(dst)
+        per = n // workers
+        jobs = [([(k * 31 + j * 7) % n for j in range(per)], list(range(k * per, (k + 1) * per)))
+                for k in range(workers)]
+        barrier, errors = threading.Barrier(workers), []
+
+        def work(k):
+            try:
+                barrier.wait()
+                s, d = jobs[k]
+                for j in range(0, per, 4):
+                    make = pin_idx if j % 8 else dev_idx
+                    io.transfer_kv_per_layer_mla(src, dst, make(rt, s[j:j + 4]), make(rt, d[j:j + 4]), row)
+            except Exception as error:  # noqa: BLE001
+                errors.append(error)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rt.synchronize(0)
+        assert not errors
+        want = torch.full((n, row), POISON, dtype=torch.uint8)
+        source = src.cpu()
+        for s, d in jobs:
+            want[d] = source[s]
+        assert torch.equal(dst.cpu(), want)
+    finally:
+        sys.setswitchinterval(old)
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_ok_a_host_buffer_replaced_by_a_smaller_one_at_the_same_address_is_refused_untouched(spec):
+    """A pinned host tensor used by a kernel call (kept plan) and a *_direct call (kept base); its buffer closed and
+    a smaller one allocated at the same address; a tensor of the old shape at that address (made through ctypes) is
+    then refused by both, nothing copied. A closed DeviceArray operand is refused by name on the kept plan."""
+    rt = create(spec)
+    n, layers, row = 16, 2, 32
+    dk, dv = device(rt, (n, row), data=False), device(rt, (n, row), data=False)
+    buffer = HostBuffer.allocate(n * layers * row, HostKind.PINNED, runtime=rt)
+    t = buffer.as_tensor(torch.uint8).view(n, layers, row)
+    t.copy_(rnd((n, layers, row)))
+    at = t.data_ptr()
+    io.transfer_kv_per_layer_pf_lf(t, dk, t, dv, dev_idx(rt, [1, 15]), dev_idx(rt, [3, 4]), 1, row, layers * row)
+    io.transfer_kv_per_layer_direct_pf_lf([t.view(n, layers, 1, row)], [dk, dv], pin_idx(rt, [1, 15]),
+                                          pin_idx(rt, [3, 4]), 0, 1)
+    rt.synchronize(0)
+    del t
+    buffer.close()
+    smaller = HostBuffer.allocate(n * layers * row // 2, HostKind.PINNED, runtime=rt)
+    if smaller.as_tensor(torch.uint8).data_ptr() != at:
+        pytest.skip("the smaller buffer did not land at the same address")
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * (n * layers * row)).from_address(at))
+    stale = torch.from_numpy(raw).view(n, layers, row)
+    poison(dk), poison(dv)
+    with pytest.raises(KvtierError):
+        io.transfer_kv_per_layer_pf_lf(stale, dk, stale, dv, dev_idx(rt, [1, 15]), dev_idx(rt, [3, 4]), 1, row,
+                                       layers * row)
+    with pytest.raises(KvtierError):
+        io.transfer_kv_per_layer_direct_pf_lf([stale.view(n, layers, 1, row)], [dk, dv], pin_idx(rt, [1, 15]),
+                                              pin_idx(rt, [3, 4]), 0, 1)
+    rt.synchronize(0)
+    assert all(bool((x.cpu() == POISON).all()) for x in (dk, dv))
+    src = device(rt, (n, row))
+    io.transfer_kv_per_layer_mla(src, dk, dev_idx(rt, [1]), dev_idx(rt, [2]), row)
+    src.close()
+    with pytest.raises(KvtierError, match="src"):
+        io.transfer_kv_per_layer_mla(src, dk, dev_idx(rt, [1]), dev_idx(rt, [2]), row)
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_ok_page_head_and_cut_chunks_rebound_across_index_counts(spec):
+    """ph_lf (head pieces) and 12 KiB items (cut into pieces by the launcher) kept plans bound to 0/1/3/all pairs,
+    both index kinds and dtypes, random layers: exact bytes every time. Also 40,000 pairs then 1 on one plan."""
+    rng = random.Random(3)
+    rt = create(spec)
+    pages, heads, page_size, layers, head_dim = 4, 2, 4, 3, 16
+    item, n = heads * head_dim, pages * page_size
+    hk = host(rt, (pages, heads, page_size, layers, head_dim), keep=_keep)
+    hv = host(rt, (pages, heads, page_size, layers, head_dim), keep=_keep)
+    dk, dv = device(rt, (n, item), data=False), device(rt, (n, item), data=False)
+    makers = [dev_idx, pin_idx, lambda r, v: dev_idx(r, v, torch.int32), lambda r, v: pin_idx(r, v, torch.int32)]
+    for step in range(12):
+        count = rng.choice([0, 1, 3, n])
+        si, di = rng.sample(range(n), count), rng.sample(range(n), count)
+        if step % 3 == 0 and count:
+            si[0] = -1
+        make, layer = rng.choice(makers), rng.randrange(layers)
+        poison(dk), poison(dv)
+        io.transfer_kv_per_layer_ph_lf(hk, dk, hv, dv, make(rt, si), make(rt, di), layer, item, layers * item,
+                                       page_size, heads)
+        rt.synchronize(0)
+        for h, d in ((hk, dk), (hv, dv)):
+            want = torch.full((n, item), POISON, dtype=torch.uint8)
+            for x, y in zip(si, di):
+                if x >= 0 and y >= 0:
+                    want[y] = h[x // page_size, :, x % page_size, layer, :].reshape(-1)
+            assert torch.equal(d.cpu(), want)
+    big, rows = 12288, 8
+    src, dst = device(rt, (rows, big)), device(rt, (rows, big), data=False)
+    for count in (1, 5, 2, 8):
+        si, di = rng.sample(range(rows), count), rng.sample(range(rows), count)
+        poison(dst)
+        io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, si), dev_idx(rt, di), big)
+        rt.synchronize(0)
+        want = torch.full((rows, big), POISON, dtype=torch.uint8)
+        want[di] = src.cpu()[si]
+        assert torch.equal(dst.cpu(), want)
+    many = 40000
+    src, dst = device(rt, (50000, 16)), device(rt, (50000, 16), data=False)
+    g = torch.Generator().manual_seed(0)
+    si, di = torch.randperm(50000, generator=g)[:many], torch.randperm(50000, generator=g)[:many]
+    io.transfer_kv_per_layer_mla(src, dst, DeviceArray.from_tensor(si, runtime=rt),
+                                 DeviceArray.from_tensor(di, runtime=rt), 16)
+    rt.synchronize(0)
+    want = torch.full((50000, 16), POISON, dtype=torch.uint8)
+    want[di] = src.cpu()[si]
+    assert torch.equal(dst.cpu(), want)
+    poison(dst)
+    io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, [5]), dev_idx(rt, [6]), 16)
+    rt.synchronize(0)
+    want = torch.full((50000, 16), POISON, dtype=torch.uint8)
+    want[6] = src.cpu()[5]
+    assert torch.equal(dst.cpu(), want)
