@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import inspect
-import os
 import random
 import sys
 import threading
@@ -93,7 +92,7 @@ def test_a_direct_pf_lf_mla_call_does_not_reuse_the_copies_of_a_kv_call_over_the
     rt.synchronize(0)
     want_b, want_c = b_before.clone(), torch.full((tokens, row), POISON, dtype=torch.uint8)
     want_d = want_c.clone()
-    for s, t in zip(src_idx.tolist(), dst_idx.tolist()):
+    for s, t in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
         want_b[t, 0, 0] = a[s, 0, 0]
         want_c[t] = a[s, 1, 0]
         want_d[t] = a[s, 2, 0]
@@ -220,7 +219,7 @@ def test_ok_one_plan_bound_to_index_tensors_of_every_kind_dtype_and_length(spec)
         rt.synchronize(0)
         for s, d in ((sk, dk), (sv, dv)):
             want = torch.full((n, row), POISON, dtype=torch.uint8)
-            for x, y in zip(si, di):
+            for x, y in zip(si, di, strict=True):
                 if x >= 0 and y >= 0:
                     want[y] = s.cpu()[x]
             assert torch.equal(d.cpu(), want), (step, count)
@@ -287,7 +286,7 @@ def test_ok_index_views_with_a_storage_offset_bind_their_own_address(spec):
         io.transfer_kv_per_layer_pf_lf(hk, dk, hv, dv, si, di, 2, row, layers * row)
         rt.synchronize(0)
         want = torch.full((n, row), POISON, dtype=torch.uint8)
-        for x, y in zip(cpu(si).reshape(-1).tolist(), cpu(di).reshape(-1).tolist()):
+        for x, y in zip(cpu(si).reshape(-1).tolist(), cpu(di).reshape(-1).tolist(), strict=True):
             want[y] = hk[x, 2]
         assert torch.equal(dk.cpu(), want)
     with pytest.raises(InvalidArgument):
@@ -401,7 +400,7 @@ def test_ok_page_head_and_cut_chunks_rebound_across_index_counts(spec):
         rt.synchronize(0)
         for h, d in ((hk, dk), (hv, dv)):
             want = torch.full((n, item), POISON, dtype=torch.uint8)
-            for x, y in zip(si, di):
+            for x, y in zip(si, di, strict=True):
                 if x >= 0 and y >= 0:
                     want[y] = h[x // page_size, :, x % page_size, layer, :].reshape(-1)
             assert torch.equal(d.cpu(), want)
