@@ -67,8 +67,11 @@ if want gemm; then
         || status=1
 fi
 if want sglang; then
+    # torch's default stream, then a side stream of the compat calls' own (SGLang's HiCache uses side streams)
     python3 bench/sglang_compat.py ${SGLANG_ARGS:-} --json "$OUT/sglang_compat.json" 2>&1 \
         | tee "$OUT/sglang_compat.txt" || status=1
+    python3 bench/sglang_compat.py ${SGLANG_ARGS:-} --stream side --json "$OUT/sglang_compat_side.json" 2>&1 \
+        | tee "$OUT/sglang_compat_side.txt" || status=1
 fi
 if want dmaq; then
     python3 bench/dma_queue.py --json "$OUT/dma_queue.json" 2>&1 | tee "$OUT/dma_queue.txt" || status=1
