@@ -588,26 +588,24 @@ def test_a_repeated_per_layer_call_reuses_its_plan_and_copies_what_the_indices_s
     host = memory.host((HOST_TOKENS, LAYERS, MLA_DIM))
     dev = [memory.device((DEVICE_TOKENS, MLA_DIM), data=False) for _ in range(LAYERS)]
     src_i, dst_i = memory.indices([0] * 20), memory.indices([0] * 20)
+
+    def load(src, dst, src_i, dst_i, what):
+        for layer in range(LAYERS):
+            kvcacheio.transfer_kv_per_layer_mla_pf_lf(host, dev[layer], src_i, dst_i, layer, item, LAYERS * item)
+        for layer in range(LAYERS):
+            got = memory.cpu(dev[layer])
+            for s, d in copied(src, dst):
+                assert torch.equal(got[d], host[s, layer]), f"{what} layer {layer} token {d}"
+
     for turn in range(3):
         src, dst = pairs(HOST_TOKENS, DEVICE_TOKENS)
         for index, values in ((src_i, src), (dst_i, dst)):
             index.copy_(torch.tensor(values))
-        for layer in range(LAYERS):
-            kvcacheio.transfer_kv_per_layer_mla_pf_lf(host, dev[layer], src_i, dst_i, layer, item, LAYERS * item)
-        for layer in range(LAYERS):
-            got = memory.cpu(dev[layer])
-            for s, d in copied(src, dst):
-                assert torch.equal(got[d], host[s, layer]), f"turn {turn} layer {layer} token {d}"
+        load(src, dst, src_i, dst_i, f"turn {turn}")
     assert len(prepared) == (3 * LAYERS if memory.torch_pinned else LAYERS)
     for turn in range(2):       # each request brings index tensors of its own: bound to the kept plans
         src, dst = pairs(HOST_TOKENS, DEVICE_TOKENS, count=12 + turn)
-        src_i, dst_i = memory.indices(src), memory.indices(dst)
-        for layer in range(LAYERS):
-            kvcacheio.transfer_kv_per_layer_mla_pf_lf(host, dev[layer], src_i, dst_i, layer, item, LAYERS * item)
-        for layer in range(LAYERS):
-            got = memory.cpu(dev[layer])
-            for s, d in copied(src, dst):
-                assert torch.equal(got[d], host[s, layer]), f"request {turn} layer {layer} token {d}"
+        load(src, dst, memory.indices(src), memory.indices(dst), f"request {turn}")
     assert len(prepared) == (5 * LAYERS if memory.torch_pinned else LAYERS)
 
 
