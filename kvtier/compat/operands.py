@@ -250,6 +250,9 @@ def pointer_table(call: Call, entries: Sequence[DeviceAddress]) -> PointerTable:
             return table
     table = build_pointer_table(call.runtime, call.device, list(entries))
     with state.lock:
+        stored = state.tables.get(key)
+        if stored is not None and not stored.closed:
+            return stored   # another thread built one meanwhile: every call shares the first stored
         state.tables[key] = table
         while len(state.tables) > TABLES_KEPT:
             state.tables.popitem(last=False)   # freed when the last call holding it lets go (the free waits for

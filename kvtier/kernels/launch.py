@@ -224,16 +224,18 @@ def chunk_group(vectors: int, unroll: int) -> int:
 class PreparedCopy:
     """A checked copy with its operands resolved: ``prepared(begin, count, stream)`` launches layers [begin, +count),
     one of the spans it was prepared for. ``chunks_per_layer`` is what each layer's counter grows by (0: nothing to
-    copy, nothing launched)."""
+    copy, nothing launched). It holds the objects whose addresses it resolved (``keep``: tables, indices, counters):
+    a table dropped by its last other owner between preparing and launching would otherwise be freed under the
+    launch."""
 
     def __init__(self, program: Any, name: str, head: list[KernelArg], shape: tuple[KernelArg, ...], blocks: int,
                  threads: int, allowed: set[tuple[int, int]], table_layers: int, chunks_per_layer: int,
                  runtime: Runtime | None = None, shared_bytes: int = 0, index_bytes: int = 0,
-                 chunks_per_unit: int = 0, layers: int = 0) -> None:
+                 chunks_per_unit: int = 0, layers: int = 0, keep: tuple[Any, ...] = ()) -> None:
         self.program, self.name, self.head, self.shape = program, name, head, shape
         self.blocks, self.threads, self.allowed, self.table_layers = blocks, threads, allowed, table_layers
         self.chunks_per_layer, self.runtime, self.shared_bytes = chunks_per_layer, runtime, shared_bytes
-        self.index_bytes, self.chunks_per_unit, self.layers = index_bytes, chunks_per_unit, layers
+        self.index_bytes, self.chunks_per_unit, self.layers, self.keep = index_bytes, chunks_per_unit, layers, keep
 
     def __call__(self, begin: int, count: int, stream: Stream) -> None:
         if (begin, count) not in self.allowed:
@@ -343,6 +345,7 @@ class KernelLauncher:
         program = self.runtime.load_program(self.spec, device)
         head: list[KernelArg] = [*sides, *indices, i64(call.n_units)]
         chunks = call.n_tensors * call.n_units * call.n_pieces
+        keep = (call.src.table, call.dst.table, call.layer_done, call.src_index, call.dst_index)
         shape: tuple[KernelArg, ...]
         if (self.bulk and width == VECTOR_BYTES and call.layer_done is None and call.chunk_bytes <= BULK_STAGE_BYTES
                 and self._bulk_capable(device)):
@@ -352,12 +355,12 @@ class KernelLauncher:
             return PreparedCopy(program, bulk_kernel(call.index_bytes), head, shape, max_blocks, BULK_THREADS,
                                 set(spans), call.table_layers, chunks, self.runtime,
                                 warps * BULK_STAGES * (BULK_STAGE_BYTES + 8), call.index_bytes,
-                                call.n_tensors * call.n_pieces, call.n_layers)
+                                call.n_tensors * call.n_pieces, call.n_layers, keep)
         shape = (i32(call.n_tensors), i32(call.n_pieces), i64(call.chunk_bytes), i32(group), i32(call.walk_group),
                  counters)
         return PreparedCopy(program, copy_kernel(call.index_bytes, width), head, shape, max_blocks, threads,
                             set(spans), call.table_layers, chunks, self.runtime, 0, call.index_bytes,
-                            call.n_tensors * call.n_pieces, call.n_layers)
+                            call.n_tensors * call.n_pieces, call.n_layers, keep)
 
     def rebind(self, prepared: PreparedCopy, src_index: Any, dst_index: Any, n_units: int,
                device: int) -> PreparedCopy | None:
@@ -373,7 +376,7 @@ class KernelLauncher:
         return PreparedCopy(prepared.program, prepared.name, head, prepared.shape, prepared.blocks, prepared.threads,
                             prepared.allowed, prepared.table_layers, n_units * prepared.chunks_per_unit,
                             prepared.runtime, prepared.shared_bytes, prepared.index_bytes, prepared.chunks_per_unit,
-                            prepared.layers)
+                            prepared.layers, (*prepared.keep[:3], src_index, dst_index))
 
     def _bulk_capable(self, device: int) -> bool:
         capable = self._bulk_devices.get(device)

@@ -184,9 +184,9 @@ class Plan:
             bound = call.launcher.rebind(self.prepared, indices[0], indices[1], n_units, call.device)
             if bound is not None:
                 return bound
-        if not self.tables:
-            self.tables = [pointer_table(call, [entry.address for entry in e]) for e in self.entries]
-        sides = [ChunkSide(table, *strides) for table, strides in zip(self.tables, self.strides, strict=True)]
+        tables = self.tables or [pointer_table(call, [entry.address for entry in e]) for e in self.entries]
+        self.tables = tables
+        sides = [ChunkSide(table, *strides) for table, strides in zip(tables, self.strides, strict=True)]
         copy = ChunkCopy(sides[0], sides[1], indices[0], indices[1], index_bytes, n_units, 0, n_layers, pieces,
                          chunk_bytes, self.n_tensors, n_layers, unit_major=unit_major)
         prepared = call.launcher.prepare(copy, [(0, n_layers)], device=call.device, max_blocks=block_quota,
