@@ -16,8 +16,7 @@ import threading
 import pytest
 import torch
 
-from kvtier.compat import DeviceArray
-from kvtier.compat import operands
+from kvtier.compat import DeviceArray, operands
 from kvtier.compat.sglang import kvcacheio as io
 from kvtier.compat.sglang.kvcacheio import Plan
 from kvtier.kernels.launch import ChunkCopy, ChunkSide, KernelLauncher
