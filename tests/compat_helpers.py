@@ -4,7 +4,10 @@ pointer tables of ``data_ptr()``s, where SGLang keeps them. Random data or a poi
 
 from __future__ import annotations
 
+import gc
 import math
+import sys
+import threading
 
 import torch
 
@@ -121,3 +124,39 @@ def index_overwrite(runtime):
     computed = m._own(DeviceArray.from_tensor(torch.tensor([0, 300]), runtime=runtime))
     runtime.synchronize(0)
     return m, dst, src, src_idx, dst_idx, computed, m.keep[-2]
+
+
+def two_traced_mla_loads(rt, src, dst, row: int, tracer, poison: int = 0x5A) -> None:
+    """Threads "A" and "B" each run one ``transfer_kv_per_layer_mla`` of their own three rows of ``src`` into
+    ``dst`` under ``tracer`` (which forces an interleaving); then every byte of ``dst`` must hold both loads over
+    ``poison``: a thread that launched the other's indices, or over a freed table, fails here."""
+    from kvtier.compat.sglang import kvcacheio as io
+
+    jobs = {"A": ([1, 2, 3], [0, 1, 2]), "B": ([7, 8, 9], [10, 11, 12])}
+    indices = {k: tuple(DeviceArray.from_tensor(torch.tensor(v), runtime=rt) for v in pair) for k, pair in jobs.items()}
+    errors: list[BaseException] = []
+
+    def work(name):
+        sys.settrace(tracer)
+        try:
+            io.transfer_kv_per_layer_mla(src, dst, *indices[name], row)
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+        finally:
+            sys.settrace(None)
+
+    threads = [threading.Thread(target=work, args=(name,), name=name) for name in "AB"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    gc.collect()
+    rt.synchronize(0)
+    assert not errors
+    want = torch.full(tuple(dst.shape), poison, dtype=torch.uint8)
+    source = src.cpu()
+    for s, d in jobs.values():
+        want[d] = source[s]
+    got = dst.cpu()
+    assert torch.equal(got[[0, 1, 2]], want[[0, 1, 2]]), "thread A's pairs were not copied (it launched B's)"
+    assert torch.equal(got, want)

@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from compat_helpers import two_traced_mla_loads
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio as io
@@ -144,33 +145,7 @@ def test_two_threads_preparing_one_kept_plan_each_launch_their_own_indices(spec)
             return local
         return local
 
-    jobs = {"A": ([1, 2, 3], [0, 1, 2]), "B": ([7, 8, 9], [10, 11, 12])}
-    indices = {k: (dev_idx(rt, s), dev_idx(rt, d)) for k, (s, d) in jobs.items()}
-    errors = []
-
-    def work(name):
-        sys.settrace(tracer)
-        try:
-            io.transfer_kv_per_layer_mla(src, dst, *indices[name], row)
-        except Exception as error:  # noqa: BLE001
-            errors.append(error)
-        finally:
-            sys.settrace(None)
-
-    threads = [threading.Thread(target=work, args=(name,), name=name) for name in "AB"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    rt.synchronize(0)
-    assert not errors
-    want = torch.full((n, row), POISON, dtype=torch.uint8)
-    source = src.cpu()
-    for s, d in jobs.values():
-        want[d] = source[s]
-    got = dst.cpu()
-    assert torch.equal(got[[0, 1, 2]], want[[0, 1, 2]]), "thread A's pairs were not copied (it launched B's)"
-    assert torch.equal(got, want)
+    two_traced_mla_loads(rt, src, dst, row, tracer)
 
 
 def test_the_unified_emulator_reads_an_index_tensor_across_two_registration_chunks():

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import gc
 import inspect
-import sys
 import threading
 
 import pytest
 import torch
+from compat_helpers import two_traced_mla_loads
 
 from kvtier.compat import DeviceArray, operands
 from kvtier.compat.sglang import kvcacheio as io
@@ -106,29 +106,4 @@ def test_two_threads_building_one_table_at_once_launch_over_live_tables(spec):
             return local
         return local
 
-    jobs = {"A": ([1, 2, 3], [0, 1, 2]), "B": ([7, 8, 9], [10, 11, 12])}
-    indices = {k: (dev_idx(rt, s), dev_idx(rt, d)) for k, (s, d) in jobs.items()}
-    errors: list[BaseException] = []
-
-    def work(name):
-        sys.settrace(tracer)
-        try:
-            io.transfer_kv_per_layer_mla(src, dst, *indices[name], row)
-        except Exception as error:  # noqa: BLE001
-            errors.append(error)
-        finally:
-            sys.settrace(None)
-
-    threads = [threading.Thread(target=work, args=(name,), name=name) for name in "AB"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    gc.collect()
-    rt.synchronize(0)
-    assert not errors
-    want = torch.full((n, row), POISON, dtype=torch.uint8)
-    source = src.cpu()
-    for s, d in jobs.values():
-        want[d] = source[s]
-    assert torch.equal(dst.cpu(), want)
+    two_traced_mla_loads(rt, src, dst, row, tracer)
