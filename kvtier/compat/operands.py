@@ -9,7 +9,6 @@ on every call), so a warmed-up call allocates nothing and can be captured in a C
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ import numpy as np
 from kvtier.compat.device_array import DeviceArray
 from kvtier.errors import InvalidArgument, KvtierError, WrongRuntime, about
 from kvtier.kernels.launch import KernelLauncher
+from kvtier.locks import ForkSafeLock
 from kvtier.memory import DeviceAddress, get_device_accessible_ptr, resolve_foreign_address, tensor_extent
 from kvtier.memory.registration import registered_span, span_generation
 from kvtier.pools import PointerTable, build_pointer_table
@@ -64,11 +64,11 @@ class _PerRuntime:
         self.aliases: OrderedDict[tuple[int, int], tuple[tuple[int, int], DeviceAddress]] = OrderedDict()
         self.rooms: OrderedDict[tuple, tuple[tuple[int, int], tuple[int | None, bool]]] = OrderedDict()
         self.plans: OrderedDict[tuple, Any] = OrderedDict()
-        self.lock = threading.Lock()
+        self.lock = ForkSafeLock()
 
 
 _state: weakref.WeakKeyDictionary[Runtime, _PerRuntime] = weakref.WeakKeyDictionary()
-_state_lock = threading.Lock()
+_state_lock = ForkSafeLock()
 
 
 def _per_runtime(runtime: Runtime) -> _PerRuntime:

@@ -7,18 +7,18 @@ aliases: a page that straddled them would have no single device address.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvtier.errors import RegistrationError
+from kvtier.locks import ForkSafeLock
 from kvtier.runtime import Runtime
 
 DEFAULT_REGISTER_CHUNK_BYTES = 64 << 30
 
-_spans_lock = threading.Lock()
+_spans_lock = ForkSafeLock()
 _spans: weakref.WeakKeyDictionary[Runtime, dict[int, tuple[int, int]]] = weakref.WeakKeyDictionary()
 _span_versions: weakref.WeakKeyDictionary[Runtime, int] = weakref.WeakKeyDictionary()
 

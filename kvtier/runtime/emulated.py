@@ -42,6 +42,7 @@ from kvtier.runtime.emulated_device import (
 )
 from kvtier.runtime.emulated_scheduler import SCHEDULES, Scheduler
 from kvtier.runtime.program import KernelArg, Program, ProgramSpec, argument_values
+from kvtier.runtime.ranges import Range
 
 MODES = ("split", "unified")
 SHARED_BYTES_PER_BLOCK = 227 << 10
@@ -132,9 +133,13 @@ class EmulatedRuntime(Runtime):
         return address
 
     def _host_free(self, address: int) -> None:
-        self._drain_before_free(range(self.device_count()), "cudaFreeHost")
-        nbytes = self._unmap_host(address)
-        osmem.unmap_memory(address, nbytes)
+        entry = self._mapped_host(address)
+
+        def release() -> None:
+            self._drain_before_free(range(self.device_count()), "cudaFreeHost")
+            self._unmap_host(entry)
+            osmem.unmap_memory(address, entry.nbytes)
+        self.scheduler.after_running(release)
 
     def _host_register(self, address: int, nbytes: int, flags: HostRegisterFlags) -> None:
         """Unified addressing implies MAPPED; without PORTABLE only the current device gets an alias."""
@@ -143,7 +148,7 @@ class EmulatedRuntime(Runtime):
         self._map_host(address, nbytes, "cudaHostRegister", devices)
 
     def _host_unregister(self, address: int) -> None:
-        self._unmap_host(address)
+        self._unmap_host(self._mapped_host(address))
 
     def _map_host(self, address: int, nbytes: int, call: str, devices: Iterable[int]) -> None:
         if self.max_registration_bytes is not None and nbytes > self.max_registration_bytes:
@@ -163,14 +168,16 @@ class EmulatedRuntime(Runtime):
         self._host_aliases[address] = aliases
         self._pinned_bytes += nbytes
 
-    def _unmap_host(self, address: int) -> int:
+    def _mapped_host(self, address: int) -> Range:
         entry = self.host_range(address)
         if entry is None or entry.start not in self._host_aliases:
             raise RegistrationError(f"emulated: 0x{address:x} is not registered host memory")
+        return entry
+
+    def _unmap_host(self, entry: Range) -> None:
         for device, alias in self._host_aliases.pop(entry.start).items():
             self._maps[device].ranges.pop(alias)
         self._pinned_bytes -= entry.nbytes
-        return entry.nbytes
 
     def _host_get_device_pointer(self, address: int) -> int:
         entry = self.host_range(address)
@@ -207,11 +214,14 @@ class EmulatedRuntime(Runtime):
             if address not in self._device_allocs:
                 raise RuntimeCallError("cudaFree", "cudaErrorInvalidValue", f"0x{address:x} is not a device allocation")
             device, backing, nbytes = self._device_allocs[address]
-            self._drain_before_free([device], "cudaFree")
-            del self._device_allocs[address]
-            self._maps[device].ranges.pop(address)
-            self._device_used[device] -= nbytes
-            osmem.unmap_memory(backing, nbytes)
+
+            def release() -> None:
+                self._drain_before_free([device], "cudaFree")
+                del self._device_allocs[address]
+                self._maps[device].ranges.pop(address)
+                self._device_used[device] -= nbytes
+                osmem.unmap_memory(backing, nbytes)
+            self.scheduler.after_running(release)
 
     def _find_mapped(self, address: int, nbytes: int = 1) -> tuple[int, int, Mapping] | None:
         for device, address_map in enumerate(self._maps):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import threading
 import types
+import warnings
 from collections.abc import Callable
 
 from kvtier.errors import IllegalAddress, InvalidArgument, RuntimeCallError
@@ -46,6 +47,8 @@ class Scheduler:
         self._rng = random.Random(seed)
         self._streams: list[EmulatedStream] = []
         self._faults: dict[int, _Fault] = {}
+        self._depth = 0
+        self._deferred: list[Callable[[], None]] = []
 
     def add(self, stream: EmulatedStream) -> None:
         with self.lock:
@@ -75,6 +78,32 @@ class Scheduler:
             other.pending.clear()
 
     # -- running work ----------------------------------------------------------------------------------------------
+    def after_running(self, release: Callable[[], None]) -> None:
+        """Run ``release`` (a free: it drains the device first) now, or after the operation running on this thread.
+
+        An emulated operation runs Python, so the garbage collector can run inside it, and with it the finalizer of
+        any buffer in a reference cycle. A free there that drained the device would run the operations queued behind
+        the running one before it ends: stream order broken, stale bytes read. On a GPU no host code runs inside a
+        kernel; cudaFree from the host waits for it to end, which is what deferring to its end gives."""
+        if self._depth:
+            self._deferred.append(release)
+        else:
+            release()
+
+    def _run(self, op: Callable[[], object]) -> object:
+        self._depth += 1
+        try:
+            return op()
+        finally:
+            self._depth -= 1
+            while not self._depth and self._deferred:
+                release = self._deferred.pop(0)
+                try:
+                    release()
+                except Exception as error:  # noqa: BLE001 (a finalizer's free: nobody to raise to)
+                    warnings.warn(f"emulated: a free deferred past a running operation failed: {error}",
+                                  RuntimeWarning, stacklevel=1)
+
     def _runnable(self, stream: EmulatedStream) -> bool:
         if not stream.pending:
             return False
@@ -111,7 +140,7 @@ class Scheduler:
             return True
         if isinstance(head, Running):
             try:
-                next(head.phases)
+                self._run(head.phases.__next__)
             except StopIteration:
                 stream.pending.popleft()
             except BaseException as error:
@@ -119,7 +148,7 @@ class Scheduler:
             return True
         op = stream.pending.popleft()
         try:
-            result = op()
+            result = self._run(op)
             if isinstance(result, types.GeneratorType):
                 stream.pending.appendleft(Running(result))
         except BaseException as error:
@@ -142,6 +171,10 @@ class Scheduler:
 
     def run_until(self, condition: Callable[[], bool], stream: EmulatedStream, call: str) -> None:
         """Run work until ``condition`` holds; raise the fault of ``stream``'s device if there is one."""
+        if self._depth:
+            raise RuntimeCallError(call, "cudaErrorNotPermitted",
+                                   "called from inside a running emulated operation (a finalizer the garbage "
+                                   "collector ran there?): it cannot wait for the operation it interrupts")
         self.check_alive(stream.device)
         while not condition():
             progressed = self._step(stream)

@@ -31,23 +31,30 @@ class Range(Generic[T]):
 
 
 class RangeIndex(Generic[T]):
+    """Readers take no lock: every add and pop builds new sorted tuples and publishes them in one assignment, so a
+    lookup from another thread sees the index wholly before or wholly after a change, never a start without its range
+    (writers still serialise among themselves, under their owner's lock)."""
+
     def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._ranges: list[Range[T]] = []
+        self._index: tuple[tuple[int, ...], tuple[Range[T], ...]] = ((), ())
         self.generation = 0
         """Counts every add and pop: what was looked up at one generation still holds while it is unchanged."""
 
     def __len__(self) -> int:
-        return len(self._ranges)
+        return len(self._index[1])
 
     def __iter__(self) -> Iterator[Range[T]]:
-        return iter(list(self._ranges))
+        return iter(self._index[1])
+
+    @staticmethod
+    def _before(starts: tuple[int, ...], ranges: tuple[Range[T], ...], end: int) -> Range[T] | None:
+        """The last range starting below end."""
+        i = bisect.bisect_left(starts, end)
+        return ranges[i - 1] if i else None
 
     def overlapping(self, start: int, nbytes: int) -> Range[T] | None:
-        i = bisect.bisect_left(self._starts, start + nbytes)
-        if i and self._ranges[i - 1].end > start:
-            return self._ranges[i - 1]
-        return None
+        last = self._before(*self._index, start + nbytes)
+        return last if last is not None and last.end > start else None
 
     def add(self, start: int, nbytes: int, value: T) -> Range[T]:
         if nbytes <= 0:
@@ -55,37 +62,36 @@ class RangeIndex(Generic[T]):
         clash = self.overlapping(start, nbytes)
         if clash is not None:
             raise InvalidArgument(f"[0x{start:x}, +{nbytes}) overlaps [0x{clash.start:x}, +{clash.nbytes})")
-        i = bisect.bisect_left(self._starts, start)
+        starts, ranges = self._index
+        i = bisect.bisect_left(starts, start)
         entry = Range(start, nbytes, value)
-        self._starts.insert(i, start)
-        self._ranges.insert(i, entry)
+        self._index = (starts[:i] + (start,) + starts[i:], ranges[:i] + (entry,) + ranges[i:])
         self.generation += 1
         return entry
 
     def edges(self, start: int, end: int) -> list[int]:
         """Every range start and end strictly inside (start, end): where a copy spanning the interval would cross
         from one range to another."""
-        i = bisect.bisect_right(self._starts, start)
-        out = [] if not i or self._ranges[i - 1].end >= end or self._ranges[i - 1].end <= start else \
-            [self._ranges[i - 1].end]
-        while i < len(self._ranges) and self._ranges[i].start < end:
-            out.append(self._ranges[i].start)
-            if self._ranges[i].end < end:
-                out.append(self._ranges[i].end)
+        starts, ranges = self._index
+        i = bisect.bisect_right(starts, start)
+        out = [] if not i or ranges[i - 1].end >= end or ranges[i - 1].end <= start else [ranges[i - 1].end]
+        while i < len(ranges) and ranges[i].start < end:
+            out.append(ranges[i].start)
+            if ranges[i].end < end:
+                out.append(ranges[i].end)
             i += 1
         return sorted(set(out))
 
     def find(self, address: int, nbytes: int = 1) -> Range[T] | None:
         """The range holding all of [address, address + nbytes), or None."""
-        i = bisect.bisect_right(self._starts, address)
-        if i and self._ranges[i - 1].holds(address, max(nbytes, 1)):
-            return self._ranges[i - 1]
-        return None
+        last = self._before(*self._index, address + 1)
+        return last if last is not None and last.holds(address, max(nbytes, 1)) else None
 
     def pop(self, start: int) -> Range[T]:
-        i = bisect.bisect_left(self._starts, start)
-        if i == len(self._starts) or self._starts[i] != start:
+        starts, ranges = self._index
+        i = bisect.bisect_left(starts, start)
+        if i == len(starts) or starts[i] != start:
             raise KeyError(start)
-        del self._starts[i]
+        self._index = (starts[:i] + starts[i + 1:], ranges[:i] + ranges[i + 1:])
         self.generation += 1
-        return self._ranges.pop(i)
+        return ranges[i]

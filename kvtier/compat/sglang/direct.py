@@ -9,7 +9,6 @@ read them asynchronously).
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from kvtier.compat.operands import (
     operand_key,
 )
 from kvtier.errors import InvalidArgument
+from kvtier.locks import ForkSafeLock
 from kvtier.memory.registration import span_generation, split_at_boundaries
 
 
@@ -104,7 +104,7 @@ class Indexed:
 INDEXED_KEPT = 4
 """Index value sets kept (with their copies): a per-layer load uses one; a few streams load at once."""
 _indexed: OrderedDict[tuple, Indexed] = OrderedDict()
-_indexed_lock = threading.Lock()
+_indexed_lock = ForkSafeLock()
 
 
 def _indexed_values(src_indices: Any, dst_indices: Any, page_size: Any) -> Indexed:
