@@ -153,15 +153,17 @@ def interleaved(sides, repeats: int) -> list[tuple[float, float]]:
     return [(statistics.median(q for q, _ in s), statistics.median(d for _, d in s)) for s in samples]
 
 
-def profile(name: str, call, finish, calls: int, console, rounds: int = 5) -> None:
-    """Where a compat call's host time goes: ``rounds`` runs of ``call`` under cProfile, the top functions by
-    cumulative time (per compat call: divide by ``calls``)."""
+def profile(name: str, call, finish, calls: int, console, setup=None, rounds: int = 5) -> None:
+    """Where a compat call's host time goes: ``rounds`` runs of ``call`` under cProfile (each after ``setup``, untimed,
+    as in the measurement), the top functions by cumulative time (per compat call: divide by ``calls``)."""
     import cProfile
     import io
     import pstats
 
     profiler = cProfile.Profile()
     for _ in range(rounds):
+        if setup is not None:
+            setup()
         finish()
         profiler.enable()
         call()
@@ -282,7 +284,7 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
         (q_engine, t_engine), (q_compat, t_compat) = timings[:2]
         calls = g.layers if function.startswith("transfer_kv_per_layer") else 1
         if function in args.profile:
-            profile(function, mem.on_stream(call), mem.done, calls, console)
+            profile(function, *compat[:2], calls, console, *compat[2:])
         key = "d2h_gbps" if op.startswith("backup") else "h2d_gbps"
         nbytes = len(pages_dev) * g.bytes_per_page
         threads = engine.backup_threads if op == "backup" else engine.threads

@@ -42,6 +42,18 @@ def cuda() -> Runtime:
 
 
 @pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """(a CudaRuntime whose driver is a ``cuda_fakes.FakeCudart``, a non-default stream of it, the fake): CUDA's copy
+    paths on a machine without a GPU."""
+    import cuda_fakes
+
+    import kvtier.runtime.cuda as cuda_module
+
+    fake = cuda_fakes.FakeCudart()
+    return cuda_fakes.fake_runtime(monkeypatch, fake), cuda_module.CudaStream(fake, 0, 0x1234, owned=False), fake
+
+
+@pytest.fixture
 def split() -> Runtime:
     return create("emulated:split")
 

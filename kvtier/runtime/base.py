@@ -16,7 +16,7 @@ import operator
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -141,6 +141,17 @@ class Event:
 
     def close(self) -> None:
         raise NotImplementedError("need Event.close")
+
+
+class RunSet(NamedTuple):
+    """Copies between two typed bases, checked: ``sizes[i]`` bytes from ``src + src_offsets[i]`` to
+    ``dst + dst_offsets[i]`` (int64 arrays of one length)."""
+
+    dst: Address
+    dst_offsets: np.ndarray
+    src: Address
+    src_offsets: np.ndarray
+    sizes: np.ndarray
 
 
 class Runtime:
@@ -310,6 +321,18 @@ class Runtime:
         keep the domain of their base: there is no raw address. The copies of one call run in no defined order (a
         batch does not order its entries), so no two may write the same bytes; callers taking indices from users
         check that (the compat ``*_direct`` functions refuse repeated destinations)."""
+        self.memcpy_run_sets_async([(dst, dst_offsets, src, src_offsets, sizes)], stream=stream, batched=batched)
+
+    def memcpy_run_sets_async(self, sets: Sequence[tuple[Address, Any, Address, Any, Any]], *, stream: Stream,
+                              batched: bool = False) -> None:
+        """:meth:`memcpy_runs_async` over several pairs of bases at once, ``(dst, dst_offsets, src, src_offsets,
+        sizes)`` each (a layer's K and V): with ``batched``, one batch for all of them, so a call pays the batch's
+        fixed costs (a driver call, a detour off the legacy stream) once. Every set is checked before any copy is
+        queued."""
+        checked = [self._run_set(*copies) for copies in sets]
+        self._memcpy_run_sets(checked, stream, batched)
+
+    def _run_set(self, dst: Address, dst_offsets: Any, src: Address, src_offsets: Any, sizes: Any) -> RunSet:
         self._copy_size(dst, src, 0, "memcpy_runs_async")
         given = [np.asarray(a) for a in (dst_offsets, src_offsets, sizes)]
         for name, array in zip(("destination offsets", "source offsets", "sizes"), given, strict=True):
@@ -322,7 +345,11 @@ class Runtime:
                                   f"offsets and {arrays[2].size} sizes")
         if arrays[2].size and (min(a.min() for a in arrays) < 0):
             raise InvalidArgument("memcpy_runs_async: offsets and sizes must be non-negative")
-        self._memcpy_runs(dst, arrays[0], src, arrays[1], arrays[2], stream, batched)
+        return RunSet(dst, arrays[0], src, arrays[1], arrays[2])
+
+    def _memcpy_run_sets(self, sets: list[RunSet], stream: Stream, batched: bool) -> None:
+        for run_set in sets:
+            self._memcpy_runs(*run_set, stream, batched)
 
     def segments(self, base: Address, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray | None:
         """Per copy, which host registration (or allocation) of ``base``'s span it lies in, when ``base`` is a CPU

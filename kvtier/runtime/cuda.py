@@ -28,6 +28,7 @@ from kvtier.runtime.base import (
     HostRegisterFlags,
     MemoryType,
     PointerAttributes,
+    RunSet,
     Runtime,
     Stream,
     split_groups,
@@ -311,13 +312,13 @@ class CudaRuntime(Runtime):
         check(self._cudart.cudaMemcpyAsync(dst.value, src.value, nbytes, self._memcpy_default,
                                            self.as_stream(stream).native), "cudaMemcpyAsync")
 
-    def _memcpy_runs(self, dst: Address, dst_offsets: np.ndarray, src: Address, src_offsets: np.ndarray,
-                     sizes: np.ndarray, stream: Stream, batched: bool) -> None:
+    def _memcpy_run_sets(self, sets: list[RunSet], stream: Stream, batched: bool) -> None:
         """Plain integers from here on (one array add per side, no object per copy): one cudaMemcpy2DAsync per
         strided group, then the other copies one cudaMemcpyAsync each, or with ``batched`` in cudaMemcpyBatchAsync
-        calls of BATCH_LIMIT copies. Each driver call costs ~5-10 µs of host time, more while the link is busy: a
-        staged 1 GiB backup of random 1 MiB page runs spent 6-8 ms queuing 1,024 calls, and a load queued after it
-        started that late (H200, both directions: 71% of the both-ways ceiling; batched 75%). The batched API refuses
+        calls of BATCH_LIMIT copies, one batch for every set of the call. Each driver call costs ~5-10 µs of host
+        time, more while the link is busy: a staged 1 GiB backup of random 1 MiB page runs spent 6-8 ms queuing 1,024
+        calls, and a load queued after it started that late (H200, both directions: 71% of the both-ways ceiling;
+        batched 75%). The batched API refuses
         stream capture and older drivers lack it: those fall back to one call each. It refuses the legacy default
         stream too: there a batch goes on a side stream (:meth:`_batch_stream`). With batching, strided groups of
         fewer than STRIDED_MIN_ROWS_BATCHED copies go in the batch instead, and host-to-device copies under
@@ -325,23 +326,31 @@ class CudaRuntime(Runtime):
         against ~1 µs from 32 KiB up)."""
         stream = self.as_stream(stream)
         cudart = self._cudart
-        groups = self.groups(dst, dst_offsets, src, src_offsets, sizes)
         batching = batched and self._batch_supported and not stream.capturing
-        h2d = isinstance(src, CpuAddress)
-        slow = h2d & (sizes[groups[:, 0]] < BATCH_H2D_MIN_BYTES) if groups.size else np.zeros(0, bool)
-        strided, single = split_groups(groups, np.where(batching & ~slow, STRIDED_MIN_ROWS_BATCHED, 2))
         kind, native = self._memcpy_default, stream.native
-        for d, s, n, rows, dst_pitch, src_pitch in zip((dst.value + dst_offsets[strided[:, 0]]).tolist(),
-                                                       (src.value + src_offsets[strided[:, 0]]).tolist(),
-                                                       sizes[strided[:, 0]].tolist(), *strided[:, 1:].T.tolist(),
-                                                       strict=True):
-            check(cudart.cudaMemcpy2DAsync(d, dst_pitch, s, src_pitch, n, rows, kind, native), "cudaMemcpy2DAsync")
-        single = single[sizes[single] > 0]
-        batchable = (sizes[single] >= BATCH_H2D_MIN_BYTES) | (not h2d) if batching else np.zeros(single.size, bool)
-        each = self._copy_lists(dst, dst_offsets, src, src_offsets, sizes, single[~batchable])
-        for d, s, n in zip(*each, strict=True):
-            check(cudart.cudaMemcpyAsync(d, s, n, kind, native), "cudaMemcpyAsync")
-        dsts, srcs, counts = self._copy_lists(dst, dst_offsets, src, src_offsets, sizes, single[batchable])
+        dsts: list[int] = []
+        srcs: list[int] = []
+        counts: list[int] = []
+        for dst, dst_offsets, src, src_offsets, sizes in sets:
+            groups = self.groups(dst, dst_offsets, src, src_offsets, sizes)
+            h2d = isinstance(src, CpuAddress)
+            slow = h2d & (sizes[groups[:, 0]] < BATCH_H2D_MIN_BYTES) if groups.size else np.zeros(0, bool)
+            strided, single = split_groups(groups, np.where(batching & ~slow, STRIDED_MIN_ROWS_BATCHED, 2))
+            for d, s, n, rows, dst_pitch, src_pitch in zip((dst.value + dst_offsets[strided[:, 0]]).tolist(),
+                                                           (src.value + src_offsets[strided[:, 0]]).tolist(),
+                                                           sizes[strided[:, 0]].tolist(), *strided[:, 1:].T.tolist(),
+                                                           strict=True):
+                check(cudart.cudaMemcpy2DAsync(d, dst_pitch, s, src_pitch, n, rows, kind, native),
+                      "cudaMemcpy2DAsync")
+            single = single[sizes[single] > 0]
+            batchable = (sizes[single] >= BATCH_H2D_MIN_BYTES) | (not h2d) if batching else np.zeros(single.size, bool)
+            each = self._copy_lists(dst, dst_offsets, src, src_offsets, sizes, single[~batchable])
+            for d, s, n in zip(*each, strict=True):
+                check(cudart.cudaMemcpyAsync(d, s, n, kind, native), "cudaMemcpyAsync")
+            chosen = self._copy_lists(dst, dst_offsets, src, src_offsets, sizes, single[batchable])
+            dsts += chosen[0]
+            srcs += chosen[1]
+            counts += chosen[2]
         batch = len(counts) if len(counts) > 1 else 0
         with self._batch_stream(stream, batch) as (target, batch_there):
             if batch_there and self._memcpy_batch(dsts, srcs, counts, target):

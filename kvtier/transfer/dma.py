@@ -27,11 +27,18 @@ def host_pieces(context: Context, host_offsets: np.ndarray, other: np.ndarray, s
     return starts, other[origin] + shift, pieces
 
 
+def copy_set(direction: str, host: tuple[Address, np.ndarray], device: tuple[Address, np.ndarray],
+             sizes: np.ndarray) -> tuple[Address, np.ndarray, Address, np.ndarray, np.ndarray]:
+    """Host ↔ device copies in the job's direction, each side a typed base and offsets, as ``memcpy_run_sets_async``
+    takes them."""
+    (dst, dst_offsets), (src, src_offsets) = (host, device) if direction == D2H else (device, host)
+    return dst, dst_offsets, src, src_offsets, sizes
+
+
 def queue_copies(context: Context, direction: str, host: tuple[Address, np.ndarray], device: tuple[Address, np.ndarray],
                  sizes: np.ndarray, stream: Any, batched: bool) -> None:
-    """Host ↔ device copies in the job's direction, each side a typed base and offsets: one call each or batched."""
-    (dst, dst_offsets), (src, src_offsets) = (host, device) if direction == D2H else (device, host)
-    context.runtime.memcpy_runs_async(dst, dst_offsets, src, src_offsets, sizes, stream=stream, batched=batched)
+    """Host ↔ device copies in the job's direction: one call each or batched."""
+    context.runtime.memcpy_run_sets_async([copy_set(direction, host, device, sizes)], stream=stream, batched=batched)
 
 
 class DirectBackend(Backend):
@@ -55,13 +62,15 @@ class DirectBackend(Backend):
 
     def _layer(self, job: Job, layer: int, host_runs: np.ndarray, device_runs: np.ndarray, sizes: np.ndarray,
                device_bases: list[DeviceAddress]) -> None:
+        """Every tensor's copies of the layer in one call (one batch)."""
         context = self.context
         host_pool, cpu = context.host_pool, context.host_pool.buffer.cpu_address
+        sets = []
         for tensor, device_base in enumerate(device_bases):
             base = host_pool.tensor_offset(tensor) + layer * host_pool.strides.layer
             offsets, device, nbytes = host_pieces(context, base + host_runs, device_runs, sizes)
-            queue_copies(context, job.direction, (cpu, offsets), (device_base, device), nbytes, job.stream,
-                         self.batched)
+            sets.append(copy_set(job.direction, (cpu, offsets), (device_base, device), nbytes))
+        context.runtime.memcpy_run_sets_async(sets, stream=job.stream, batched=self.batched)
 
 
 class BatchBackend(DirectBackend):

@@ -1,10 +1,10 @@
 """The ``*_direct`` functions of SGLang's kvcacheio: DMA copies of token runs and whole pages, no kernel.
 
 SGLang issues one ``Tensor.copy_`` per run and layer (a page at a time for ``page_first_direct`` hosts), reading the
-indices on the host first. kvtier reads them the same way, then queues each layer's runs in one
-``memcpy_runs_async`` call on the caller's current stream: equally spaced runs become one strided copy, the rest go
-batched. Operands resolve through the one resolver, so host tensors must be pinned or registered (the copy engines
-read them asynchronously).
+indices on the host first. kvtier reads them the same way, then queues every layer's runs in one
+``memcpy_run_sets_async`` call on the caller's current stream: equally spaced runs become one strided copy, the rest
+go in one batch. Operands resolve through the one resolver, so host tensors must be pinned or registered (the copy
+engines read them asynchronously).
 """
 
 from __future__ import annotations
@@ -254,11 +254,11 @@ def _refuse_overlap(starts: np.ndarray, lengths: np.ndarray | int, name: str, un
 
 
 def _submit(call: Call, plans: list[Copies | None]) -> None:
-    """Queue every layer's copies, only after all of them were checked: a refusal leaves every tensor as it was."""
-    for plan in plans:
-        if plan is not None:
-            call.runtime.memcpy_runs_async(plan.dst, plan.dst_offsets, plan.src, plan.src_offsets, plan.sizes,
-                                           stream=call.stream, batched=True)
+    """Queue every layer's copies in one batch, only after all of them were checked: a refusal leaves every tensor as
+    it was."""
+    sets = [(p.dst, p.dst_offsets, p.src, p.src_offsets, p.sizes) for p in plans if p is not None]
+    if sets:
+        call.runtime.memcpy_run_sets_async(sets, stream=call.stream, batched=True)
 
 
 def _same(a: int, b: int, what: str) -> int:
