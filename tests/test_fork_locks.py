@@ -24,6 +24,8 @@ LOCKS = {
     "direct index memo": lambda: direct._indexed_lock,
     "registration spans": lambda: registration._spans_lock,
     "a new ForkSafeLock": ForkSafeLock,
+    "a runtime's lock": lambda: create("emulated:split")._lock,
+    "a new reentrant ForkSafeLock": lambda: ForkSafeLock(reentrant=True),
 }
 
 
@@ -51,3 +53,26 @@ def test_a_fork_child_takes_a_lock_a_parent_thread_held_at_fork(name):
         thread.join(10)
     assert os.waitstatus_to_exitcode(status) == 0, f"the child could not take the {name} lock"
     assert not lock.locked(), "the parent's lock is released by its holder, as before"
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_lock_the_forking_thread_holds_stays_its_own_in_the_child(reentrant):
+    """The child's only thread is the one that forked: a lock it held is still held, by it, and its ``with`` block
+    releases it there as in the parent (another thread cannot take it meanwhile)."""
+    lock = ForkSafeLock(reentrant=reentrant)
+    with lock:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                if reentrant:
+                    with lock:   # reentrant: this thread owns it
+                        pass
+                held = lock.locked()
+                lock.release()
+                freed = not lock.locked() and lock.acquire(timeout=2)
+                os._exit(0 if held and freed else 1)
+            except BaseException:  # noqa: BLE001
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not lock.locked()

@@ -7,7 +7,6 @@ because unmapping under a live tensor turns the next read into a crash.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import gc
 import math
@@ -49,11 +48,16 @@ class _Resources:
         self.runtime, self.memory = runtime, memory
         self.chunks: list[tuple[int, int]] = []
         self.released = False
+        self.viewed = False
+        """Whether a tensor view was handed out: it may have fed kernels and copies kvtier does not track (torch's,
+        the compat layer's), so the memory goes back only after the devices finish what is queued."""
         self.creator_pid = os.getpid()
 
     def release(self, keep_mapping: bool = False) -> None:
         """Give everything back; with ``keep_mapping`` (exit, views alive) only what outlives no reader: an shm
-        file is removed (its mapping stays valid), the registration and the mapping go with the process."""
+        file is removed (its mapping stays valid), the registration and the mapping go with the process. From
+        ``close()`` and from the finalizer alike (a buffer dropped right after work was queued over it), a viewed
+        buffer waits for the devices first."""
         if self.released:
             return
         self.released = True
@@ -63,6 +67,12 @@ class _Resources:
             if self.memory.forget is not None:
                 self.memory.forget()
             return
+        if self.viewed:
+            self.runtime.after_device_work(self._give_back)
+        else:
+            self._give_back()
+
+    def _give_back(self) -> None:
         try:
             unregister_chunks(self.runtime, self.chunks)
         finally:
@@ -124,7 +134,6 @@ class HostBuffer:
         self._baseline_refs = sys.getrefcount(self._anchor)
         self._users = Users()
         self._closing = False
-        self._viewed = False
         self._reset_lock()
         _buffers.add(self)
         #: seconds spent pinning: registration of every chunk, or the runtime's pinned allocation
@@ -236,7 +245,7 @@ class HostBuffer:
             raise KvtierError(f"{self.nbytes} bytes is not a whole number of {dtype} elements")
         with self._lock:
             self._check_open()
-            self._viewed = self._viewing = True
+            self._resources.viewed = self._viewing = True
             try:
                 return torch.frombuffer(self._anchor, dtype=dtype)
             finally:
@@ -284,10 +293,6 @@ class HostBuffer:
             return
         try:
             self._users.drain()
-            if self._viewed:    # a view may have fed kernels kvtier does not track (torch's, the compat layer's)
-                for device in range(self.runtime.device_count()):
-                    with contextlib.suppress(KvtierError):   # a device an earlier fault ruined runs nothing more
-                        self.runtime.synchronize(device)
         finally:
             self._finalizer()
             self._closed.set()

@@ -14,7 +14,7 @@ import enum
 import numbers
 import operator
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -22,7 +22,15 @@ import numpy as np
 
 from kvtier.address import Address, CpuAddress, DeviceAddress
 from kvtier.checks import Choice
-from kvtier.errors import AddressDomainError, InvalidArgument, InvalidDevice, RegistrationError, WrongDeviceError
+from kvtier.errors import (
+    AddressDomainError,
+    InvalidArgument,
+    InvalidDevice,
+    KvtierError,
+    RegistrationError,
+    WrongDeviceError,
+)
+from kvtier.locks import ForkSafeLock
 from kvtier.runtime.program import KernelArg, Program, ProgramSpec
 from kvtier.runtime.ranges import Range, RangeIndex
 
@@ -164,7 +172,7 @@ class Runtime:
 
     def __init__(self) -> None:
         self._host = RangeIndex[HostKind]()
-        self._lock = threading.RLock()
+        self._lock = ForkSafeLock(reentrant=True)
         self._programs: dict[tuple[str, int], Program] = {}
         self._stream_override = threading.local()
 
@@ -216,6 +224,14 @@ class Runtime:
             address = self._host_alloc(nbytes)
             self._host.add(address, nbytes, HostKind.PINNED)
         return address
+
+    def after_device_work(self, release: Callable[[], None]) -> None:
+        """Run ``release`` (memory given back) once every device has finished the work queued so far, which may
+        still read that memory. A device an earlier fault ruined runs nothing more and is not waited for."""
+        for device in range(self.device_count()):
+            with contextlib.suppress(KvtierError):
+                self.synchronize(device)
+        release()
 
     def host_free(self, address: int) -> None:
         with self._lock:

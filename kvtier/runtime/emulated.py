@@ -8,6 +8,7 @@ both, as real ones do, which is why that bug stays hidden until a kernel runs.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -18,7 +19,14 @@ import numpy as np
 
 from kvtier import osmem
 from kvtier.address import Address, CpuAddress, DeviceAddress
-from kvtier.errors import IllegalAddress, InvalidArgument, RegistrationError, RuntimeCallError, WrongRuntime
+from kvtier.errors import (
+    IllegalAddress,
+    InvalidArgument,
+    KvtierError,
+    RegistrationError,
+    RuntimeCallError,
+    WrongRuntime,
+)
 from kvtier.runtime.base import (
     MAX_PITCH,
     DeviceAttributes,
@@ -30,6 +38,11 @@ from kvtier.runtime.base import (
     Stream,
 )
 from kvtier.runtime.emulated_device import (
+    ALIAS_BASE,
+    DEVICE_BASE,
+    DEVICE_STRIDE,
+    EMULATED_SPACE,
+    GUARD_BYTES,
     AddressMap,
     Busy,
     DeviceMemory,
@@ -46,11 +59,6 @@ from kvtier.runtime.ranges import Range
 
 MODES = ("split", "unified")
 SHARED_BYTES_PER_BLOCK = 227 << 10
-EMULATED_SPACE = 0x1000_0000_0000_0000
-ALIAS_BASE = 0x3000_0000_0000_0000
-DEVICE_BASE = 0x5000_0000_0000_0000
-DEVICE_STRIDE = 1 << 44
-GUARD_BYTES = 1 << 20
 
 
 class EmulatedRuntime(Runtime):
@@ -131,6 +139,15 @@ class EmulatedRuntime(Runtime):
             osmem.unmap_memory(address, nbytes)
             raise
         return address
+
+    def after_device_work(self, release: Callable[[], None]) -> None:
+        """Inside a running operation (a finalizer the collector ran there), after it ends: see
+        :meth:`Scheduler.after_running`."""
+        def drained() -> None:
+            with self._lock, contextlib.suppress(KvtierError):
+                self._drain_before_free(range(self.device_count()), "cudaDeviceSynchronize")
+            release()
+        self.scheduler.after_running(drained)
 
     def _host_free(self, address: int) -> None:
         entry = self._mapped_host(address)

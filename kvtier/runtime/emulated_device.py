@@ -27,6 +27,17 @@ if TYPE_CHECKING:
     from kvtier.runtime.emulated_scheduler import Scheduler
 
 
+EMULATED_SPACE = 0x1000_0000_0000_0000
+"""Emulated device addresses lie above this, where no CPU address does: host aliases from ALIAS_BASE (split mode),
+device memory from DEVICE_BASE, each device DEVICE_STRIDE apart."""
+ALIAS_BASE = 0x3000_0000_0000_0000
+DEVICE_BASE = 0x5000_0000_0000_0000
+DEVICE_STRIDE = 1 << 44
+GUARD_BYTES = 1 << 20
+"""Unmapped bytes after every emulated mapping: an access running past an allocation faults, as on a GPU it
+often does."""
+
+
 class MappingKind(enum.Enum):
     DEVICE_MEMORY = "device memory"
     HOST_ALIAS = "registered host alias"
@@ -57,12 +68,27 @@ class AddressMap:
     def translate(self, address: int, nbytes: int) -> int:
         found = self.lookup(address, nbytes) or self._across(address, nbytes)
         if found is None:
-            raise IllegalAddress(
-                f"emulated device {self.device}: illegal address 0x{address:x} (+{nbytes} bytes) is not mapped on "
-                f"this device; kernels need the device alias of registered host memory, not its CPU address"
-            )
+            raise IllegalAddress(f"emulated device {self.device}: illegal address 0x{address:x} (+{nbytes} bytes) is "
+                                 f"not mapped on this device; {self._why(address)}")
         return found[0]
 
+    def _why(self, address: int) -> str:
+        """What an unmapped access most likely is, by where it falls: just past the mapping below it (an index or
+        size out of range), elsewhere in the device-memory or host-alias space, or a CPU address."""
+        below = self.ranges.at_or_below(address)
+        if below is not None and address < below.end + GUARD_BYTES:
+            what = "device memory" if below.value.kind is MappingKind.DEVICE_MEMORY else "a host alias"
+            where = "runs past" if address < below.end else f"lies {address - below.end} bytes past"
+            return (f"it {where} the end of {what} at 0x{below.start:x} (+{below.nbytes} bytes): an index or size "
+                    f"out of range")
+        if address >= DEVICE_BASE:
+            return ("no allocation of this device holds it: an index or size far out of range, freed memory, or "
+                    "another device's memory")
+        if address >= ALIAS_BASE:
+            return ("no host registration of this device holds it: unregistered or freed host memory, an index out "
+                    "of range, or another device's alias")
+        return ("it is a CPU address: kernels reach host memory only through the device alias of a registration "
+                "(pageable or unregistered memory, or a CPU address passed where the alias was needed)")
 
     def _across(self, address: int, nbytes: int) -> tuple[int, Mapping] | None:
         """An access running from one mapping into the next ones, as a GPU reads across adjacent mappings (a buffer

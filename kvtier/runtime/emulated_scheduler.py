@@ -16,13 +16,16 @@ later operation on the device raises too.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 
 from kvtier.errors import IllegalAddress, InvalidArgument, RuntimeCallError
+from kvtier.locks import ForkSafeLock
 from kvtier.runtime.emulated_device import Busy, EmulatedStream, Running, WaitOp, WaitValueOp
 
 SCHEDULES = ("eager", "lazy")
@@ -40,7 +43,7 @@ class _Fault:
 
 
 class Scheduler:
-    def __init__(self, schedule: str, seed: int, lock: threading.RLock) -> None:
+    def __init__(self, schedule: str, seed: int, lock: ForkSafeLock) -> None:
         if schedule not in SCHEDULES:
             raise InvalidArgument(f"emulated schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.schedule, self.seed, self.lock = schedule, seed, lock
@@ -48,7 +51,9 @@ class Scheduler:
         self._streams: list[EmulatedStream] = []
         self._faults: dict[int, _Fault] = {}
         self._depth = 0
+        self._runner: int | None = None
         self._deferred: list[Callable[[], None]] = []
+        _schedulers.add(self)
 
     def add(self, stream: EmulatedStream) -> None:
         with self.lock:
@@ -79,7 +84,8 @@ class Scheduler:
 
     # -- running work ----------------------------------------------------------------------------------------------
     def after_running(self, release: Callable[[], None]) -> None:
-        """Run ``release`` (a free: it drains the device first) now, or after the operation running on this thread.
+        """Run ``release`` (a free: it drains the device first) now, or once the operation running on this thread has
+        ended and what it did is recorded (its fault, or a phased kernel put back on its stream).
 
         An emulated operation runs Python, so the garbage collector can run inside it, and with it the finalizer of
         any buffer in a reference cycle. A free there that drained the device would run the operations queued behind
@@ -91,18 +97,27 @@ class Scheduler:
             release()
 
     def _run(self, op: Callable[[], object]) -> object:
+        if not self._depth:
+            self._runner = threading.get_ident()
         self._depth += 1
         try:
             return op()
         finally:
             self._depth -= 1
-            while not self._depth and self._deferred:
-                release = self._deferred.pop(0)
-                try:
-                    release()
-                except Exception as error:  # noqa: BLE001 (a finalizer's free: nobody to raise to)
-                    warnings.warn(f"emulated: a free deferred past a running operation failed: {error}",
-                                  RuntimeWarning, stacklevel=1)
+
+    def _release_deferred(self) -> None:
+        while not self._depth and self._deferred:
+            release = self._deferred.pop(0)
+            try:
+                release()
+            except Exception as error:  # noqa: BLE001 (a finalizer's free: nobody to raise to)
+                warnings.warn(f"emulated: a free deferred past a running operation failed: {error}", RuntimeWarning,
+                              stacklevel=1)
+
+    def after_fork_in_child(self) -> None:
+        """An operation another parent thread was running never ends in the child: it no longer counts as running."""
+        if self._runner != threading.get_ident():
+            self._depth = 0
 
     def _runnable(self, stream: EmulatedStream) -> bool:
         if not stream.pending:
@@ -145,26 +160,29 @@ class Scheduler:
                 stream.pending.popleft()
             except BaseException as error:
                 self._fault(stream, error)
-            return True
-        op = stream.pending.popleft()
-        try:
-            result = self._run(op)
-            if isinstance(result, types.GeneratorType):
-                stream.pending.appendleft(Running(result))
-        except BaseException as error:
-            self._fault(stream, error)
+        else:
+            op = stream.pending.popleft()
+            try:
+                result = self._run(op)
+                if isinstance(result, types.GeneratorType):
+                    stream.pending.appendleft(Running(result))
+            except BaseException as error:
+                self._fault(stream, error)
+        self._release_deferred()
         return True
 
     def advance(self) -> None:
-        """Called at every enqueue: the eager schedule runs some ready work, as a GPU would meanwhile."""
-        if self.schedule == "eager":
+        """Called at every enqueue: the eager schedule runs some ready work, as a GPU would meanwhile (not from
+        inside a running operation: that one has not ended)."""
+        if self.schedule == "eager" and not self._depth:
             while self._rng.random() < RUN_AHEAD and self._step():
                 pass
 
     def progress(self, stream: EmulatedStream) -> None:
-        """Called when someone polls: eager runs at least one ready operation; lazy runs the stream dry."""
+        """Called when someone polls: eager runs at least one ready operation (none from inside a running one, whose
+        stream cannot move on until it ends: a poll there just reports); lazy runs the stream dry."""
         if self.schedule == "eager":
-            if self._step():
+            if not self._depth and self._step():
                 self.advance()
         else:
             self.run_until(lambda: not stream.pending, stream, "cudaEventQuery")
@@ -189,3 +207,14 @@ class Scheduler:
         """Run every queued operation of ``device``: what cudaDeviceSynchronize and cudaFree wait for."""
         for stream in self.streams(device):
             self.run_until(stream_idle(stream), stream, call)
+
+
+_schedulers: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for scheduler in list(_schedulers):
+        scheduler.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

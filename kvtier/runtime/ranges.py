@@ -82,6 +82,10 @@ class RangeIndex(Generic[T]):
             i += 1
         return sorted(set(out))
 
+    def at_or_below(self, address: int) -> Range[T] | None:
+        """The range starting nearest below or at ``address``, holding it or not."""
+        return self._before(*self._index, address + 1)
+
     def find(self, address: int, nbytes: int = 1) -> Range[T] | None:
         """The range holding all of [address, address + nbytes), or None."""
         last = self._before(*self._index, address + 1)
