@@ -343,8 +343,10 @@ class Runtime:
                               batched: bool = False) -> None:
         """:meth:`memcpy_runs_async` over several pairs of bases at once, ``(dst, dst_offsets, src, src_offsets,
         sizes)`` each (a layer's K and V): with ``batched``, one batch for all of them, so a call pays the batch's
-        fixed costs (a driver call, a detour off the legacy stream) once. Every set is checked before any copy is
-        queued."""
+        fixed costs (a driver call, a detour off the legacy stream) once. Every set's arguments are checked before
+        any copy is queued, and on the emulator every copy's memory too. CUDA's driver checks memory as each call is
+        made, so a copy it refuses can leave the copies before it queued: kvtier's callers (the engine, the compat
+        layer) check every copy's bounds before they call."""
         checked = [self._run_set(*copies) for copies in sets]
         self._memcpy_run_sets(checked, stream, batched)
 

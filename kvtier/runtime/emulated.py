@@ -34,6 +34,7 @@ from kvtier.runtime.base import (
     HostRegisterFlags,
     MemoryType,
     PointerAttributes,
+    RunSet,
     Runtime,
     Stream,
 )
@@ -296,6 +297,18 @@ class EmulatedRuntime(Runtime):
             return value
 
         return registered
+
+    def _memcpy_run_sets(self, sets: list[RunSet], stream: Stream, batched: bool) -> None:
+        """Every copy of the call is checked (as each copy call checks its operands) before any is queued, under the
+        lock, so a refused call queues nothing and nothing is freed between the check and the queuing."""
+        with self._lock:
+            for dst, dst_offsets, src, src_offsets, sizes in sets:
+                for at_dst, at_src, nbytes in zip(dst_offsets.tolist(), src_offsets.tolist(), sizes.tolist(),
+                                                  strict=True):
+                    if nbytes:
+                        self._locate(dst + at_dst, nbytes, "memcpy_runs_async")
+                        self._locate(src + at_src, nbytes, "memcpy_runs_async")
+            super()._memcpy_run_sets(sets, stream, batched)
 
     def _pageable(self, address: Address) -> bool:
         return isinstance(address, CpuAddress) and self.host_range(address.value) is None

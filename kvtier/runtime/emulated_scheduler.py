@@ -91,10 +91,11 @@ class Scheduler:
         any buffer in a reference cycle. A free there that drained the device would run the operations queued behind
         the running one before it ends: stream order broken, stale bytes read. On a GPU no host code runs inside a
         kernel; cudaFree from the host waits for it to end, which is what deferring to its end gives."""
-        if self._depth:
-            self._deferred.append(release)
-        else:
-            release()
+        with self.lock:   # an op ending in another thread runs the deferred list under it: none is stranded
+            if self._depth:
+                self._deferred.append(release)
+                return
+        release()
 
     def _run(self, op: Callable[[], object]) -> object:
         if not self._depth:

@@ -29,8 +29,9 @@ from kvtier.compat.operands import (
     kept_plan,
     operand_key,
 )
-from kvtier.errors import InvalidArgument
+from kvtier.errors import InvalidArgument, KvtierError, about
 from kvtier.locks import ForkSafeLock
+from kvtier.memory.alias import span_chunks
 from kvtier.memory.registration import span_generation, split_at_boundaries
 
 
@@ -229,10 +230,28 @@ def _base(call: Call, x: Any, name: str) -> tuple[Address, int]:
     found = kept_plan(call, full, [(x, name)] if isinstance(x, DeviceArray) else [])
     if found is not None:
         return found
-    resolved = address(call, x, name)
-    made = (CpuAddress(x.data_ptr()) if _is_host(x) else resolved, extent(x))
+    if _is_host(x) and call.runtime.host_range(x.data_ptr()) is not None:
+        try:   # copies read kvtier's host memory by CPU address, cut per chunk: chunk aliases need not be contiguous
+            span_chunks(call.runtime, x.data_ptr(), extent(x), call.device)
+        except KvtierError as error:
+            raise about(error, name) from None
+        made: tuple[Address, int] = (CpuAddress(x.data_ptr()), extent(x))
+    else:
+        resolved = address(call, x, name)
+        made = (CpuAddress(x.data_ptr()) if _is_host(x) else resolved, extent(x))
     keep_plan(call, full, made)
     return made
+
+
+def _refuse_shared(tensors: Sequence[Any], name: str) -> None:
+    """Destination tensors of one call must not overlap: their copies go in one batch, in no defined order (SGLang's
+    loop of ``copy_`` keeps the last layer's bytes; kvtier refuses, as it refuses repeated destination indices)."""
+    spans = sorted((int(x.data_ptr()), int(x.data_ptr()) + extent(x), i) for i, x in enumerate(tensors))
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            a, b = sorted((i, j))
+            raise InvalidArgument(f"{name}[{a}] and {name}[{b}] overlap: one call's copies into them would land in "
+                                  f"no defined order")
 
 
 def _refuse_overlap(starts: np.ndarray, lengths: np.ndarray | int, name: str, unit: str) -> None:
@@ -253,10 +272,24 @@ def _refuse_overlap(starts: np.ndarray, lengths: np.ndarray | int, name: str, un
                               f"repeat or overlap, and one call's copies land in no defined order")
 
 
+SUBMIT_COPIES = 1024
+"""Copies queued per ``memcpy_run_sets_async`` call: a layer's K and V of a per-layer call go in one batch, and a call
+over every layer starts moving bytes after its first layers are queued instead of after all of them."""
+
+
 def _submit(call: Call, plans: list[Copies | None]) -> None:
-    """Queue every layer's copies in one batch, only after all of them were checked: a refusal leaves every tensor as
-    it was."""
-    sets = [(p.dst, p.dst_offsets, p.src, p.src_offsets, p.sizes) for p in plans if p is not None]
+    """Queue every layer's copies, in batches of about SUBMIT_COPIES, only after all of them were checked: a refusal
+    leaves every tensor as it was."""
+    sets: list[tuple[Address, np.ndarray, Address, np.ndarray, np.ndarray]] = []
+    count = 0
+    for plan in plans:
+        if plan is None:
+            continue
+        sets.append((plan.dst, plan.dst_offsets, plan.src, plan.src_offsets, plan.sizes))
+        count += plan.sizes.size
+        if count >= SUBMIT_COPIES:
+            call.runtime.memcpy_run_sets_async(sets, stream=call.stream, batched=True)
+            sets, count = [], 0
     if sets:
         call.runtime.memcpy_run_sets_async(sets, stream=call.stream, batched=True)
 
@@ -282,6 +315,7 @@ def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any], src
     starts, lengths = indexed.get("token runs", _token_runs, indexed.src, indexed.dst)
 
     def build() -> list[Copies | None]:
+        _refuse_shared(dst_layers, "dst_layers")
         plans = []
         for layer, (s, d) in enumerate(zip(src_layers, dst_layers, strict=True)):
             row = _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows")
@@ -358,6 +392,10 @@ def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name:
 def _page_plans(call: Call, page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: str, lf_name: str,
                 indexed: Indexed, first_layer: int, to_page_first: bool) -> list[Copies | None]:
     mla, layers = _kv_split(page_first, layer_first, pf_name, lf_name)
+    if to_page_first:
+        _refuse_shared(page_first, pf_name)
+    else:
+        _refuse_shared(layer_first, lf_name)
     page_size = indexed.page_size
     pages, tokens = indexed.get(("pages", to_page_first), _page_starts, indexed, to_page_first)
     plans = []
