@@ -184,7 +184,8 @@ def test_a_release_deferred_from_another_thread_as_the_running_op_ends_is_not_st
     finally unregistered at an arbitrary later step of unrelated work (here: the next download). Fix: take the
     scheduler lock in ``after_running`` (or in ``after_device_work``) before reading ``_depth``; only the thread
     running the operation holds the lock inside it, so any other thread then waits for the operation's end and
-    releases at once."""
+    releases at once. (Since the fix B cannot reach the append while A's operation runs: B is held where it takes
+    the lock instead.)"""
     rt = create("emulated:split:lazy")
     n, row = 8, 64
     buffer = HostBuffer.allocate(n * row, HostKind.REGISTERED, runtime=rt)
@@ -200,12 +201,11 @@ def test_a_release_deferred_from_another_thread_as_the_running_op_ends_is_not_st
         in_op.set()
         assert proceed.wait(10)
 
-    def hold_b():
+    def hold_b():   # B is about to ask whether an op runs; with the fix it waits there for A's op to end
         checked.set()
-        assert a_done.wait(10)
 
     tracer_a, done_a = at_line(reference._copy, "source = memory.view", hold_a)
-    tracer_b, done_b = at_line(Scheduler.after_running, "self._deferred.append(release)", hold_b)
+    tracer_b, done_b = at_line(Scheduler.after_running, "with self.lock:", hold_b)
     thread_a, errors_a = in_thread(tracer_a, lambda: rt.synchronize(0))
     assert in_op.wait(10)
     thread_b, errors_b = in_thread(tracer_b, buffer.close)
