@@ -6,7 +6,8 @@ corresponds to), then the same pages with the compat function over the very same
 ``data_ptr()``s, ``block_quota`` = ``--blocks``), and reports both rates against the same run's contiguous ceiling.
 Per-layer rows call the compat function once per layer, as SGLang's load-back does (a launch per layer); the engine row
 is one per-layer load (one launch, each layer signalled from the device), and a second engine column gives the same
-load as a launch per layer (``layer_signals=False``): the API's own cost apart from the compat layer's. ``page_head`` is
+load as a launch per layer (``layer_signals=False``; for the DMA rows, one engine call per layer): the API's own cost
+apart from the compat layer's. ``page_head`` is
 compared with kvtier's own head-major layout, which orders a head's tokens and layers the other way round (same
 256-byte pieces). ``--stream side`` runs the compat calls on a torch stream of their own, as SGLang's HiCache does.
 Each repeat gives the compat calls new index tensors (same values), as each SGLang request brings its own;
@@ -276,10 +277,13 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
         engine = engines[backend]
         compat = (mem.on_stream(call), mem.done) + (() if args.same_indices else (fresh,))
         sides = [(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize), compat]
-        per_layer = function.startswith("transfer_kv_per_layer") and backend == "kernel"
-        if per_layer:   # SGLang's per-layer API is a launch per layer; the engine's load is one, signalled per layer
+        per_layer = function.startswith("transfer_kv_per_layer")
+        if per_layer and backend == "kernel":   # SGLang's per-layer API is a launch per layer; the engine's is one
             layered = engines["kernel-layers"]
             sides.append((lambda e=layered, f=engine_op: f(e).wait(), layered.synchronize))
+        elif per_layer:   # a DMA load as SGLang asks for it: one engine call per layer
+            sides.append((lambda e=engine: [e.load(pages_host, pages_dev, layers=[layer])
+                                            for layer in range(g.layers)][-1].wait(), engine.synchronize))
         timings = interleaved(sides, args.repeats)
         (q_engine, t_engine), (q_compat, t_compat) = timings[:2]
         calls = g.layers if function.startswith("transfer_kv_per_layer") else 1
@@ -345,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"compat calls on the {args.stream} stream; "
                         f"ceiling H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f} GB/s)")
     for column in ("geometry", "host layout", "compat function", "engine call", "compat GB/s (%)",
-                   "engine GB/s (%)", "compat / engine %", "engine, a launch per layer: GB/s", "compat / it %",
+                   "engine GB/s (%)", "compat / engine %", "engine, a launch (call) per layer: GB/s", "compat / it %",
                    "queued ms: compat", "engine", "µs / compat call"):
         table.add_column(column)
     for r in rows:
