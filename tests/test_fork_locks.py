@@ -25,7 +25,6 @@ LOCKS = {
     "registration spans": lambda: registration._spans_lock,
     "a new ForkSafeLock": ForkSafeLock,
     "a runtime's lock": lambda: create("emulated:split")._lock,
-    "a new reentrant ForkSafeLock": lambda: ForkSafeLock(reentrant=True),
 }
 
 
@@ -55,18 +54,16 @@ def test_a_fork_child_takes_a_lock_a_parent_thread_held_at_fork(name):
     assert not lock.locked(), "the parent's lock is released by its holder, as before"
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_a_lock_the_forking_thread_holds_stays_its_own_in_the_child(reentrant):
-    """The child's only thread is the one that forked: a lock it held is still held, by it, and its ``with`` block
-    releases it there as in the parent (another thread cannot take it meanwhile)."""
-    lock = ForkSafeLock(reentrant=reentrant)
+def test_a_lock_the_forking_thread_holds_stays_its_own_in_the_child():
+    """The child's only thread is the one that forked: a lock it held is still held, by it (reentrantly), and its
+    ``with`` block releases it there as in the parent."""
+    lock = ForkSafeLock()
     with lock:
         pid = os.fork()
         if pid == 0:
             try:
-                if reentrant:
-                    with lock:   # reentrant: this thread owns it
-                        pass
+                with lock:
+                    pass
                 held = lock.locked()
                 lock.release()
                 freed = not lock.locked() and lock.acquire(timeout=2)
@@ -75,4 +72,17 @@ def test_a_lock_the_forking_thread_holds_stays_its_own_in_the_child(reentrant):
                 os._exit(2)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+    assert not lock.locked()
+
+
+def test_locked_says_whether_any_thread_holds_it():
+    lock = ForkSafeLock()
+    assert not lock.locked()
+    with lock:
+        assert lock.locked()
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(lock.locked()))
+        thread.start()
+        thread.join(5)
+        assert seen == [True]
     assert not lock.locked()

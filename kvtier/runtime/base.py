@@ -172,7 +172,7 @@ class Runtime:
 
     def __init__(self) -> None:
         self._host = RangeIndex[HostKind]()
-        self._lock = ForkSafeLock(reentrant=True)
+        self._lock = ForkSafeLock()
         self._programs: dict[tuple[str, int], Program] = {}
         self._stream_override = threading.local()
 
