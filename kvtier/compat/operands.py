@@ -12,7 +12,7 @@ import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,8 @@ class Call:
     device: int
     stream: Stream
     launcher: KernelLauncher
+    keys: dict[int, tuple | None] = field(default_factory=dict, repr=False)
+    """:func:`operand_key` of each operand by ``id``, once per call (its operands live as long as the call)."""
 
 
 ENTRIES_KEPT = 1 << 16
@@ -135,6 +137,17 @@ def operand_key(call: Call, x: Any) -> tuple | None:
     same address after a free. A device tensor's address is its ``data_ptr()``; a CPU tensor inside kvtier's host
     ranges resolves the same while :func:`span_generation` is unchanged (part of every plan key); a DeviceArray is
     keyed by its address and resolved again on every use (its buffer may be closed since)."""
+    found = call.keys.get(id(x), _UNKEYED)
+    if found is not _UNKEYED:
+        return found
+    key = call.keys[id(x)] = _operand_key(call, x)
+    return key
+
+
+_UNKEYED: Any = object()
+
+
+def _operand_key(call: Call, x: Any) -> tuple | None:
     if isinstance(x, DeviceArray):
         try:
             return ("array", x.data_ptr(), x.device_index, x.shape, x.dtype)
