@@ -122,6 +122,7 @@ class EmulatedRuntime(Runtime):
     def synchronize(self, device: int | None = None) -> None:
         device = self.current_device() if device is None else self.check_device(device)
         with self._lock:
+            self.scheduler.check_not_capturing(device, "cudaDeviceSynchronize")
             self.scheduler.drain(device, "cudaDeviceSynchronize")
 
     def _drain_before_free(self, devices: Iterable[int], call: str) -> None:
@@ -330,6 +331,7 @@ class EmulatedRuntime(Runtime):
         (cudaMemcpy does the same); every other direction returns when the copy is done."""
         stream = self._default_streams[self._copy_device(dst, src)]
         with self._lock:
+            self.scheduler.check_not_capturing(stream.device, "cudaMemcpy")
             op = self._copy_op(dst, src, nbytes, "cudaMemcpy")
             stream.enqueue(op)
             if not (self._pageable(src) and isinstance(dst, DeviceAddress)):

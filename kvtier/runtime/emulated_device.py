@@ -243,6 +243,7 @@ class EmulatedStream(Stream):
             if self.closed:
                 raise RuntimeCallError("cudaStreamSynchronize", "cudaErrorInvalidResourceHandle",
                                        f"stream {self.handle} on emulated device {self.device} is destroyed")
+            self.scheduler.check_not_capturing(self.device, "cudaStreamSynchronize")
             self.scheduler.run_until(lambda: not self.pending, self, "cudaStreamSynchronize")
 
     def wait(self, event: Event) -> None:
@@ -323,6 +324,7 @@ class EmulatedEvent(Event):
             self.scheduler.check_alive(self.device)
             return
         with self.scheduler.lock:
+            self.scheduler.check_not_capturing(self.device, "cudaEventSynchronize")
             self.scheduler.run_until(lambda: marker.done, marker.stream, "cudaEventSynchronize")
 
     def elapsed_ms(self, end: Event) -> float:

@@ -63,6 +63,16 @@ class Scheduler:
     def streams(self, device: int) -> list[EmulatedStream]:
         return [s for s in self._streams if s.device == device]
 
+    def check_not_capturing(self, device: int, call: str) -> None:
+        """A host wait (a stream, event or device synchronise, a synchronous copy) while a stream of the device
+        captures is refused, as CUDA refuses it in the global capture mode torch uses: the wait could never see
+        captured work run, and the capture is invalid on a GPU."""
+        capturing = [s for s in self.streams(device) if s.capturing]
+        if capturing:
+            raise RuntimeCallError(call, "cudaErrorStreamCaptureUnsupported",
+                                   f"{capturing[0]!r} is capturing: a host wait on emulated device {device} is not "
+                                   f"allowed during a capture (read values back before capturing, or do without)")
+
     # -- faults ----------------------------------------------------------------------------------------------------
     def check_alive(self, device: int) -> None:
         fault = self._faults.get(device)

@@ -87,7 +87,9 @@ class Indexed:
         full = (call.device, *key, *keys)
         plans = self.plans.get(full)
         if plans is None:
-            plans = self.plans[full] = build()
+            plans = build()
+            if self.plans_at == generation == (id(call.runtime), *span_generation(call.runtime)):
+                self.plans[full] = plans    # kept only if no registration changed while it was built
         else:
             for x, name in operands:
                 if isinstance(x, DeviceArray):
@@ -137,8 +139,9 @@ def _tensors(xs: Sequence[Any], name: str) -> list[Any]:
 
 
 def _bytes(x: Any, dim: int) -> int:
-    """Bytes between consecutive entries of dimension ``dim``."""
-    return int(x.stride(dim)) * x.element_size()
+    """Bytes between consecutive entries of dimension ``dim`` of a contiguous tensor: from its shape, since the stride
+    torch keeps for a dimension of size 1 means nothing (a transposed or permuted view is contiguous with any)."""
+    return int(np.prod(x.shape[dim + 1:], dtype=np.int64)) * x.element_size()
 
 
 @dataclass(frozen=True, eq=False)
@@ -243,15 +246,26 @@ def _base(call: Call, x: Any, name: str) -> tuple[Address, int]:
     return made
 
 
-def _refuse_shared(tensors: Sequence[Any], name: str) -> None:
-    """Destination tensors of one call must not overlap: their copies go in one batch, in no defined order (SGLang's
-    loop of ``copy_`` keeps the last layer's bytes; kvtier refuses, as it refuses repeated destination indices)."""
-    spans = sorted((int(x.data_ptr()), int(x.data_ptr()) + extent(x), i) for i, x in enumerate(tensors))
-    for (_, end, i), (start, _, j) in zip(spans, spans[1:], strict=False):
-        if start < end:
-            a, b = sorted((i, j))
-            raise InvalidArgument(f"{name}[{a}] and {name}[{b}] overlap: one call's copies into them would land in "
-                                  f"no defined order")
+def _refuse_shared(destinations: Sequence[Any], dst_name: str, sources: Sequence[Any], src_name: str) -> None:
+    """A call's destination tensors must not overlap each other nor any source tensor: their copies go in batches, in
+    no defined order, so which bytes land would depend on it (SGLang's loop of ``copy_`` keeps the last layer's
+    bytes, or reads bytes an earlier layer wrote; kvtier refuses, as it refuses repeated destination indices).
+    Sources may overlap each other (read twice)."""
+    spans = sorted([(int(x.data_ptr()), int(x.data_ptr()) + extent(x), dst_name, i) for i, x in enumerate(destinations)]
+                   + [(int(x.data_ptr()), int(x.data_ptr()) + extent(x), src_name, i) for i, x in enumerate(sources)])
+    reach: tuple[int, str, int] = (0, "", -1)         # furthest end of any span so far, and whose
+    reach_dst: tuple[int, str, int] = (0, "", -1)     # the same among destinations
+    for start, end, name, i in spans:
+        if start == end:
+            continue
+        written = name == dst_name
+        clash = reach if written else reach_dst
+        if clash[2] >= 0 and start < clash[0]:
+            raise InvalidArgument(f"{clash[1]}[{clash[2]}] and {name}[{i}] overlap, and one of them is written: one "
+                                  f"call's copies land in no defined order")
+        reach = max(reach, (end, name, i))
+        if written:
+            reach_dst = max(reach_dst, (end, name, i))
 
 
 def _refuse_overlap(starts: np.ndarray, lengths: np.ndarray | int, name: str, unit: str) -> None:
@@ -315,7 +329,7 @@ def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any], src
     starts, lengths = indexed.get("token runs", _token_runs, indexed.src, indexed.dst)
 
     def build() -> list[Copies | None]:
-        _refuse_shared(dst_layers, "dst_layers")
+        _refuse_shared(dst_layers, "dst_layers", src_layers, "src_layers")
         plans = []
         for layer, (s, d) in enumerate(zip(src_layers, dst_layers, strict=True)):
             row = _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows")
@@ -393,9 +407,9 @@ def _page_plans(call: Call, page_first: Sequence[Any], layer_first: Sequence[Any
                 indexed: Indexed, first_layer: int, to_page_first: bool) -> list[Copies | None]:
     mla, layers = _kv_split(page_first, layer_first, pf_name, lf_name)
     if to_page_first:
-        _refuse_shared(page_first, pf_name)
+        _refuse_shared(page_first, pf_name, layer_first, lf_name)
     else:
-        _refuse_shared(layer_first, lf_name)
+        _refuse_shared(layer_first, lf_name, page_first, pf_name)
     page_size = indexed.page_size
     pages, tokens = indexed.get(("pages", to_page_first), _page_starts, indexed, to_page_first)
     plans = []
