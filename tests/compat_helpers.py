@@ -10,6 +10,7 @@ import sys
 import threading
 
 import torch
+from adversary_helpers import start_and_join
 
 from kvtier.compat import DeviceArray
 from kvtier.memory import HostBuffer, HostKind
@@ -145,11 +146,7 @@ def two_traced_mla_loads(rt, src, dst, row: int, tracer, poison: int = 0x5A) -> 
         finally:
             sys.settrace(None)
 
-    threads = [threading.Thread(target=work, args=(name,), name=name) for name in "AB"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    start_and_join([threading.Thread(target=work, args=(name,), name=name) for name in "AB"], 20)
     gc.collect()
     rt.synchronize(0)
     assert not errors

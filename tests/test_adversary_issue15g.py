@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from adversary_helpers import MODES, POISON, cpu, device, pin_idx, poison, rnd
 from compat_helpers import two_traced_mla_loads
 
 from kvtier.compat import DeviceArray
@@ -21,13 +22,6 @@ from kvtier.compat.sglang.kvcacheio import Plan
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.memory import HostBuffer, HostKind
 from kvtier.runtime import create
-
-POISON = 0x5A
-MODES = ["emulated:split", "emulated:unified"]
-
-
-def rnd(shape):
-    return torch.randint(1, 255, shape, dtype=torch.uint8)
 
 
 def host(rt, shape, data=True, keep=None):
@@ -39,8 +33,6 @@ def host(rt, shape, data=True, keep=None):
     return tensor
 
 
-def device(rt, shape, data=True):
-    return DeviceArray.from_tensor(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8), runtime=rt)
 
 
 def dev_idx(rt, values, dtype=torch.int64):
@@ -50,24 +42,10 @@ def dev_idx(rt, values, dtype=torch.int64):
 _keep: list = []
 
 
-def pin_idx(rt, values, dtype=torch.int64):
-    size = torch.empty((), dtype=dtype).element_size()
-    buffer = HostBuffer.allocate(max(8, size * len(values)), HostKind.PINNED, runtime=rt)
-    _keep.append(buffer)
-    tensor = buffer.as_tensor(dtype)[:len(values)]
-    tensor.copy_(torch.tensor(values, dtype=dtype))
-    return tensor
 
 
-def poison(x):
-    if isinstance(x, DeviceArray):
-        x.copy_(torch.full(x.shape, POISON, dtype=torch.uint8))
-    else:
-        x.fill_(POISON)
 
 
-def cpu(x):
-    return x.cpu() if isinstance(x, DeviceArray) else x.detach().clone()
 
 
 # -- defects ---------------------------------------------------------------------------------------------------------

@@ -6,9 +6,6 @@ only order threads (or, for the collector, pick the moment it runs), never with 
 
 from __future__ import annotations
 
-import gc
-import inspect
-import multiprocessing
 import random
 import sys
 import threading
@@ -16,21 +13,31 @@ import threading
 import numpy as np
 import pytest
 import torch
+from adversary_helpers import (
+    MODES,
+    POISON,
+    collect_inside_first_kernel,
+    cpu,
+    device,
+    fork_operands,
+    fresh,
+    pin_idx,
+    poison,
+    rnd,
+    run_in_fork,
+    source_line,
+    start_and_join,
+)
 
 from kvtier.compat import DeviceArray, operands
 from kvtier.compat.sglang import kvcacheio as io
 from kvtier.errors import KvtierError
-from kvtier.kernels import reference
 from kvtier.memory import HostBuffer, HostKind, resolve
 from kvtier.runtime import create, ranges
 
-POISON = 0x5A
-MODES = ["emulated:split", "emulated:unified"]
 _keep: list = []
 
 
-def rnd(shape):
-    return torch.randint(1, 255, shape, dtype=torch.uint8)
 
 
 def host(rt, shape, data=True):
@@ -41,41 +48,20 @@ def host(rt, shape, data=True):
     return tensor
 
 
-def device(rt, shape, data=True):
-    return DeviceArray.from_tensor(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8), runtime=rt)
 
 
 def dev_idx(rt, values, dtype=torch.int64):
     return DeviceArray.from_tensor(torch.tensor(values, dtype=dtype), runtime=rt)
 
 
-def pin_idx(rt, values, dtype=torch.int64):
-    size = torch.empty((), dtype=dtype).element_size()
-    buffer = HostBuffer.allocate(max(8, size * len(values)), HostKind.PINNED, runtime=rt)
-    _keep.append(buffer)
-    tensor = buffer.as_tensor(dtype)[:len(values)]
-    tensor.copy_(torch.tensor(values, dtype=dtype))
-    return tensor
 
 
-def poison(x):
-    if isinstance(x, DeviceArray):
-        x.copy_(torch.full(x.shape, POISON, dtype=torch.uint8))
-    else:
-        x.fill_(POISON)
 
 
-def cpu(x):
-    return x.cpu() if isinstance(x, DeviceArray) else x.detach().clone()
 
 
-def fresh(shape):
-    return torch.full(shape, POISON, dtype=torch.uint8)
 
 
-def _line(function, text):
-    lines, start = inspect.getsourcelines(function)
-    return start + next(i for i, line in enumerate(lines) if text in line)
 
 
 # -- defects ---------------------------------------------------------------------------------------------------------
@@ -98,9 +84,9 @@ def test_a_live_table_entry_is_not_refused_while_another_thread_frees_unrelated_
     src_table = torch.tensor([x.data_ptr() for x in src], dtype=torch.uint64)
     dst_table = torch.tensor([x.data_ptr() for x in dst], dtype=torch.uint64)
     si, di = dev_idx(rt, [1, 3]), dev_idx(rt, [0, 5])
-    mid_pop = _line(ranges.RangeIndex.pop, "self.generation += 1")
-    at_attrs = _line(resolve._host_alias, "attrs = runtime.pointer_attributes")
-    looked_up = _line(type(rt).pointer_attributes, "if mapped is not None and")
+    mid_pop = source_line(ranges.RangeIndex.pop, "self.generation += 1")
+    at_attrs = source_line(resolve._host_alias, "attrs = runtime.pointer_attributes")
+    looked_up = source_line(type(rt).pointer_attributes, "if mapped is not None and")
     pop_code, alias_code = ranges.RangeIndex.pop.__code__, resolve._host_alias.__code__
     attrs_code = type(rt).pointer_attributes.__code__
     caller_ready, freer_paused, go = threading.Event(), threading.Event(), threading.Event()
@@ -156,14 +142,6 @@ def test_a_live_table_entry_is_not_refused_while_another_thread_frees_unrelated_
         assert torch.equal(d.cpu(), want)
 
 
-def _fork_child(queue, call):
-    try:
-        call()
-        queue.put("ok")
-    except Exception as error:  # noqa: BLE001
-        queue.put(repr(error))
-
-
 @pytest.mark.parametrize("which", ["kernel", "direct"])
 def test_a_fork_child_does_not_hang_on_a_lock_a_parent_thread_held_at_fork(which):
     """kvtier.compat keeps module-level and per-runtime ``threading.Lock``s (``operands._state_lock``,
@@ -176,10 +154,7 @@ def test_a_fork_child_does_not_hang_on_a_lock_a_parent_thread_held_at_fork(which
     while the parent forks. A fix: re-create the locks in the child (``os.register_at_fork(after_in_child=...)``)."""
     rt = create("emulated:split")
     n, row = 8, 32
-    src, dst = device(rt, (n, row)), device(rt, (n, row), data=False)
-    layers = [device(rt, (n, row)) for _ in range(2)]
-    outs = [device(rt, (n, row), data=False) for _ in range(2)]
-    si, di = dev_idx(rt, [1, 3]), dev_idx(rt, [0, 5])
+    src, dst, layers, outs, si, di = fork_operands(rt, n, row)
 
     def kernel():
         io.transfer_kv_per_layer_mla(src, dst, si, di, row)
@@ -192,11 +167,11 @@ def test_a_fork_child_does_not_hang_on_a_lock_a_parent_thread_held_at_fork(which
     call = kernel if which == "kernel" else direct
     call()
     if which == "kernel":
-        code, inside = operands.kept_plan.__code__, _line(operands.kept_plan, "state.plans.move_to_end(key)")
+        code, inside = operands.kept_plan.__code__, source_line(operands.kept_plan, "state.plans.move_to_end(key)")
     else:
         from kvtier.compat.sglang import direct as direct_module
         code = direct_module._indexed_values.__code__
-        inside = _line(direct_module._indexed_values, "found = _indexed.get(key)")
+        inside = source_line(direct_module._indexed_values, "found = _indexed.get(key)")
     held, go = threading.Event(), threading.Event()
 
     def tracer(frame, event, arg):
@@ -220,19 +195,9 @@ def test_a_fork_child_does_not_hang_on_a_lock_a_parent_thread_held_at_fork(which
     thread = threading.Thread(target=parked)
     thread.start()
     assert held.wait(5)
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_fork_child, args=(queue, call))
-    child.start()
-    go.set()
-    thread.join(10)
-    child.join(3)
-    hung = child.is_alive()
-    if hung:
-        child.kill()
-        child.join(5)
+    hung, result = run_in_fork(call, meanwhile=lambda: (go.set(), thread.join(10)))
     assert not hung, "the fork child hangs in its first compat call: a lock held by a parent thread at fork"
-    assert queue.get(timeout=5) == "ok"
+    assert result == "ok"
 
 
 def test_a_device_array_collected_while_a_kernel_runs_does_not_run_the_next_kernel_first():
@@ -262,31 +227,9 @@ def test_a_device_array_collected_while_a_kernel_runs_does_not_run_the_next_kern
     cyclic = Node()
     cyclic.me, cyclic.array = cyclic, DeviceArray.from_tensor(torch.ones(16, dtype=torch.uint8), runtime=rt)
     del cyclic
-    at = _line(reference._copy, "source = memory.view")
-    code, collected = reference._copy.__code__, []
-
-    def tracer(frame, event, arg):
-        if frame.f_code is not code:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and frame.f_lineno == at and not collected:
-                collected.append(gc.collect())
-            return local
-        return local
-
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        io.transfer_kv_per_layer_mla(a, b, si, di, row)     # K1
-        io.transfer_kv_per_layer_mla(b, c, si, di, row)     # K2, after K1 on the same stream
-        sys.settrace(tracer)
-        rt.synchronize(0)
-    finally:
-        sys.settrace(None)
-        if was_enabled:
-            gc.enable()
-    assert collected and collected[0] > 0, "the collector did not run inside the kernel"
+    io.transfer_kv_per_layer_mla(a, b, si, di, row)     # K1
+    io.transfer_kv_per_layer_mla(b, c, si, di, row)     # K2, after K1 on the same stream
+    collect_inside_first_kernel(lambda: rt.synchronize(0))
     assert torch.equal(b.cpu(), a.cpu())
     assert torch.equal(c.cpu(), a.cpu()), "K2 ran before K1 had written b"
 
@@ -400,11 +343,7 @@ def test_ok_threads_over_shared_and_own_operands_while_buffers_come_and_go(spec,
 
         churner = threading.Thread(target=churn)
         churner.start()
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        start_and_join([threading.Thread(target=work, args=(k,)) for k in range(6)], 60)
         stop.set()
         churner.join(10)
         assert not errors, errors[:3]
@@ -534,10 +473,7 @@ def test_ok_a_fork_child_calls_after_the_parent_used_the_module():
     parent's memory is untouched by them."""
     rt = create("emulated:split")
     n, row = 8, 32
-    src, dst = device(rt, (n, row)), device(rt, (n, row), data=False)
-    layers = [device(rt, (n, row)) for _ in range(2)]
-    outs = [device(rt, (n, row), data=False) for _ in range(2)]
-    si, di = dev_idx(rt, [1, 3]), dev_idx(rt, [0, 5])
+    src, dst, layers, outs, si, di = fork_operands(rt, n, row)
 
     def both():
         io.transfer_kv_per_layer_mla(src, dst, si, di, row)
@@ -551,15 +487,8 @@ def test_ok_a_fork_child_calls_after_the_parent_used_the_module():
 
     both()
     poison(dst), [poison(x) for x in outs]
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_fork_child, args=(queue, both))
-    child.start()
-    child.join(10)
-    if child.is_alive():
-        child.kill()
-        child.join(5)
-    assert queue.get(timeout=5) == "ok"
+    hung, result = run_in_fork(both, timeout=10)
+    assert not hung and result == "ok"
     assert all(bool((x.cpu() == POISON).all()) for x in (dst, *outs))
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -22,6 +21,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from adversary_helpers import (
+    MODES,
+    POISON,
+    all_poison,
+    at_line,
+    close_when_collected,
+    dev_idx,
+    device,
+    fresh,
+    no_automatic_collection,
+    pin_idx,
+    poison,
+    rnd,
+    run_in_fork,
+    traced,
+)
 
 import kvtier
 from kvtier.compat import DeviceArray
@@ -35,13 +50,9 @@ from kvtier.runtime import create, emulated
 from kvtier.transfer import TransferEngine
 from pool_helpers import fill_host, poison_device, read_device
 
-POISON = 0x5A
-MODES = ["emulated:split", "emulated:unified"]
 _keep: list = []
 
 
-def rnd(shape):
-    return torch.randint(1, 255, shape, dtype=torch.uint8)
 
 
 def host(rt, shape, data=True, kind=HostKind.PINNED):
@@ -52,45 +63,20 @@ def host(rt, shape, data=True, kind=HostKind.PINNED):
     return tensor
 
 
-def device(rt, shape, data=True):
-    return DeviceArray.from_tensor(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8), runtime=rt)
 
 
-def dev_idx(rt, values, dtype=torch.int64, device_index=0):
-    return DeviceArray.from_tensor(torch.tensor(values, dtype=dtype), device_index, runtime=rt)
 
 
-def pin_idx(rt, values, dtype=torch.int64):
-    size = torch.empty((), dtype=dtype).element_size()
-    buffer = HostBuffer.allocate(max(8, size * len(values)), HostKind.PINNED, runtime=rt)
-    _keep.append(buffer)
-    tensor = buffer.as_tensor(dtype)[:len(values)]
-    tensor.copy_(torch.tensor(values, dtype=dtype))
-    return tensor
 
 
-def poison(x):
-    if isinstance(x, DeviceArray):
-        x.copy_(torch.full(x.shape, POISON, dtype=torch.uint8))
-    else:
-        x.fill_(POISON)
 
 
-def cpu(x):
-    return x.cpu() if isinstance(x, DeviceArray) else x.detach().clone()
 
 
-def fresh(shape):
-    return torch.full(shape, POISON, dtype=torch.uint8)
 
 
-def all_poison(x):
-    return bool((cpu(x) == POISON).all())
 
 
-def _line(function, text):
-    lines, start = inspect.getsourcelines(function)
-    return start + next(i for i, line in enumerate(lines) if text in line)
 
 
 class Node:
@@ -102,40 +88,15 @@ def cyclic_device_array(rt):
     node.me, node.array = node, DeviceArray.from_tensor(torch.ones(16, dtype=torch.uint8), runtime=rt)
 
 
-def at_line(function, text, action):
-    """A trace function that runs ``action()`` once, when ``function`` is about to run the line holding ``text``."""
-    code, at, done = function.__code__, _line(function, text), []
-
-    def tracer(frame, event, arg):
-        if frame.f_code is not code:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and frame.f_lineno == at and not done:
-                done.append(action())
-            return local
-        return local
-    return tracer, done
 
 
-def traced(tracer, call):
-    sys.settrace(tracer)
-    try:
-        return call()
-    finally:
-        sys.settrace(None)
 
 
 @pytest.fixture(autouse=True)
 def _collections_only_when_asked():
     """No automatic collection: cyclic garbage goes exactly where a test calls ``gc.collect()``."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with no_automatic_collection():
         yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 # -- defects: memory given back under queued or running work -------------------------------------------------------
@@ -246,13 +207,8 @@ def test_closing_a_registered_host_buffer_from_a_finalizer_inside_a_kernel_waits
     io.transfer_kv_per_layer_mla(a, view, si, si, row)    # K2, into the host buffer
     del view
 
-    class Owner:
-        def __del__(self):
-            self.buffer.close()
-
-    owner = Owner()
-    owner.me, owner.buffer = owner, buffer
-    del owner, buffer
+    close_when_collected(buffer)
+    del buffer
     tracer, done = at_line(reference._copy, "source = memory.view", gc.collect)
     traced(tracer, lambda: rt.synchronize(0))
     assert done and done[0] > 0
@@ -383,13 +339,6 @@ def test_an_event_polled_from_a_finalizer_inside_a_kernel_does_not_run_the_next_
 
 
 # -- defects: fork -----------------------------------------------------------------------------------------------
-def _fork_child(queue, call):
-    try:
-        queue.put(call())
-    except Exception as error:  # noqa: BLE001
-        queue.put(repr(error))
-
-
 def test_a_fork_child_does_not_hang_when_a_parent_thread_is_inside_a_call_running_queued_work():
     """A parent thread is inside a compat call whose first use of new operands builds a kernel table, and the
     table's synchronous upload runs the kernel queued before it on the legacy stream: the thread holds the emulated
@@ -429,21 +378,11 @@ def test_a_fork_child_does_not_hang_when_a_parent_thread_is_inside_a_call_runnin
     thread = threading.Thread(target=worker)
     thread.start()
     assert inside.wait(5)
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_fork_child, args=(queue, child_call))
-    child.start()
-    go.set()
-    thread.join(10)
-    child.join(3)
-    hung = child.is_alive()
-    if hung:
-        child.kill()
-        child.join(5)
+    hung, result = run_in_fork(child_call, meanwhile=lambda: (go.set(), thread.join(10)))
     rt.synchronize(0)
     assert torch.equal(other.cpu(), a.cpu())
     assert not hung, "the fork child hangs on the emulated runtime's lock a parent thread held at fork"
-    assert queue.get(timeout=5) == "ok"
+    assert result == "ok"
 
 
 def _fork_holding(lock):

@@ -12,7 +12,6 @@ data."""
 from __future__ import annotations
 
 import gc
-import inspect
 import itertools
 import os
 import subprocess
@@ -24,6 +23,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from adversary_helpers import (
+    MODES,
+    POISON,
+    at_line,
+    close_when_collected,
+    cpu,
+    device,
+    no_automatic_collection,
+    poison,
+    rnd,
+)
 
 import kvtier
 from kvtier.address import CpuAddress, DeviceAddress
@@ -35,14 +45,10 @@ from kvtier.memory import DeviceBuffer, HostBuffer, HostKind
 from kvtier.runtime import create
 from kvtier.runtime.emulated_scheduler import Scheduler
 
-POISON = 0x5A
-MODES = ["emulated:split", "emulated:unified"]
 CHUNK = 16 << 10
 _keep: list = []
 
 
-def rnd(shape):
-    return torch.randint(1, 255, shape, dtype=torch.uint8)
 
 
 def rnd_np(n):
@@ -61,44 +67,18 @@ def host(rt, shape, kind=HostKind.PINNED, data=True, chunk=None, offset=0):
     return tensor
 
 
-def device(rt, shape, data=True):
-    return DeviceArray.from_tensor(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8), runtime=rt)
 
 
 def dev_idx(rt, values):
     return DeviceArray.from_tensor(torch.tensor(values, dtype=torch.int64), runtime=rt)
 
 
-def cpu(x):
-    return x.cpu() if isinstance(x, DeviceArray) else x.detach().clone()
 
 
-def poison(x):
-    if isinstance(x, DeviceArray):
-        x.copy_(torch.full(x.shape, POISON, dtype=torch.uint8))
-    else:
-        x.fill_(POISON)
 
 
-def _line(function, text):
-    lines, start = inspect.getsourcelines(function)
-    return start + next(i for i, line in enumerate(lines) if text in line)
 
 
-def at_line(function, text, action):
-    """A trace function that runs ``action()`` once, when ``function`` is about to run the line holding ``text``."""
-    code, at, done = function.__code__, _line(function, text), []
-
-    def tracer(frame, event, arg):
-        if frame.f_code is not code:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and frame.f_lineno == at and not done:
-                done.append(action())
-            return local
-        return local
-    return tracer, done
 
 
 def in_thread(tracer, call):
@@ -125,13 +105,9 @@ def child_env():
 
 @pytest.fixture(autouse=True)
 def _collections_only_when_asked():
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    """No automatic collection: cyclic garbage goes exactly where a test calls ``gc.collect()``."""
+    with no_automatic_collection():
         yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 # -- defects -----------------------------------------------------------------------------------------------------
@@ -538,6 +514,15 @@ def test_ok_a_refusal_in_the_last_of_many_layers_leaves_every_layer_untouched(sp
             assert torch.equal(d, want), name
 
 
+def _filled(rt, kind, n, row):
+    """(a host buffer of ``kind``, a view of it holding fresh random rows, a copy of them, a poisoned device
+    destination, the row indices)."""
+    buffer = HostBuffer.allocate(n * row, kind, runtime=rt)
+    view = buffer.as_tensor(torch.uint8).view(n, row)
+    view.copy_(rnd((n, row)))
+    return buffer, view, view.clone(), device(rt, (n, row), data=False), dev_idx(rt, list(range(n)))
+
+
 @pytest.mark.parametrize("how", ["close", "collect"])
 @pytest.mark.parametrize("kind", [HostKind.REGISTERED, HostKind.SHM, HostKind.PINNED])
 def test_ok_a_buffer_closed_or_collected_in_another_thread_while_its_copy_is_queued(kind, how):
@@ -546,12 +531,8 @@ def test_ok_a_buffer_closed_or_collected_in_another_thread_while_its_copy_is_que
     registration (or pinned allocation) is gone and an shm file removed."""
     rt = create("emulated:split:lazy")
     n, row = 8, 64
-    buffer = HostBuffer.allocate(n * row, kind, runtime=rt)
+    buffer, view, want, dst, si = _filled(rt, kind, n, row)
     address, path = buffer.cpu_address.value, buffer.path
-    view = buffer.as_tensor(torch.uint8).view(n, row)
-    view.copy_(rnd((n, row)))
-    want = view.clone()
-    dst, si = device(rt, (n, row), data=False), dev_idx(rt, list(range(n)))
     io.transfer_kv_per_layer_mla(view, dst, si, si, row)
     del view
     holder = [buffer]
@@ -578,25 +559,16 @@ def test_ok_close_from_a_finalizer_inside_the_kernel_reading_the_buffer(kind):
     queued behind it (into the same buffer) runs after it, and then the memory is given back."""
     rt = create("emulated:split:lazy")
     n, row = 8, 64
-    buffer = HostBuffer.allocate(n * row, kind, runtime=rt)
+    buffer, view, want, dst, si = _filled(rt, kind, n, row)
     address, path = buffer.cpu_address.value, buffer.path
-    view = buffer.as_tensor(torch.uint8).view(n, row)
-    view.copy_(rnd((n, row)))
-    want = view.clone()
-    dst, si = device(rt, (n, row), data=False), dev_idx(rt, list(range(n)))
     back, other = device(rt, (n, row), data=False), device(rt, (n, row))
     io.transfer_kv_per_layer_mla(view, dst, si, si, row)       # K1 reads the buffer
     io.transfer_kv_per_layer_mla(other, view, si, si, row)     # K2 writes it
     io.transfer_kv_per_layer_mla(view, back, si, si, row)      # K3 reads K2's bytes
     del view
 
-    class Owner:
-        def __del__(self):
-            self.buffer.close()
-
-    owner = Owner()
-    owner.me, owner.buffer = owner, buffer
-    del owner, buffer
+    close_when_collected(buffer)
+    del buffer
     tracer, done = at_line(reference._copy, "source = memory.view", gc.collect)
     sys.settrace(tracer)
     try:

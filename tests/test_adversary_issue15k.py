@@ -12,13 +12,13 @@ data."""
 
 from __future__ import annotations
 
-import gc
 import sys
 import threading
 
 import numpy as np
 import pytest
 import torch
+from adversary_helpers import MODES, POISON, cpu, no_automatic_collection, poison, rnd
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import direct as direct_module
@@ -27,13 +27,9 @@ from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.memory import HostBuffer, HostKind
 from kvtier.runtime import create
 
-POISON = 0x5A
-MODES = ["emulated:split", "emulated:unified"]
 _keep: list = []
 
 
-def rnd(shape):
-    return torch.randint(1, 255, shape, dtype=torch.uint8)
 
 
 def host(rt, shape, kind=HostKind.PINNED, data=True, **extra):
@@ -65,26 +61,15 @@ def pin_idx(rt, values, dtype=torch.int64):
     return out
 
 
-def cpu(x):
-    return x.cpu() if isinstance(x, DeviceArray) else x.detach().clone()
 
 
-def poison(x):
-    if isinstance(x, DeviceArray):
-        x.copy_(torch.full(x.shape, POISON, dtype=torch.uint8))
-    else:
-        x.fill_(POISON)
 
 
 @pytest.fixture(autouse=True)
 def _collections_only_when_asked():
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    """No automatic collection: cyclic garbage goes exactly where a test calls ``gc.collect()``."""
+    with no_automatic_collection():
         yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 # -- defects -----------------------------------------------------------------------------------------------------

@@ -9,18 +9,15 @@ trigger it, forced.
 
 from __future__ import annotations
 
-import gc
-import inspect
-import sys
 import warnings
 
 import pytest
 import torch
+from adversary_helpers import collect_inside_first_kernel
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio as io
 from kvtier.errors import RuntimeCallError
-from kvtier.kernels import reference
 from kvtier.memory import HostBuffer, HostKind
 from kvtier.runtime import create
 
@@ -41,36 +38,6 @@ def _random(runtime) -> DeviceArray:
 
 def _poisoned(runtime) -> DeviceArray:
     return DeviceArray.from_tensor(torch.full((ROWS, ROW), POISON, dtype=torch.uint8), runtime=runtime)
-
-
-def _collect_inside_first_kernel(run) -> list:
-    """``run()`` with one ``gc.collect()`` at the first chunk a kernel copies; what each finalizer saw, in order."""
-    code = reference._copy.__code__
-    lines, first = inspect.getsourcelines(reference._copy)
-    at = first + next(i for i, line in enumerate(lines) if "source = memory.view" in line)
-    collected: list = []
-
-    def tracer(frame, event, arg):
-        if frame.f_code is not code:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and frame.f_lineno == at and not collected:
-                collected.append(gc.collect())
-            return local
-        return local
-
-    enabled = gc.isenabled()
-    gc.disable()
-    sys.settrace(tracer)
-    try:
-        run()
-    finally:
-        sys.settrace(None)
-        if enabled:
-            gc.enable()
-    assert collected and collected[0] > 0, "the collector found nothing inside the kernel"
-    return collected
 
 
 def _two_chained_copies(runtime):
@@ -97,7 +64,7 @@ def test_a_host_buffer_collected_inside_a_kernel_is_freed_after_it_and_stream_or
     address = buffer.cpu_address.value
     Cycle(buffer)
     del buffer
-    _collect_inside_first_kernel(run)
+    collect_inside_first_kernel(run)
     assert torch.equal(b.cpu(), a.cpu())
     assert torch.equal(c.cpu(), a.cpu()), "the free ran K2 before K1 had written b"
     assert runtime.host_range(address) is None
@@ -111,7 +78,7 @@ def test_a_device_free_inside_a_kernel_happens_once_the_kernel_ends():
     address = doomed.data_ptr()
     Cycle(doomed)
     del doomed
-    _collect_inside_first_kernel(run)
+    collect_inside_first_kernel(run)
     assert torch.equal(c.cpu(), a.cpu())
     assert runtime.pointer_attributes(address).type.name == "UNREGISTERED"
     with pytest.raises(RuntimeCallError, match="not a device allocation"):
@@ -133,7 +100,7 @@ def test_a_wait_from_inside_a_kernel_is_refused_by_name_and_runs_nothing_out_of_
     Cycle(Waits())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _collect_inside_first_kernel(run)
+        collect_inside_first_kernel(run)
     assert len(errors) == 1 and isinstance(errors[0], RuntimeCallError)
     assert "inside a running emulated operation" in str(errors[0])
     assert torch.equal(c.cpu(), a.cpu())
