@@ -210,7 +210,13 @@ def table_entries(call: Call, table: Any, what: str) -> tuple[list[int], list[De
     host ranges keeps its resolution while those ranges are unchanged (:func:`span_generation`: a buffer closed or
     registered since makes the next call resolve again); any other entry is resolved on every call. So memory closed
     or moved since is refused or followed, never reached through a stale alias, and a warm call asks nothing of the
-    driver for kvtier's buffers."""
+    driver for kvtier's buffers. Refused while the call's stream captures: the entries are read now, so a graph would
+    replay the capture-time ones whatever the table holds then (SGLang's kernel reads the table when it runs)."""
+    if call.stream.capturing:
+        raise InvalidArgument(f"{what}: a raw pointer table cannot be used while the stream captures "
+                              f"(cudaStreamBeginCapture): it is read when the call is made, so the graph would replay "
+                              f"its capture-time entries; capture calls over tensors (kvtier keeps their tables), or "
+                              f"run calls over raw tables outside a capture")
     state = _per_runtime(call.runtime)
     key = None
     if is_tensor(table) and table.device.type != "cpu":

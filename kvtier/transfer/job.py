@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,6 +223,34 @@ class Backend:
         """Free what the backend owns; the engine drained everything before."""
 
 
+class _EngineLock:
+    """An engine's lock (reentrant). A close() asked for by the thread that holds it, in the middle of the engine's
+    own call (a signal handler, a finalizer the collector ran there), must not free the streams and staging area that
+    call is still queuing on: it is kept, and runs once that thread lets go of the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0
+        self.pending: Callable[[], None] | None = None
+
+    def held_here(self) -> bool:
+        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+
+    def __enter__(self) -> _EngineLock:
+        self._lock.acquire()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        pending = self.pending if not self._depth else None
+        if pending is not None:
+            self.pending = None
+        self._lock.release()
+        if pending is not None:
+            pending()
+
+
 class PoolUser:
     """What every engine over a device pool and a host pool shares: it is their user (closing either waits for its
     work), queues under one lock, and closes once — draining first, then letting go of the pools and freeing what it
@@ -235,7 +263,7 @@ class PoolUser:
 
     def _start(self, device_pool: Any, host_pool: Any) -> None:
         """First thing in ``__init__``."""
-        self._lock = threading.RLock()
+        self._lock = _EngineLock()
         self._closed = False
         self.device_pool, self.host_pool = device_pool, host_pool
 
@@ -273,7 +301,11 @@ class PoolUser:
         """Free what the engine owns (tables, rings, streams); everything queued has finished."""
 
     def close(self) -> None:
-        """Wait for queued work, then free what the engine owns. Idempotent."""
+        """Wait for queued work, then free what the engine owns. Idempotent. Asked for in the middle of one of the
+        engine's own calls on this thread, it happens as that call returns, after the call has queued its work."""
+        if self._lock.held_here() and not self._closed:
+            self._lock.pending = self.close
+            return
         with self._lock:
             if self._closed:
                 return

@@ -77,6 +77,16 @@ class Side:
     units_per_page: int = 1
     tables: bool = False
 
+    def __post_init__(self) -> None:
+        """Strides are products of the call's numbers (``page_size * layout_dim``, ``layer_id * layout_dim``): each
+        checked here, once, to stay within LIMIT, so every offset built from them fits int64."""
+        for what, value in (("page stride", self.page_stride), ("unit stride", self.unit_stride),
+                            ("head stride", self.piece_stride),
+                            ("layer offset", max(self.layers, default=0) * self.layer_stride)):
+            if value > LIMIT:
+                raise InvalidArgument(f"{self.name}: the {what} these arguments give ({value} bytes) is out of range "
+                                      f"of any tensor")
+
     def entries(self, call: Call, n_layers: int) -> list[Entry]:
         """Per KV tensor and layer: the address kernels use, and the bytes from it to the end of its memory (a
         tensor's extent; for a table entry, its allocation's end where the runtime knows it)."""
@@ -103,7 +113,7 @@ class Side:
                     pieces: int) -> None:
         """Every byte the copy touches lies inside the memory of each entry whose size is known: item 0 when the
         indices stay on the device, every item given in ``units`` (offsets counted without overflow). A table
-        entry's size is asked of the runtime only when there are indices to check."""
+        entry's size is asked of the runtime (its allocation's end) in both cases."""
         worst, far = 0, 0
         if units is not None and units.size:
             pages, slots = np.divmod(units, self.units_per_page)
@@ -117,8 +127,6 @@ class Side:
         for entry in entries:
             room = entry.room
             if entry.raw is not None:
-                if units is None and call.runtime.host_range(entry.raw) is None:
-                    continue   # device memory, or host memory kvtier did not register: one alias, size unknown
                 try:
                     room, split = table_room(call, entry.raw, entry.address, generation)
                 except KvtierError as error:
