@@ -32,6 +32,17 @@ class RuntimeCallError(KvtierError):
         super().__init__(f"{call}: {error}" + (f" ({detail})" if detail else ""))
 
 
+CAPTURE_REFUSALS = ("cudaErrorStreamCaptureUnsupported", "cudaErrorStreamCaptureInvalidated",
+                    "cudaErrorStreamCaptureImplicit", "hipErrorStreamCaptureUnsupported",
+                    "hipErrorStreamCaptureInvalidated", "hipErrorStreamCaptureImplicit")
+
+
+def capture_refused(error: BaseException) -> bool:
+    """Whether ``error`` is a host wait refused because a stream is capturing: nothing was waited for, and nothing
+    is wrong with the device; the wait can be made once the capture ends."""
+    return isinstance(error, RuntimeCallError) and error.error in CAPTURE_REFUSALS
+
+
 class IllegalAddress(KvtierError):
     """A device touched an address that is not mapped for it: the emulator's model of a GPU memory fault."""
 

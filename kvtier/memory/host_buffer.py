@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier import osmem
 from kvtier.address import CpuAddress
 from kvtier.checks import integer
-from kvtier.errors import BufferClosed, BufferInUse, InvalidArgument, KvtierError, OutOfMemory
+from kvtier.errors import BufferClosed, BufferInUse, InvalidArgument, KvtierError, OutOfMemory, capture_refused
 from kvtier.memory import host_memory
 from kvtier.memory.budget import check_host_budget
 from kvtier.memory.collector import COLLECTOR
@@ -288,13 +288,33 @@ class HostBuffer:
                                       + (", one being made" if self._viewing else "") + "; delete them first")
                 self._closing = True
         if first is not None:
-            if not COLLECTOR.running_here():   # a finalizer in a thread the first close() drains must not wait
+            # a finalizer in a thread the first close() drains must not wait, nor a thread whose engine call the
+            # first close() waits to return
+            if not COLLECTOR.running_here() and self._users.inside_here() is None:
                 first.wait()
             return
+        user = self._users.inside_here()
+        if user is not None:    # asked for inside that engine's own call: its work is still being queued
+            user.after_call(self._close_now)
+            return
+        self._close_now()
+
+    def _close_now(self) -> None:
         try:
             self._users.drain()
-        finally:
+        except BaseException as error:
+            if capture_refused(error):     # nothing was waited for: the buffer stays open, to be closed later
+                with self._lock:
+                    self._closing = False
+                raise
+            self._give_back()
+            raise
+        self._give_back()
+
+    def _give_back(self) -> None:
+        try:
             self._finalizer()
+        finally:
             self._closed.set()
 
     def _reset_lock(self) -> None:

@@ -41,6 +41,11 @@ class Users:
         if errors:
             raise errors[0]
 
+    def inside_here(self) -> Any:
+        """A user this thread is inside a call of (a signal handler or finalizer run there), or None: closing what
+        that call is still queuing on must wait until it returns (``user.after_call``)."""
+        return next((user for user in list(self._users) if getattr(user, "inside_call_here", bool)()), None)
+
     def __len__(self) -> int:
         return len(self._users)
 

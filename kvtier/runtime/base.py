@@ -29,6 +29,7 @@ from kvtier.errors import (
     KvtierError,
     RegistrationError,
     WrongDeviceError,
+    capture_refused,
 )
 from kvtier.locks import ForkSafeLock
 from kvtier.runtime.program import KernelArg, Program, ProgramSpec
@@ -151,6 +152,14 @@ class Event:
         raise NotImplementedError("need Event.close")
 
 
+class _Kept(Exception):
+    """A release whose wait a capture refused."""
+
+
+_KEPT_RELEASES: list[tuple[Any, Callable[[], None]]] = []
+"""Releases :meth:`Runtime.after_device_work` could not make yet (a stream was capturing), with their runtime."""
+
+
 class RunSet(NamedTuple):
     """Copies between two typed bases, checked: ``sizes[i]`` bytes from ``src + src_offsets[i]`` to
     ``dst + dst_offsets[i]`` (int64 arrays of one length)."""
@@ -227,11 +236,23 @@ class Runtime:
 
     def after_device_work(self, release: Callable[[], None]) -> None:
         """Run ``release`` (memory given back) once every device has finished the work queued so far, which may
-        still read that memory. A device an earlier fault ruined runs nothing more and is not waited for."""
-        for device in range(self.device_count()):
-            with contextlib.suppress(KvtierError):
-                self.synchronize(device)
-        release()
+        still read that memory. A device an earlier fault ruined runs nothing more and is not waited for. Where a
+        stream captures, the wait is refused (and must not be made: it would invalidate the capture): the release is
+        kept, and made at a later call here once the waits are allowed again."""
+        waiting = [kept for runtime, kept in _KEPT_RELEASES if runtime is self]
+        _KEPT_RELEASES[:] = [(runtime, kept) for runtime, kept in _KEPT_RELEASES if runtime is not self]
+        for each in (*waiting, release):
+            try:
+                for device in range(self.device_count()):
+                    try:
+                        self.synchronize(device)
+                    except KvtierError as error:   # a faulted device runs nothing more: not waited for
+                        if capture_refused(error):
+                            raise _Kept from None
+            except _Kept:
+                _KEPT_RELEASES.append((self, each))
+                continue
+            each()
 
     def host_free(self, address: int) -> None:
         with self._lock:

@@ -8,7 +8,6 @@ both, as real ones do, which is why that bug stays hidden until a kernel runs.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
@@ -22,7 +21,6 @@ from kvtier.address import Address, CpuAddress, DeviceAddress
 from kvtier.errors import (
     IllegalAddress,
     InvalidArgument,
-    KvtierError,
     RegistrationError,
     RuntimeCallError,
     WrongRuntime,
@@ -143,13 +141,9 @@ class EmulatedRuntime(Runtime):
         return address
 
     def after_device_work(self, release: Callable[[], None]) -> None:
-        """Inside a running operation (a finalizer the collector ran there), after it ends: see
-        :meth:`Scheduler.after_running`."""
-        def drained() -> None:
-            with self._lock, contextlib.suppress(KvtierError):
-                self._drain_before_free(range(self.device_count()), "cudaDeviceSynchronize")
-            release()
-        self.scheduler.after_running(drained)
+        """Inside a running operation (a finalizer the collector ran there), after it ends (see
+        :meth:`Scheduler.after_running`); then as on any runtime."""
+        self.scheduler.after_running(lambda: Runtime.after_device_work(self, release))
 
     def _host_free(self, address: int) -> None:
         entry = self._mapped_host(address)

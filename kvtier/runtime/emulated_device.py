@@ -269,15 +269,18 @@ class EmulatedGraph(Graph):
 
     def __init__(self, device: int, ops: list[Op]) -> None:
         self.device, self._ops = device, ops
+        self.closed = False
 
     def launch(self, stream: Stream) -> None:
         if not isinstance(stream, EmulatedStream):
             raise WrongRuntime(f"an emulated graph launches on an emulated stream, not {stream!r}")
+        if self.closed:
+            raise RuntimeCallError("cudaGraphLaunch", "cudaErrorInvalidResourceHandle", "this graph is destroyed")
         for op in self._ops:
             stream.enqueue(op)
 
     def close(self) -> None:
-        self._ops = []
+        self._ops, self.closed = [], True
 
 
 class EmulatedEvent(Event):

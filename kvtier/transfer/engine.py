@@ -110,14 +110,24 @@ class CapturedLoad:
 
     def close(self) -> None:
         """Wait for replays in flight (and one another thread is queuing), then free the graph, its indices and its
-        stream. Idempotent."""
-        with self._engine._lock:
+        stream. Idempotent. Asked for inside the engine's own call on this thread (a replay or load, which still
+        uses them), it happens as that call returns; replays and loads are refused from then on."""
+        engine = self._engine
+        if engine.inside_call_here() and not self.closed:
+            self.closed = True
+            engine.after_call(self._close_now)
+            return
+        with engine._lock:
             if self.closed:
                 return
+            self.closed = True
+            self._close_now()
+
+    def _close_now(self) -> None:
+        with self._engine._lock:
             try:
                 self.stream.synchronize()
             finally:
-                self.closed = True
                 self._free()
 
     def _free(self) -> None:

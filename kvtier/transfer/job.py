@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.checks import index_array, integer
-from kvtier.errors import BufferClosed, InvalidArgument
+from kvtier.errors import BufferClosed, InvalidArgument, capture_refused
 from kvtier.kernels import KernelLauncher
 from kvtier.pools import DevicePool, HostPool
 from kvtier.pools.geometry import KVGeometry
@@ -231,10 +231,14 @@ class _EngineLock:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._depth = 0
-        self.pending: Callable[[], None] | None = None
+        self._after: list[Callable[[], None]] = []
 
     def held_here(self) -> bool:
         return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+
+    def after_call(self, close: Callable[[], None]) -> None:
+        """Run ``close`` once this thread lets go of the lock (the caller holds it)."""
+        self._after.append(close)
 
     def __enter__(self) -> _EngineLock:
         self._lock.acquire()
@@ -243,12 +247,12 @@ class _EngineLock:
 
     def __exit__(self, *exc: object) -> None:
         self._depth -= 1
-        pending = self.pending if not self._depth else None
-        if pending is not None:
-            self.pending = None
+        after = self._after if not self._depth else []
+        if after:
+            self._after = []
         self._lock.release()
-        if pending is not None:
-            pending()
+        for close in after:
+            close()
 
 
 class PoolUser:
@@ -265,6 +269,7 @@ class PoolUser:
         """First thing in ``__init__``."""
         self._lock = _EngineLock()
         self._closed = False
+        self._closing = False
         self.device_pool, self.host_pool = device_pool, host_pool
 
     def _attach(self) -> None:
@@ -274,7 +279,17 @@ class PoolUser:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        """Closed, or closing once the engine call this thread is inside returns."""
+        return self._closed or self._closing
+
+    def inside_call_here(self) -> bool:
+        """Whether this thread is inside one of the engine's own calls (a signal handler or finalizer run there)."""
+        return self._lock.held_here()
+
+    def after_call(self, close: Callable[[], None]) -> None:
+        """Run ``close`` (of the engine, or of a pool or captured load it is using) once the engine call this
+        thread is inside returns: freeing what that call is still queuing on must wait for it."""
+        self._lock.after_call(close)
 
     def synchronize(self) -> None:
         """Wait for everything queued so far (and every replay of a captured load)."""
@@ -302,23 +317,33 @@ class PoolUser:
 
     def close(self) -> None:
         """Wait for queued work, then free what the engine owns. Idempotent. Asked for in the middle of one of the
-        engine's own calls on this thread, it happens as that call returns, after the call has queued its work."""
+        engine's own calls on this thread, it happens as that call returns (no new call is taken meanwhile). Refused
+        while a stream of the device captures (the wait is not allowed then): the engine stays open."""
         if self._lock.held_here() and not self._closed:
-            self._lock.pending = self.close
+            if not self._closing:
+                self._closing = True
+                self._lock.after_call(self.close)
             return
         with self._lock:
             if self._closed:
                 return
             try:
                 self.drain()
-            finally:
-                self._closed = True
-                self.device_pool.remove_user(self)
-                self.host_pool.remove_user(self)
-                self._release()
+            except BaseException as error:
+                if capture_refused(error):
+                    raise
+                self._finish_close()
+                raise
+            self._finish_close()
+
+    def _finish_close(self) -> None:
+        self._closed = True
+        self.device_pool.remove_user(self)
+        self.host_pool.remove_user(self)
+        self._release()
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             raise BufferClosed(f"this {type(self).__name__} is closed")
         self.device_pool.check_open()
         self.host_pool.check_open()
