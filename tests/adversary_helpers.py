@@ -23,21 +23,23 @@ def rnd(shape):
     return torch.randint(1, 255, shape, dtype=torch.uint8)
 
 
-def device(rt, shape, data=True):
-    return DeviceArray.from_tensor(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8), runtime=rt)
+def device(rt, shape, data=True, dev=0):
+    return DeviceArray.from_tensor(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8), dev,
+                                   runtime=rt)
 
 
-def dev_idx(rt, values, dtype=torch.int64, device_index=0):
-    return DeviceArray.from_tensor(torch.tensor(values, dtype=dtype), device_index, runtime=rt)
+def dev_idx(rt, values, dtype=torch.int64, dev=0):
+    return DeviceArray.from_tensor(torch.tensor(values, dtype=dtype), dev, runtime=rt)
 
 
 def pin_idx(rt, values, dtype=torch.int64):
-    size = torch.empty((), dtype=dtype).element_size()
-    buffer = HostBuffer.allocate(max(8, size * len(values)), HostKind.PINNED, runtime=rt)
+    """Index values (or table entries) in a pinned kvtier HostBuffer (what a kernel may read)."""
+    data = torch.tensor(values, dtype=dtype)
+    buffer = HostBuffer.allocate(max(data.numel(), 1) * data.element_size(), HostKind.PINNED, runtime=rt)
     _keep.append(buffer)
-    tensor = buffer.as_tensor(dtype)[:len(values)]
-    tensor.copy_(torch.tensor(values, dtype=dtype))
-    return tensor
+    out = buffer.as_tensor(dtype)[:data.numel()].view(data.shape)
+    out.copy_(data)
+    return out
 
 
 def poison(x):

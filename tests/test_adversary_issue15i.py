@@ -533,8 +533,8 @@ def test_ok_kvcacheio_refusals_leave_every_destination_untouched(spec):
         "strided index": lambda: io.transfer_kv_per_layer_mla(src, dst, pin_idx(rt, si * 2)[::2],
                                                               pin_idx(rt, di), row),
         "pageable index": lambda: io.transfer_kv_per_layer_mla(src, dst, torch.tensor(si), torch.tensor(di), row),
-        "index device": lambda: io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, si, device_index=1),
-                                                             dev_idx(rt, di, device_index=1), row),
+        "index device": lambda: io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, si, dev=1),
+                                                             dev_idx(rt, di, dev=1), row),
         "dst device": lambda: io.transfer_kv_per_layer_mla(
             src, DeviceArray.from_tensor(fresh((n, row)), 1, runtime=rt), good_s, good_d, row),
         "runtime": lambda: io.transfer_kv_per_layer_mla(src, device(other_rt, (n, row), False), good_s, good_d,

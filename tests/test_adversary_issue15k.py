@@ -18,9 +18,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from adversary_helpers import MODES, POISON, cpu, no_automatic_collection, poison, rnd
+from adversary_helpers import MODES, POISON, cpu, dev_idx, device, no_automatic_collection, pin_idx, poison, rnd
 
-from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import direct as direct_module
 from kvtier.compat.sglang import kvcacheio as io
 from kvtier.errors import InvalidArgument, KvtierError
@@ -42,23 +41,10 @@ def host(rt, shape, kind=HostKind.PINNED, data=True, **extra):
     return tensor
 
 
-def device(rt, shape, data=True, dev=0):
-    return DeviceArray.from_tensor(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8), dev,
-                                   runtime=rt)
 
 
-def dev_idx(rt, values, dtype=torch.int64, dev=0):
-    return DeviceArray.from_tensor(torch.tensor(values, dtype=dtype), dev, runtime=rt)
 
 
-def pin_idx(rt, values, dtype=torch.int64):
-    """Index values in a pinned kvtier HostBuffer (what a kernel may read)."""
-    data = torch.tensor(values, dtype=dtype)
-    buffer = HostBuffer.allocate(max(data.numel(), 1) * data.element_size(), HostKind.PINNED, runtime=rt)
-    _keep.append(buffer)
-    out = buffer.as_tensor(dtype)[:data.numel()].view(data.shape)
-    out.copy_(data)
-    return out
 
 
 

@@ -21,6 +21,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from adversary_helpers import MODES, POISON, cpu, dev_idx, device, pin_idx, poison
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio as io
@@ -33,8 +34,6 @@ from kvtier.transfer import TransferEngine
 from kvtier.transfer.job import PoolUser
 from pool_helpers import fill_device, fill_host, host_bytes, poison_device, read_device
 
-POISON = 0x5A
-MODES = ["emulated:split", "emulated:unified"]
 _keep: list = []
 
 
@@ -63,27 +62,12 @@ def odd(rt, shape, data=True):
     return tensor
 
 
-def device(rt, shape, data=True, dev=0):
-    return DeviceArray.from_tensor(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8), dev,
-                                   runtime=rt)
 
 
-def dev_idx(rt, values, dtype=torch.int64, dev=0):
-    return DeviceArray.from_tensor(torch.tensor(values, dtype=dtype), dev, runtime=rt)
 
 
-def pin_idx(rt, values, dtype=torch.int64):
-    """Index values (or table entries) in a pinned kvtier HostBuffer."""
-    data = torch.tensor(values, dtype=dtype)
-    buffer = HostBuffer.allocate(max(data.numel(), 1) * data.element_size(), HostKind.PINNED, runtime=rt)
-    _keep.append(buffer)
-    out = buffer.as_tensor(dtype)[:data.numel()].view(data.shape)
-    out.copy_(data)
-    return out
 
 
-def cpu(x):
-    return x.cpu() if isinstance(x, DeviceArray) else x.detach().clone()
 
 
 def flat(x):
@@ -91,11 +75,6 @@ def flat(x):
     return cpu(x).reshape(-1).numpy().view(np.uint8).copy()
 
 
-def poison(x):
-    if isinstance(x, DeviceArray):
-        x.copy_(torch.full(x.shape, POISON, dtype=torch.uint8))
-    else:
-        x.fill_(POISON)
 
 
 class OutOfRange(Exception):

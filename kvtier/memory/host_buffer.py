@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier import osmem
 from kvtier.address import CpuAddress
 from kvtier.checks import integer
-from kvtier.errors import BufferClosed, BufferInUse, InvalidArgument, KvtierError, OutOfMemory, capture_refused
+from kvtier.errors import BufferClosed, BufferInUse, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.memory import host_memory
 from kvtier.memory.budget import check_host_budget
 from kvtier.memory.collector import COLLECTOR
@@ -293,23 +293,11 @@ class HostBuffer:
             if not COLLECTOR.running_here() and self._users.inside_here() is None:
                 first.wait()
             return
-        user = self._users.inside_here()
-        if user is not None:    # asked for inside that engine's own call: its work is still being queued
-            user.after_call(self._close_now)
-            return
-        self._close_now()
+        self._users.close(self._give_back, self._reopen)
 
-    def _close_now(self) -> None:
-        try:
-            self._users.drain()
-        except BaseException as error:
-            if capture_refused(error):     # nothing was waited for: the buffer stays open, to be closed later
-                with self._lock:
-                    self._closing = False
-                raise
-            self._give_back()
-            raise
-        self._give_back()
+    def _reopen(self) -> None:
+        with self._lock:
+            self._closing = False
 
     def _give_back(self) -> None:
         try:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
+
+from kvtier.errors import capture_refused
 
 T = TypeVar("T")
 
@@ -45,6 +47,28 @@ class Users:
         """A user this thread is inside a call of (a signal handler or finalizer run there), or None: closing what
         that call is still queuing on must wait until it returns (``user.after_call``)."""
         return next((user for user in list(self._users) if getattr(user, "inside_call_here", bool)()), None)
+
+    def close(self, give_back: Callable[[], None], reopen: Callable[[], None]) -> None:
+        """What closing the memory the users work on does after marking it closing: wait for every user, then
+        ``give_back()``. Asked for on a thread inside one of a user's own calls (a signal handler or a finalizer run
+        there), all of it runs as that call returns. A wait a capture refuses waited for nothing: ``reopen()``, and
+        the refusal is raised; after any other failure the memory is given back all the same."""
+        user = self.inside_here()
+        if user is not None:
+            user.after_call(lambda: self._drain_then(give_back, reopen))
+            return
+        self._drain_then(give_back, reopen)
+
+    def _drain_then(self, give_back: Callable[[], None], reopen: Callable[[], None]) -> None:
+        try:
+            self.drain()
+        except BaseException as error:
+            if capture_refused(error):
+                reopen()
+                raise
+            give_back()
+            raise
+        give_back()
 
     def __len__(self) -> int:
         return len(self._users)

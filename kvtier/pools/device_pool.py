@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.checks import integer
-from kvtier.errors import BufferClosed, InvalidArgument, MisalignedAddress, capture_refused
+from kvtier.errors import BufferClosed, InvalidArgument, MisalignedAddress
 from kvtier.memory import DeviceAddress, DeviceBuffer, DeviceRegion, get_device_accessible_ptr
 from kvtier.memory.lifetime import Drainable, Users
 from kvtier.pools.geometry import KVGeometry
@@ -63,22 +63,10 @@ class DeviceMemory:
         if self._closed:
             return
         self._closed = True     # new work over the pool is refused from here on
-        user = self._users.inside_here()
-        if user is not None:    # asked for inside that engine's own call: its work is still being queued
-            user.after_call(self._close_now)
-            return
-        self._close_now()
+        self._users.close(self._free, self._reopen)
 
-    def _close_now(self) -> None:
-        try:
-            self._users.drain()
-        except BaseException as error:
-            if capture_refused(error):     # nothing was waited for: the pool stays open, to be closed later
-                self._closed = False
-                raise
-            self._free()
-            raise
-        self._free()
+    def _reopen(self) -> None:
+        self._closed = False
 
     def _free(self) -> None:
         for buffer in self._owned:
