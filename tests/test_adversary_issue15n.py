@@ -260,7 +260,7 @@ def test_a_release_kept_by_another_thread_meanwhile_is_not_dropped():
                 if event == "return" and not started:
                     started.append(1)
                     other.start()
-                    other.join()
+                    other.join(1.0)   # since the fix it waits on the list's lock until this thread leaves it
                 return local
             return local
         return None
@@ -271,6 +271,7 @@ def test_a_release_kept_by_another_thread_meanwhile_is_not_dropped():
             Runtime.after_device_work(first, lambda: ran.append("first"))
         finally:
             sys.settrace(None)
+        other.join(10)
         assert started, "the hook never ran"
         second.capturing = False
         Runtime.after_device_work(second, lambda: ran.append("later"))

@@ -157,6 +157,7 @@ class _Kept(Exception):
 
 
 _KEPT_RELEASES: list[tuple[Any, Callable[[], None]]] = []
+_KEPT_LOCK = threading.Lock()
 """Releases :meth:`Runtime.after_device_work` could not make yet (a stream was capturing), with their runtime."""
 
 
@@ -239,8 +240,10 @@ class Runtime:
         still read that memory. A device an earlier fault ruined runs nothing more and is not waited for. Where a
         stream captures, the wait is refused (and must not be made: it would invalidate the capture): the release is
         kept, and made at a later call here once the waits are allowed again."""
-        waiting = [kept for runtime, kept in _KEPT_RELEASES if runtime is self]
-        _KEPT_RELEASES[:] = [(runtime, kept) for runtime, kept in _KEPT_RELEASES if runtime is not self]
+        with _KEPT_LOCK:
+            waiting = [kept for runtime, kept in _KEPT_RELEASES if runtime is self]
+            _KEPT_RELEASES[:] = [(runtime, kept) for runtime, kept in _KEPT_RELEASES if runtime is not self]
+        failed: Exception | None = None
         for each in (*waiting, release):
             try:
                 for device in range(self.device_count()):
@@ -250,9 +253,23 @@ class Runtime:
                         if capture_refused(error):
                             raise _Kept from None
             except _Kept:
-                _KEPT_RELEASES.append((self, each))
+                with _KEPT_LOCK:
+                    _KEPT_RELEASES.append((self, each))
                 continue
-            each()
+            try:
+                each()
+            except Exception as error:  # noqa: BLE001 (the others are still made; the first failure is raised)
+                failed = failed or error
+        if failed is not None:
+            raise failed
+
+    def release_kept(self) -> None:
+        """Make the releases a capture kept back (see :meth:`after_device_work`): called after every successful
+        device synchronise, when waits are allowed again."""
+        with _KEPT_LOCK:
+            if not any(runtime is self for runtime, _ in _KEPT_RELEASES):
+                return
+        self.after_device_work(lambda: None)
 
     def host_free(self, address: int) -> None:
         with self._lock:

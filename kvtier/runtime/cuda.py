@@ -264,6 +264,7 @@ class CudaRuntime(Runtime):
     def synchronize(self, device: int | None = None) -> None:
         with self.using_device(self.current_device() if device is None else device):
             check(self._cudart.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+        self.release_kept()
 
     def _host_alloc(self, nbytes: int) -> int:
         flags = self._cudart.cudaHostAllocPortable | self._cudart.cudaHostAllocMapped

@@ -122,6 +122,7 @@ class EmulatedRuntime(Runtime):
         with self._lock:
             self.scheduler.check_not_capturing(device, "cudaDeviceSynchronize")
             self.scheduler.drain(device, "cudaDeviceSynchronize")
+        self.release_kept()
 
     def _drain_before_free(self, devices: Iterable[int], call: str) -> None:
         """cudaFree and cudaFreeHost wait for the device first; on a faulted device there is nothing left to run, and

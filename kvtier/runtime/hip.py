@@ -364,6 +364,7 @@ class HipRuntime(Runtime):
     def synchronize(self, device: int | None = None) -> None:
         with self.using_device(self.current_device() if device is None else device):
             self._hip.call("hipDeviceSynchronize")
+        self.release_kept()
 
     def _host_alloc(self, nbytes: int) -> int:
         pointer = P()

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.checks import index_array, integer
-from kvtier.errors import BufferClosed, InvalidArgument
+from kvtier.errors import BufferClosed, InvalidArgument, capture_refused
 from kvtier.kernels import KernelLauncher
 from kvtier.memory import HostBuffer, HostKind
 from kvtier.pools import DevicePool, HostPool
@@ -127,8 +127,13 @@ class CapturedLoad:
         with self._engine._lock:
             try:
                 self.stream.synchronize()
-            finally:
+            except BaseException as error:
+                if capture_refused(error):     # nothing was waited for: stays open, to be closed later
+                    self.closed = False
+                    raise
                 self._free()
+                raise
+            self._free()
 
     def _free(self) -> None:
         self.graph.close()

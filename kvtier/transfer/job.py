@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.checks import index_array, integer
-from kvtier.errors import BufferClosed, InvalidArgument, capture_refused
+from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, capture_refused
 from kvtier.kernels import KernelLauncher
 from kvtier.pools import DevicePool, HostPool
 from kvtier.pools.geometry import KVGeometry
@@ -252,7 +253,14 @@ class _EngineLock:
             self._after = []
         self._lock.release()
         for close in after:
-            close()
+            try:
+                close()
+            except KvtierError as error:
+                if not capture_refused(error):
+                    raise
+                warnings.warn(f"a close asked for inside an engine call was refused as the call returned, a stream "
+                              f"capturing ({error}): it stays open; close it once the capture ends", RuntimeWarning,
+                              stacklevel=2)
 
 
 class PoolUser:
@@ -331,6 +339,7 @@ class PoolUser:
                 self.drain()
             except BaseException as error:
                 if capture_refused(error):
+                    self._closing = False
                     raise
                 self._finish_close()
                 raise
