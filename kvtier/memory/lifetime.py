@@ -22,6 +22,21 @@ class Drainable(Protocol):
         """Block until every operation this user queued has finished."""
 
 
+def wait_then(wait: Callable[[], None], give_back: Callable[[], None], reopen: Callable[[], None]) -> None:
+    """The one rule of a close: ``wait()`` for the work over what is closing, then ``give_back()``. A wait a capture
+    refuses waited for nothing: ``reopen()`` and raise, so the caller can close again once the capture ends; after any
+    other failure (a faulted device runs nothing more) give back all the same, then raise."""
+    try:
+        wait()
+    except BaseException as error:
+        if capture_refused(error):
+            reopen()
+            raise
+        give_back()
+        raise
+    give_back()
+
+
 class Users:
     def __init__(self) -> None:
         self._users: weakref.WeakSet[Drainable] = weakref.WeakSet()
@@ -55,20 +70,9 @@ class Users:
         the refusal is raised; after any other failure the memory is given back all the same."""
         user = self.inside_here()
         if user is not None:
-            user.after_call(lambda: self._drain_then(give_back, reopen))
+            user.after_call(lambda: wait_then(self.drain, give_back, reopen))
             return
-        self._drain_then(give_back, reopen)
-
-    def _drain_then(self, give_back: Callable[[], None], reopen: Callable[[], None]) -> None:
-        try:
-            self.drain()
-        except BaseException as error:
-            if capture_refused(error):
-                reopen()
-                raise
-            give_back()
-            raise
-        give_back()
+        wait_then(self.drain, give_back, reopen)
 
     def __len__(self) -> int:
         return len(self._users)

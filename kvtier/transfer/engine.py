@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from kvtier.checks import index_array, integer
-from kvtier.errors import BufferClosed, InvalidArgument, capture_refused
+from kvtier.errors import BufferClosed, InvalidArgument
 from kvtier.kernels import KernelLauncher
 from kvtier.memory import HostBuffer, HostKind
+from kvtier.memory.lifetime import wait_then
 from kvtier.pools import DevicePool, HostPool
 from kvtier.runtime import Graph, Stream
 from kvtier.transfer.dma import BatchBackend, DirectBackend
@@ -125,15 +126,10 @@ class CapturedLoad:
 
     def _close_now(self) -> None:
         with self._engine._lock:
-            try:
-                self.stream.synchronize()
-            except BaseException as error:
-                if capture_refused(error):     # nothing was waited for: stays open, to be closed later
-                    self.closed = False
-                    raise
-                self._free()
-                raise
-            self._free()
+            wait_then(self.stream.synchronize, self._free, self._reopen)
+
+    def _reopen(self) -> None:
+        self.closed = False
 
     def _free(self) -> None:
         self.graph.close()

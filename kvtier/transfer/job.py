@@ -14,6 +14,7 @@ import numpy as np
 from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, capture_refused
 from kvtier.kernels import KernelLauncher
+from kvtier.memory.lifetime import wait_then
 from kvtier.pools import DevicePool, HostPool
 from kvtier.pools.geometry import KVGeometry
 from kvtier.runtime import Event, Runtime, Stream
@@ -335,15 +336,10 @@ class PoolUser:
         with self._lock:
             if self._closed:
                 return
-            try:
-                self.drain()
-            except BaseException as error:
-                if capture_refused(error):
-                    self._closing = False
-                    raise
-                self._finish_close()
-                raise
-            self._finish_close()
+            wait_then(self.drain, self._finish_close, self._reopen)
+
+    def _reopen(self) -> None:
+        self._closing = False
 
     def _finish_close(self) -> None:
         self._closed = True
