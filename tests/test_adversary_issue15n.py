@@ -13,11 +13,11 @@ with sleeps); every destination is poisoned first and checked byte for byte agai
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import numpy as np
 import pytest
+from adversary_helpers import at_store, traced
 
 from kvtier.errors import BufferClosed, KvtierError, RuntimeCallError
 from kvtier.memory.host_buffer import HostBuffer
@@ -248,29 +248,15 @@ def test_a_release_kept_by_another_thread_meanwhile_is_not_dropped():
     first.capturing = False
     ran = []
     other = threading.Thread(target=lambda: Runtime.after_device_work(second, lambda: ran.append("kept")))
-    started, comprehensions = [], []
 
-    def tracer(frame, event, arg):   # the second comprehension of after_device_work: the one assigned to the list
-        if frame.f_code.co_name == "<listcomp>" and frame.f_back is not None \
-                and frame.f_back.f_code.co_name == "after_device_work":
-            comprehensions.append(1)
-            if len(comprehensions) != 2:
-                return None
-            def local(frame, event, arg):
-                if event == "return" and not started:
-                    started.append(1)
-                    other.start()
-                    other.join(1.0)   # since the fix it waits on the list's lock until this thread leaves it
-                return local
-            return local
-        return None
+    def run_other():
+        other.start()
+        other.join(1.0)   # since the fix it waits on the list's lock until this thread leaves it
+        return 1
 
+    tracer, started = at_store(Runtime.after_device_work, "_KEPT_RELEASES[:] = [", run_other)
     try:
-        sys.settrace(tracer)
-        try:
-            Runtime.after_device_work(first, lambda: ran.append("first"))
-        finally:
-            sys.settrace(None)
+        traced(tracer, lambda: Runtime.after_device_work(first, lambda: ran.append("first")))
         other.join(10)
         assert started, "the hook never ran"
         second.capturing = False

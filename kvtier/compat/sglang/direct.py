@@ -9,6 +9,7 @@ engines read them asynchronously).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -70,31 +71,6 @@ class Indexed:
     dst: np.ndarray
     page_size: int
     derived: dict[Any, Any] = field(default_factory=dict)
-    plans: dict[tuple, list[Copies | None]] = field(default_factory=dict)
-    plans_at: tuple[int, ...] | None = None
-
-    def call_plans(self, call: Call, key: tuple, operands: Sequence[tuple[Any, str]],
-                   build: Callable[[], list[Copies | None]]) -> list[Copies | None]:
-        """A call's checked, resolved copies over these index values, kept for the next call over the same tensors
-        (by :func:`operand_key`) while kvtier's host ranges are unchanged; DeviceArrays are resolved again on every
-        use (a closed one is refused by name). Kept here, with the values, so they go when the values do."""
-        keys = [operand_key(call, x) for x, _ in operands]
-        generation = (id(call.runtime), *span_generation(call.runtime))
-        if None in keys:
-            return build()
-        if self.plans_at != generation:
-            self.plans, self.plans_at = {}, generation
-        full = (call.device, *key, *keys)
-        plans = self.plans.get(full)
-        if plans is None:
-            plans = build()
-            if self.plans_at == generation == (id(call.runtime), *span_generation(call.runtime)):
-                self.plans[full] = plans    # kept only if no registration changed while it was built
-        else:
-            for x, name in operands:
-                if isinstance(x, DeviceArray):
-                    address(call, x, name)
-        return plans
 
     def get(self, key: Any, make: Callable[..., Any], *args: Any) -> Any:
         """``make(*args)``, made once per key."""
@@ -141,7 +117,7 @@ def _tensors(xs: Sequence[Any], name: str) -> list[Any]:
 def _bytes(x: Any, dim: int) -> int:
     """Bytes between consecutive entries of dimension ``dim`` of a contiguous tensor: from its shape, since the stride
     torch keeps for a dimension of size 1 means nothing (a transposed or permuted view is contiguous with any)."""
-    return int(np.prod(x.shape[dim + 1:], dtype=np.int64)) * x.element_size()
+    return math.prod(x.shape[dim + 1:]) * x.element_size()
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,50 +176,72 @@ def _is_host(x: Any) -> bool:
     return is_tensor(x) and x.device.type == "cpu"
 
 
-def _plan(call: Call, runs: Runs, dst: Any, dst_name: str, src: Any, src_name: str, dst_shift: int = 0,
-          src_shift: int = 0) -> Copies | None:
-    """``runs`` between ``dst`` and ``src`` (each side's offsets moved on by its ``*_shift`` bytes: the layer's place
-    in a page), once every copy is checked to lie inside both tensors and both resolve for the call's device."""
+@dataclass(frozen=True)
+class End:
+    """One side of a layer's copies as far as it does not depend on the indices: where offset 0 is (the tensor's
+    start moved on by ``shift`` bytes, the layer's place in a page), the bytes from there to the tensor's end, and
+    whether a kvtier registration edge lies inside the tensor (only then are copies looked at for cutting). Made
+    once per tensor set and kept (:func:`_kept`), so a request's new indices cost a bounds check per side."""
+
+    base: Address
+    shift: int
+    size: int
+    name: str
+    edges: bool
+
+
+def _end(call: Call, x: Any, name: str, shift: int = 0) -> End:
+    base, size = _kept(call, ("direct base",), [(x, name)], lambda: _base(call, x, name))
+    edges = isinstance(base, CpuAddress) and bool(call.runtime.host_edges(base.value, base.value + size))
+    return End(base + shift, shift, size, name, edges)
+
+
+def _copies(call: Call, runs: Runs, dst: End, src: End) -> Copies | None:
+    """``runs`` from ``src`` to ``dst``, once every copy is checked to lie inside both tensors; a host side is cut
+    where kvtier registrations meet, which no single copy may cross."""
     if not runs.sizes.size:
         return None
-    sides = [(*_base(call, dst, dst_name), dst_name, dst_shift, runs.dst_span),
-             (*_base(call, src, src_name), src_name, src_shift, runs.src_span)]
-    for _, size, name, shift, (_, end) in sides:
-        if shift + end > size:
-            raise InvalidArgument(f"{name}: a copy reaches byte {shift + end} of a tensor of {size} bytes: index out "
-                                  f"of range")
-    bases: list[Address] = []
+    sides = ((dst, runs.dst_span), (src, runs.src_span))
+    for end, (_, reach) in sides:
+        if end.shift + reach > end.size:
+            raise InvalidArgument(f"{end.name}: a copy reaches byte {end.shift + reach} of a tensor of {end.size} "
+                                  f"bytes: index out of range")
     at, sizes = [runs.dst_offsets, runs.src_offsets], runs.sizes
-    for side, (base, _, _, shift, (lo, end)) in enumerate(sides):
-        bases.append(base + shift)
-        if isinstance(base, CpuAddress):
-            start = base.value + shift
-            edges = [edge - start for edge in call.runtime.host_edges(start + lo, start + end)]
+    for side, (end, (lo, reach)) in enumerate(sides):
+        if end.edges:
+            start = end.base.value
+            edges = [edge - start for edge in call.runtime.host_edges(start + lo, start + reach)]
             if edges:
                 starts, sizes, origin, moved = split_at_boundaries(at[side], sizes, edges)
                 at = [starts if i == side else other[origin] + moved for i, other in enumerate(at)]
-    return Copies(bases[0], at[0], bases[1], at[1], sizes)
+    return Copies(dst.base, at[0], src.base, at[1], sizes)
+
+
+def _kept(call: Call, shape: tuple, operands: Sequence[tuple[Any, str]], build: Callable[[], Any]) -> Any:
+    """``build()`` over ``operands``, kept for the next call over the same tensors (by :func:`operand_key`) while
+    kvtier's host ranges are unchanged (:func:`span_generation`, read before the build: a plan built while
+    registrations change is kept under the old generation, which no later call asks for); DeviceArrays are resolved
+    again on every use (a closed one is refused by name)."""
+    keys = [operand_key(call, x) for x, _ in operands]
+    key = None if None in keys else (call.device, span_generation(call.runtime), *shape, *keys)
+    found = kept_plan(call, key, [(x, name) for x, name in operands if isinstance(x, DeviceArray)])
+    if found is None:
+        found = build()
+        keep_plan(call, key, found)
+    return found
 
 
 def _base(call: Call, x: Any, name: str) -> tuple[Address, int]:
     """(what copies take as ``x``'s start: its device address, or the CPU address of a host tensor once it is checked
-    to resolve for the device; the bytes it spans), kept per operand like a plan (a request's new indices reuse it)."""
-    key = operand_key(call, x)
-    full = None if key is None else ("direct base", call.device, span_generation(call.runtime), key)
-    found = kept_plan(call, full, [(x, name)] if isinstance(x, DeviceArray) else [])
-    if found is not None:
-        return found
+    to resolve for the device; the bytes it spans)."""
     if _is_host(x) and call.runtime.host_range(x.data_ptr()) is not None:
         try:   # copies read kvtier's host memory by CPU address, cut per chunk: chunk aliases need not be contiguous
             span_chunks(call.runtime, x.data_ptr(), extent(x), call.device)
         except KvtierError as error:
             raise about(error, name) from None
-        made: tuple[Address, int] = (CpuAddress(x.data_ptr()), extent(x))
-    else:
-        resolved = address(call, x, name)
-        made = (CpuAddress(x.data_ptr()) if _is_host(x) else resolved, extent(x))
-    keep_plan(call, full, made)
-    return made
+        return CpuAddress(x.data_ptr()), extent(x)
+    resolved = address(call, x, name)
+    return (CpuAddress(x.data_ptr()) if _is_host(x) else resolved), extent(x)
 
 
 def _refuse_shared(destinations: Sequence[Any], dst_name: str, sources: Sequence[Any], src_name: str) -> None:
@@ -324,23 +322,22 @@ def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any], src
                               f"number of layers")
     indexed = _indexed_values(src_indices, dst_indices, page_size)
     call = call_for([*src_layers, *dst_layers], [])
-    if not indexed.src.size:
-        return
-    starts, lengths = indexed.get("token runs", _token_runs, indexed.src, indexed.dst)
 
-    def build() -> list[Copies | None]:
+    def build() -> list[tuple[End, End, int]]:
         _refuse_shared(dst_layers, "dst_layers", src_layers, "src_layers")
-        plans = []
-        for layer, (s, d) in enumerate(zip(src_layers, dst_layers, strict=True)):
-            row = _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows")
-            runs = indexed.get(("rows", row), _runs, indexed.dst[starts], row, f"dst_layers[{layer}]",
-                               indexed.src[starts], row, f"src_layers[{layer}]", lengths * row)
-            plans.append(_plan(call, runs, d, f"dst_layers[{layer}]", s, f"src_layers[{layer}]"))
-        return plans
+        return [(_end(call, d, f"dst_layers[{layer}]"), _end(call, s, f"src_layers[{layer}]"),
+                 _same(_bytes(s, 0), _bytes(d, 0), f"layer {layer} token rows"))
+                for layer, (s, d) in enumerate(zip(src_layers, dst_layers, strict=True))]
 
     named = [(x, f"{side}[{i}]") for side, xs in (("src_layers", src_layers), ("dst_layers", dst_layers))
              for i, x in enumerate(xs)]
-    _submit(call, indexed.call_plans(call, ("direct", len(src_layers)), named, build))
+    layers = _kept(call, ("direct", len(src_layers)), named, build)
+    if not indexed.src.size:
+        return
+    starts, lengths = indexed.get("token runs", _token_runs, indexed.src, indexed.dst)
+    _submit(call, [_copies(call, indexed.get(("rows", row), _runs, indexed.dst[starts], row, dst.name,
+                                             indexed.src[starts], row, src.name, lengths * row), dst, src)
+                   for dst, src, row in layers])
 
 
 def _token_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -393,26 +390,34 @@ def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name:
     side's first tokens are every ``page_size``-th index of their side."""
     _kv_split(page_first, layer_first, pf_name, lf_name)
     call = call_for([*page_first, *layer_first], [])
+    named = [(x, f"{name}[{i}]") for name, xs in ((pf_name, page_first), (lf_name, layer_first))
+             for i, x in enumerate(xs)]
+    shape = ("pages", indexed.page_size, first_layer, to_page_first, len(page_first), len(layer_first))
+    layers = _kept(call, shape, named, lambda: _page_ends(call, page_first, layer_first, pf_name, lf_name,
+                                                          indexed.page_size, first_layer, to_page_first))
+    if not indexed.src.size:
+        return
     pages, tokens = indexed.get(("pages", to_page_first), _page_starts, indexed, to_page_first)
     indexed.get(("overlap", to_page_first), _page_overlap, pages, tokens, indexed.page_size, pf_name, lf_name,
                 to_page_first)
-    named = [(x, f"{name}[{i}]") for name, xs in ((pf_name, page_first), (lf_name, layer_first))
-             for i, x in enumerate(xs)]
-    shape = ("pages", first_layer, to_page_first, len(page_first), len(layer_first))
-    _submit(call, indexed.call_plans(call, shape, named, lambda: _page_plans(
-        call, page_first, layer_first, pf_name, lf_name, indexed, first_layer, to_page_first)))
+    plans = []
+    for host, other, strides in layers:
+        runs = indexed.get(("runs", to_page_first, strides), _page_runs, pages, tokens, strides, host.name,
+                           other.name, to_page_first)
+        plans.append(_copies(call, runs, host, other) if to_page_first else _copies(call, runs, other, host))
+    _submit(call, plans)
 
 
-def _page_plans(call: Call, page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: str, lf_name: str,
-                indexed: Indexed, first_layer: int, to_page_first: bool) -> list[Copies | None]:
+def _page_ends(call: Call, page_first: Sequence[Any], layer_first: Sequence[Any], pf_name: str, lf_name: str,
+               page_size: int, first_layer: int, to_page_first: bool) -> list[tuple[End, End, tuple[int, int, int]]]:
+    """(page-first side, layer-first side, (page bytes, token bytes, bytes a copy)) of each layer's copies, once the
+    tensors are checked to hold the pages and layers asked for."""
     mla, layers = _kv_split(page_first, layer_first, pf_name, lf_name)
     if to_page_first:
         _refuse_shared(page_first, pf_name, layer_first, lf_name)
     else:
         _refuse_shared(layer_first, lf_name, page_first, pf_name)
-    page_size = indexed.page_size
-    pages, tokens = indexed.get(("pages", to_page_first), _page_starts, indexed, to_page_first)
-    plans = []
+    ends = []
     for t, host in enumerate(page_first):
         if host.dim() < 3:
             raise InvalidArgument(f"{pf_name}[{t}] must be [pages, layers, page_size, ...], got {host.dim()} dims")
@@ -422,20 +427,13 @@ def _page_plans(call: Call, page_first: Sequence[Any], layer_first: Sequence[Any
         if first_layer + layers > host.shape[1]:
             raise InvalidArgument(f"layers [{first_layer}, {first_layer + layers}) exceed the {host.shape[1]} of "
                                   f"{pf_name}[{t}]")
-        host_name = f"{pf_name}[{t}]"
         for j in range(layers):
-            other = layer_first[j if mla else j + t * layers]
-            other_name = f"{lf_name}[{j if mla else j + t * layers}]"
-            size = _same(page_size * _bytes(host, 2), page_size * _bytes(other, 0), f"{other_name} pages")
-            strides = (_bytes(host, 0), _bytes(other, 0), size)
-            layer_shift = (first_layer + j) * _bytes(host, 1)
-            runs = indexed.get(("runs", to_page_first, strides), _page_runs, pages, tokens, strides, host_name,
-                               other_name, to_page_first)
-            if to_page_first:
-                plans.append(_plan(call, runs, host, host_name, other, other_name, dst_shift=layer_shift))
-            else:
-                plans.append(_plan(call, runs, other, other_name, host, host_name, src_shift=layer_shift))
-    return plans
+            i = j if mla else j + t * layers
+            other = layer_first[i]
+            size = _same(page_size * _bytes(host, 2), page_size * _bytes(other, 0), f"{lf_name}[{i}] pages")
+            ends.append((_end(call, host, f"{pf_name}[{t}]", (first_layer + j) * _bytes(host, 1)),
+                         _end(call, other, f"{lf_name}[{i}]"), (_bytes(host, 0), _bytes(other, 0), size)))
+    return ends
 
 
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs: Sequence[Any], dst_ptrs: Sequence[Any], src_indices: Any,
