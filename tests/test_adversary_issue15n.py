@@ -17,7 +17,6 @@ import threading
 
 import numpy as np
 import pytest
-from adversary_helpers import at_store, traced
 
 from kvtier.errors import BufferClosed, KvtierError, RuntimeCallError
 from kvtier.memory.host_buffer import HostBuffer
@@ -237,26 +236,32 @@ def test_a_release_kept_during_a_capture_is_made_once_the_capture_ends():
         rt.after_device_work(lambda: None)     # make what was kept
 
 
-def test_a_release_kept_by_another_thread_meanwhile_is_not_dropped():
+def test_a_release_kept_by_another_thread_meanwhile_is_not_dropped(monkeypatch):
     """``_KEPT_RELEASES`` is one module-level list shared by every runtime and thread, rewritten without a lock
     (base.py:242-243: read the runtime's kept releases, then ``_KEPT_RELEASES[:] = [...]`` from a list built before).
     A release another thread keeps between the build and the assignment (a viewed buffer collected on another thread
     while its stream captures — a second runtime, or the same one) is overwritten and lost: its memory stays
-    registered and mapped for good. Forced here by running the other thread at the moment the filtering list
-    comprehension returns. Fix: guard every read-modify-write of the list with a lock (and pop under it)."""
+    registered and mapped for good. Forced here by running the other thread when the filtered list is about to be
+    stored (a list whose slice assignment runs it first: the same moment on every Python, whether a comprehension
+    has a frame of its own or is inlined, as from 3.12). Fix: guard every read-modify-write of the list with a lock
+    (and pop under it)."""
     first, second = _Fake(), _Fake()
     first.capturing = False
-    ran = []
+    ran: list = []
+    started: list = []
     other = threading.Thread(target=lambda: Runtime.after_device_work(second, lambda: ran.append("kept")))
 
-    def run_other():
-        other.start()
-        other.join(1.0)   # since the fix it waits on the list's lock until this thread leaves it
-        return 1
+    class Stored(list):
+        def __setitem__(self, key, value):
+            if isinstance(key, slice) and not started:
+                started.append(1)
+                other.start()
+                other.join(1.0)   # since the fix it waits on the list's lock until this thread leaves it
+            super().__setitem__(key, value)
 
-    tracer, started = at_store(Runtime.after_device_work, "_KEPT_RELEASES[:] = [", run_other)
+    monkeypatch.setattr(base, "_KEPT_RELEASES", Stored(base._KEPT_RELEASES))
     try:
-        traced(tracer, lambda: Runtime.after_device_work(first, lambda: ran.append("first")))
+        Runtime.after_device_work(first, lambda: ran.append("first"))
         other.join(10)
         assert started, "the hook never ran"
         second.capturing = False
