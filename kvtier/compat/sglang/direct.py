@@ -4,7 +4,9 @@ SGLang issues one ``Tensor.copy_`` per run and layer (a page at a time for ``pag
 indices on the host first. kvtier reads them the same way, then queues every layer's runs in one
 ``memcpy_run_sets_async`` call on the caller's current stream: equally spaced runs become one strided copy, the rest
 go in one batch. Operands resolve through the one resolver, so host tensors must be pinned or registered (the copy
-engines read them asynchronously).
+engines read them asynchronously). A call is planned in two halves: each layer's tensor ends (:class:`End`), kept per
+operand set as a kernel call's plan is, and the runs of its index values (:class:`Indexed`), kept per index tensors;
+so a request's new indices over the same pools re-derive only the runs.
 """
 
 from __future__ import annotations
