@@ -251,8 +251,8 @@ def _refuse_shared(destinations: Sequence[Any], dst_name: str, sources: Sequence
     no defined order, so which bytes land would depend on it (SGLang's loop of ``copy_`` keeps the last layer's
     bytes, or reads bytes an earlier layer wrote; kvtier refuses, as it refuses repeated destination indices).
     Sources may overlap each other (read twice)."""
-    spans = sorted([(int(x.data_ptr()), int(x.data_ptr()) + extent(x), dst_name, i) for i, x in enumerate(destinations)]
-                   + [(int(x.data_ptr()), int(x.data_ptr()) + extent(x), src_name, i) for i, x in enumerate(sources)])
+    spans = sorted([_span(x, dst_name, i) for i, x in enumerate(destinations)]
+                   + [_span(x, src_name, i) for i, x in enumerate(sources)])
     reach: tuple[int, str, int] = (0, "", -1)         # furthest end of any span so far, and whose
     reach_dst: tuple[int, str, int] = (0, "", -1)     # the same among destinations
     for start, end, name, i in spans:
@@ -266,6 +266,15 @@ def _refuse_shared(destinations: Sequence[Any], dst_name: str, sources: Sequence
         reach = max(reach, (end, name, i))
         if written:
             reach_dst = max(reach_dst, (end, name, i))
+
+
+def _span(x: Any, name: str, i: int) -> tuple[int, int, str, int]:
+    """(first byte, end, ``name``, ``i``) of operand ``name[i]``; a closed DeviceArray is refused by that name."""
+    try:
+        start = int(x.data_ptr())
+    except KvtierError as error:
+        raise about(error, f"{name}[{i}]") from None
+    return start, start + extent(x), name, i
 
 
 def _refuse_overlap(starts: np.ndarray, lengths: np.ndarray | int, name: str, unit: str) -> None:
