@@ -4,7 +4,6 @@ runtime, and trace functions that stop a thread at a chosen line."""
 from __future__ import annotations
 
 import contextlib
-import dis
 import gc
 import inspect
 import multiprocessing
@@ -78,27 +77,6 @@ def at_line(function, text, action):
 
         def local(frame, event, arg):
             if event == "line" and frame.f_lineno == at and not done:
-                done.append(action())
-            return local
-        return local
-    return tracer, done
-
-
-def at_store(function, text, action):
-    """A trace function that runs ``action()`` once, when ``function`` has evaluated the right-hand side of the
-    assignment on the line holding ``text`` and is about to store it (opcode tracing: the same moment whether a
-    comprehension there has a frame of its own, as up to Python 3.11, or is inlined, as from 3.12)."""
-    code, at, done = function.__code__, source_line(function, text), []
-    store = next(i.offset for i in dis.get_instructions(code)
-                 if i.opname.startswith("STORE_") and i.positions is not None and i.positions.lineno == at)
-
-    def tracer(frame, event, arg):
-        if frame.f_code is not code:
-            return None
-        frame.f_trace_opcodes = True
-
-        def local(frame, event, arg):
-            if event == "opcode" and frame.f_lasti == store and not done:
                 done.append(action())
             return local
         return local

@@ -9,7 +9,7 @@ import numpy as np
 
 from device_kernels import random_bytes
 from kvtier.memory import CpuAddress, HostKind
-from kvtier.pools import DevicePool, HostPool
+from kvtier.pools import DevicePool, HostPool, KVGeometry
 from kvtier.transfer import TransferEngine
 
 
@@ -90,3 +90,55 @@ def launch_names(runtime, monkeypatch) -> list[str]:
 
     monkeypatch.setattr(runtime, "launch", counted)
     return names
+
+
+def small_engine(rt, backend: str = "kernel", layout: str = "layer_first"):
+    """(geometry, device pool of 8 pages, host pool of 10, engine) of 3 layers of 4-token pages, a staging area of
+    3 pages: small enough that a transfer of 6 pages runs in pieces."""
+    g = KVGeometry("mha", 3, 4, 128, 1)
+    dev = DevicePool.allocate(g, 8, 0, runtime=rt)
+    host_pool = HostPool.allocate(g, layout, pages=10, runtime=rt)
+    engine = TransferEngine(dev, host_pool, backend=backend, staging_bytes=3 * g.bytes_per_page)
+    return g, dev, host_pool, engine
+
+
+def host_page(host_pool: HostPool, snapshot: np.ndarray, t: int, layer: int, p: int) -> np.ndarray:
+    """Page ``p`` of tensor ``t``, layer ``layer`` in ``snapshot`` (a copy of the host pool's bytes)."""
+    g = host_pool.geometry
+    at = host_pool.tensor_offset(t) + layer * host_pool.strides.layer + p * host_pool.strides.page
+    return snapshot[at:at + g.page_bytes]
+
+
+def landed_or_untouched(g, dev: DevicePool, host_pool: HostPool, host_data: np.ndarray, pages, dst_pages,
+                        poison: int = 0xEE) -> tuple[int, int]:
+    """(landed, untouched) counts of the device pages ``dst_pages``: each must hold exactly its host page or be all
+    ``poison`` (nothing queued); anything else fails."""
+    landed = untouched = 0
+    for t in range(g.tensors):
+        for layer in range(g.layers):
+            got = read_device(dev, t, layer)
+            for p, d in zip(pages, dst_pages, strict=True):
+                if np.array_equal(got[d], host_page(host_pool, host_data, t, layer, p)):
+                    landed += 1
+                elif (got[d] == poison).all():
+                    untouched += 1
+                else:
+                    raise AssertionError(f"device page {d} (tensor {t}, layer {layer}) holds neither its host page "
+                                         f"nor the poison")
+    return landed, untouched
+
+
+def at_first_event(rt, action):
+    """Run ``action`` at the first event ``rt`` creates (inside an engine's call, under its lock, where a finalizer or
+    a signal handler on the queuing thread runs): (undo, fired)."""
+    original = rt.create_event
+    fired: list = []
+
+    def hooked(*args, **kwargs):
+        if not fired:
+            fired.append(1)
+            action()
+        return original(*args, **kwargs)
+
+    rt.create_event = hooked
+    return lambda: setattr(rt, "create_event", original), fired

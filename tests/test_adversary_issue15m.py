@@ -17,76 +17,38 @@ import numpy as np
 import pytest
 
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, RuntimeCallError
-from kvtier.pools import DevicePool, HostPool, KVGeometry
+from kvtier.pools import DevicePool
 from kvtier.runtime import create
 from kvtier.runtime.base import Runtime
 from kvtier.transfer import TransferEngine
-from pool_helpers import fill_device, fill_host, host_bytes, poison_device, read_device
+from pool_helpers import (
+    at_first_event,
+    fill_device,
+    fill_host,
+    host_bytes,
+    host_page,
+    landed_or_untouched,
+    poison_device,
+    read_device,
+    small_engine,
+)
 
 POISON = 0xEE
 PAGES = np.arange(6)
 
 
-def _setup(rt, backend, layout="layer_first"):
-    g = KVGeometry("mha", 3, 4, 128, 1)
-    dev = DevicePool.allocate(g, 8, 0, runtime=rt)
-    host_pool = HostPool.allocate(g, layout, pages=10, runtime=rt)
-    engine = TransferEngine(dev, host_pool, backend=backend, staging_bytes=3 * g.bytes_per_page)
-    return g, dev, host_pool, engine
-
-
-def _host_page(host_pool, snapshot, t, layer, p):
-    g = host_pool.geometry
-    at = host_pool.tensor_offset(t) + layer * host_pool.strides.layer + p * host_pool.strides.page
-    return snapshot[at:at + g.page_bytes]
-
-
-def _device_landed_or_untouched(g, dev, host_pool, host_data, pages, dst_pages):
-    """Every destination page on the device is either all poison (nothing queued) or exactly its host page."""
-    landed = untouched = 0
-    for t in range(g.tensors):
-        for layer in range(g.layers):
-            got = read_device(dev, t, layer)
-            for p, d in zip(pages, dst_pages, strict=True):
-                if np.array_equal(got[d], _host_page(host_pool, host_data, t, layer, p)):
-                    landed += 1
-                elif (got[d] == POISON).all():
-                    untouched += 1
-                else:
-                    raise AssertionError(f"device page {d} (tensor {t}, layer {layer}) holds neither its host page "
-                                         f"nor the poison")
-    return landed, untouched
-
-
 def _check_runtime_healthy(rt):
     """The device is not faulted: a fresh engine over fresh pools still moves fresh bytes exactly."""
     rt.synchronize(0)
-    g, dev, host_pool, engine = _setup(rt, "kernel")
+    g, dev, host_pool, engine = small_engine(rt, "kernel")
     try:
         data = fill_host(host_pool)
         poison_device(dev, POISON)
         engine.load([1, 2], [3, 4]).wait()
-        landed, _ = _device_landed_or_untouched(g, dev, host_pool, data, [1, 2], [3, 4])
+        landed, _ = landed_or_untouched(g, dev, host_pool, data, [1, 2], [3, 4])
         assert landed == 2 * g.tensors * g.layers
     finally:
         engine.close(), host_pool.close(), dev.close()
-
-
-def _close_inside_the_call(rt, action):
-    """Run ``action`` at the first event the runtime creates: inside the engine's call, under its lock, after its
-    open checks (``order_after`` records the caller's stream there) — where a finalizer or a signal handler on the
-    queuing thread runs."""
-    original = rt.create_event
-    fired = []
-
-    def hooked(*args, **kwargs):
-        if not fired:
-            fired.append(1)
-            action()
-        return original(*args, **kwargs)
-
-    rt.create_event = hooked
-    return lambda: setattr(rt, "create_event", original), fired
 
 
 # -- defects -------------------------------------------------------------------------------------------------------
@@ -107,7 +69,7 @@ def test_a_pool_closed_inside_an_engines_own_call_is_not_freed_under_it(which, b
     close to the user's ``pending`` (run as the call returns), or have the engine re-check its pools just before it
     queues (after the last point a finalizer can run) and raise BufferClosed having queued nothing."""
     rt = create("emulated:split")
-    g, dev, host_pool, engine = _setup(rt, backend)
+    g, dev, host_pool, engine = small_engine(rt, backend)
     target = dev if which == "device" else host_pool
     undo = lambda: None  # noqa: E731
     try:
@@ -117,7 +79,7 @@ def test_a_pool_closed_inside_an_engines_own_call_is_not_freed_under_it(which, b
             poison_device(dev, POISON)
         else:
             host_pool.buffer.as_tensor().numpy()[:] = POISON
-        undo, fired = _close_inside_the_call(rt, target.close)
+        undo, fired = at_first_event(rt, target.close)
         try:
             transfer = engine.load(PAGES, PAGES) if direction == "load" else engine.backup(PAGES, PAGES)
             transfer.wait()
@@ -129,7 +91,7 @@ def test_a_pool_closed_inside_an_engines_own_call_is_not_freed_under_it(which, b
         rt.synchronize(0)   # raises IllegalAddress when the call queued over the freed pool
         survivor_is_destination = (direction == "load") == (which == "host")
         if survivor_is_destination and direction == "load":
-            landed, untouched = _device_landed_or_untouched(g, dev, host_pool, host_data, PAGES, PAGES)
+            landed, untouched = landed_or_untouched(g, dev, host_pool, host_data, PAGES, PAGES)
             assert (landed, untouched) in ((0, 6 * g.tensors * g.layers), (6 * g.tensors * g.layers, 0))
             assert refused == (landed == 0)
         elif survivor_is_destination:
@@ -137,7 +99,7 @@ def test_a_pool_closed_inside_an_engines_own_call_is_not_freed_under_it(which, b
             for t in range(g.tensors):
                 for layer in range(g.layers):
                     for p in PAGES:
-                        got = _host_page(host_pool, after, t, layer, p)
+                        got = host_page(host_pool, after, t, layer, p)
                         assert (got == POISON).all() if refused else np.array_equal(got, device_data[(t, layer)][p])
         _check_runtime_healthy(rt)
     finally:
@@ -161,7 +123,7 @@ def test_a_captured_load_closed_inside_its_own_call_is_not_used_after_close(what
     ``_EngineLock.pending`` when the lock is held on this thread (a list of pending closes, run as the call returns),
     or re-check ``self.closed`` right before queuing; and make the emulator's closed graph refuse ``launch``."""
     rt = create("emulated:split")
-    g, dev, host_pool, engine = _setup(rt, "kernel")
+    g, dev, host_pool, engine = small_engine(rt, "kernel")
     try:
         host_data = fill_host(host_pool)
         poison_device(dev, POISON)
@@ -189,10 +151,10 @@ def test_a_captured_load_closed_inside_its_own_call_is_not_used_after_close(what
         assert fired and captured.closed
         rt.synchronize(0)
         if what == "shape_load":
-            landed, untouched = _device_landed_or_untouched(g, dev, host_pool, host_data, [4, 5, 6], [0, 1, 2])
+            landed, untouched = landed_or_untouched(g, dev, host_pool, host_data, [4, 5, 6], [0, 1, 2])
             total = 3 * g.tensors * g.layers
         else:
-            landed = sum(np.array_equal(read_device(dev, t, 1)[d], _host_page(host_pool, host_data, t, 1, p))
+            landed = sum(np.array_equal(read_device(dev, t, 1)[d], host_page(host_pool, host_data, t, 1, p))
                          for t in range(g.tensors) for p, d in ((4, 0), (5, 1)))
             total = 2 * g.tensors
         assert landed in (0, total), f"{landed} of {total} pages landed"
@@ -213,7 +175,7 @@ def test_a_call_made_after_a_deferred_close_in_the_same_handler_is_refused():
     ``_check_open`` refuse new calls when it is set (only the call already under way finishes), and report
     ``closed`` as True from then on."""
     rt = create("emulated:split")
-    g, dev, host_pool, engine = _setup(rt, "kernel")
+    g, dev, host_pool, engine = small_engine(rt, "kernel")
     try:
         host_data = fill_host(host_pool)
         poison_device(dev, POISON)
@@ -228,13 +190,13 @@ def test_a_call_made_after_a_deferred_close_in_the_same_handler_is_refused():
             except BufferClosed:
                 seen["second"] = "refused"
 
-        undo, fired = _close_inside_the_call(rt, handler)
+        undo, fired = at_first_event(rt, handler)
         try:
             engine.load([0, 1, 2], [0, 1, 2]).wait()
         finally:
             undo()
         rt.synchronize(0)
-        landed, _ = _device_landed_or_untouched(g, dev, host_pool, host_data, [0, 1, 2], [0, 1, 2])
+        landed, _ = landed_or_untouched(g, dev, host_pool, host_data, [0, 1, 2], [0, 1, 2])
         assert landed == 3 * g.tensors * g.layers   # the call under way lands whole (round 12's promise)
         assert engine.closed
         assert seen == {"closed": True, "second": "refused"}, seen
@@ -256,7 +218,7 @@ def test_a_close_refused_during_another_streams_capture_leaves_the_object_open(w
     capture on the device before marking anything closed and raise (BufferInUse / the runtime error) leaving the
     object open, or defer the close until the capture ends."""
     rt = create("emulated:split:lazy")
-    g, dev, host_pool, engine = _setup(rt, "kernel")
+    g, dev, host_pool, engine = small_engine(rt, "kernel")
     target = {"engine": engine, "device_pool": dev, "host_pool": host_pool}[which]
     stream = None
     try:
@@ -276,7 +238,7 @@ def test_a_close_refused_during_another_streams_capture_leaves_the_object_open(w
             assert not target.closed, f"close() raised {raised!r} and yet closed the {which}"
         transfer.wait()
         if not dev.closed:
-            landed, _ = _device_landed_or_untouched(g, dev, host_pool, host_data, PAGES, PAGES)
+            landed, _ = landed_or_untouched(g, dev, host_pool, host_data, PAGES, PAGES)
             assert landed == 6 * g.tensors * g.layers
         target.close()
         assert target.closed
@@ -330,7 +292,7 @@ def test_ok_a_pool_closed_inside_a_dma_engines_call_is_refused_before_queuing(wh
     ``cpu_address``) as they queue, so a pool closed by a handler inside the call makes it raise BufferClosed; the
     surviving destination is untouched and the device healthy."""
     rt = create("emulated:split")
-    g, dev, host_pool, engine = _setup(rt, backend)
+    g, dev, host_pool, engine = small_engine(rt, backend)
     target = dev if which == "device" else host_pool
     undo = lambda: None  # noqa: E731
     try:
@@ -338,7 +300,7 @@ def test_ok_a_pool_closed_inside_a_dma_engines_call_is_refused_before_queuing(wh
         host_data = fill_host(host_pool)
         if which == "host":
             poison_device(dev, POISON)
-        undo, fired = _close_inside_the_call(rt, target.close)
+        undo, fired = at_first_event(rt, target.close)
         direction = "backup" if which == "device" else "load"
         with pytest.raises(BufferClosed):
             (engine.backup if direction == "backup" else engine.load)(PAGES, PAGES).wait()
@@ -346,7 +308,7 @@ def test_ok_a_pool_closed_inside_a_dma_engines_call_is_refused_before_queuing(wh
         assert fired and target.closed
         rt.synchronize(0)
         if which == "host":
-            landed, untouched = _device_landed_or_untouched(g, dev, host_pool, host_data, PAGES, PAGES)
+            landed, untouched = landed_or_untouched(g, dev, host_pool, host_data, PAGES, PAGES)
             assert landed == 0
         _check_runtime_healthy(rt)
     finally:
@@ -359,7 +321,7 @@ def test_ok_a_deferred_close_whose_call_then_raises_still_closes_and_queues_noth
     raises InvalidArgument, nothing is queued, the deferred close runs as the call unwinds, later calls raise
     BufferClosed, and the pools serve a new engine."""
     rt = create("emulated:split")
-    g, dev, host_pool, engine = _setup(rt, "kernel")
+    g, dev, host_pool, engine = small_engine(rt, "kernel")
     try:
         host_data = fill_host(host_pool)
         poison_device(dev, POISON)
@@ -382,11 +344,11 @@ def test_ok_a_deferred_close_whose_call_then_raises_still_closes_and_queues_noth
         with pytest.raises(BufferClosed):
             engine.load([1], [1])
         rt.synchronize(0)
-        landed, untouched = _device_landed_or_untouched(g, dev, host_pool, host_data, [1, 2, 3], [4, 4, 5])
+        landed, untouched = landed_or_untouched(g, dev, host_pool, host_data, [1, 2, 3], [4, 4, 5])
         assert landed == 0
         with TransferEngine(dev, host_pool, backend="direct") as again:
             again.load([1, 2], [4, 5]).wait()
-        landed, _ = _device_landed_or_untouched(g, dev, host_pool, host_data, [1, 2], [4, 5])
+        landed, _ = landed_or_untouched(g, dev, host_pool, host_data, [1, 2], [4, 5])
         assert landed == 2 * g.tensors * g.layers
     finally:
         engine.close(), host_pool.close(), dev.close()
@@ -397,7 +359,7 @@ def test_ok_another_engine_over_the_same_pools_used_and_waited_for_inside_an_eng
     """A handler inside engine A's load uses engine B over the same pools (other pages), waits for it and closes
     it; both loads land exactly, and A still closes cleanly."""
     rt = create("emulated:split")
-    g, dev, host_pool, engine = _setup(rt, "kernel")
+    g, dev, host_pool, engine = small_engine(rt, "kernel")
     other = TransferEngine(dev, host_pool, backend=inner, staging_bytes=3 * g.bytes_per_page)
     try:
         host_data = fill_host(host_pool)
@@ -407,13 +369,13 @@ def test_ok_another_engine_over_the_same_pools_used_and_waited_for_inside_an_eng
             other.load([8, 9], [6, 7]).wait()
             other.close()
 
-        undo, fired = _close_inside_the_call(rt, handler)
+        undo, fired = at_first_event(rt, handler)
         try:
             engine.load([0, 1, 2], [0, 1, 2]).wait()
         finally:
             undo()
         assert fired and other.closed
-        landed, _ = _device_landed_or_untouched(g, dev, host_pool, host_data, [0, 1, 2, 8, 9], [0, 1, 2, 6, 7])
+        landed, _ = landed_or_untouched(g, dev, host_pool, host_data, [0, 1, 2, 8, 9], [0, 1, 2, 6, 7])
         assert landed == 5 * g.tensors * g.layers
     finally:
         other.close(), engine.close(), host_pool.close(), dev.close()
@@ -423,7 +385,7 @@ def test_ok_captures_used_after_a_close_deferred_inside_a_shape_load_raise():
     """``engine.close()`` asked for inside ``shape.load`` (at its first index upload): the load lands whole, then
     the engine, the shape and a captured load are closed; both raise BufferClosed and write nothing more."""
     rt = create("emulated:split")
-    g, dev, host_pool, engine = _setup(rt, "kernel")
+    g, dev, host_pool, engine = small_engine(rt, "kernel")
     try:
         host_data = fill_host(host_pool)
         poison_device(dev, POISON)
@@ -444,7 +406,7 @@ def test_ok_captures_used_after_a_close_deferred_inside_a_shape_load_raise():
         finally:
             rt.memcpy_async = original
         assert fired and engine.closed and shape.closed and captured.closed
-        landed, _ = _device_landed_or_untouched(g, dev, host_pool, host_data, [4, 5, 6], [0, 1, 2])
+        landed, _ = landed_or_untouched(g, dev, host_pool, host_data, [4, 5, 6], [0, 1, 2])
         assert landed == 3 * g.tensors * g.layers
         with pytest.raises(BufferClosed):
             shape.load([1, 2, 3], [3, 4, 5])
@@ -464,8 +426,8 @@ def test_ok_captures_made_while_other_engines_loads_are_in_flight_replay_exactly
     during it); the queued load, the shape's loads and the replay all land byte for byte, and a capture asked for
     while a foreign stream of the device captures is refused with the engine still usable."""
     rt = create(mode)
-    g, dev, host_pool, engine = _setup(rt, "kernel")
-    g2, dev2, host2, other = _setup(rt, "direct")
+    g, dev, host_pool, engine = small_engine(rt, "kernel")
+    g2, dev2, host2, other = small_engine(rt, "direct")
     foreign = None
     try:
         host_data, other_data = fill_host(host_pool), fill_host(host2)
@@ -478,14 +440,14 @@ def test_ok_captures_made_while_other_engines_loads_are_in_flight_replay_exactly
         captured.replay()
         second.wait(), in_flight.wait()
         rt.synchronize(0)
-        landed, _ = _device_landed_or_untouched(g2, dev2, host2, other_data, [0, 1, 2, 3], [4, 5, 6, 7])
+        landed, _ = landed_or_untouched(g2, dev2, host2, other_data, [0, 1, 2, 3], [4, 5, 6, 7])
         assert landed == 4 * g.tensors * g.layers
         for t in range(g.tensors):
             for layer in range(g.layers):
                 got = read_device(dev, t, layer)
                 for p, d in ((5, 0), (6, 1), (7, 2), (8, 3), (9, 7)):
                     expected = (layer in (0, 2)) if d != 7 else layer == 1
-                    want = _host_page(host_pool, host_data, t, layer, p) if expected else None
+                    want = host_page(host_pool, host_data, t, layer, p) if expected else None
                     assert np.array_equal(got[d], want) if expected else (got[d] == POISON).all(), (t, layer, d)
                 assert all((got[d] == POISON).all() for d in (4, 5, 6))
         foreign = rt.create_stream(0)
@@ -496,7 +458,7 @@ def test_ok_captures_made_while_other_engines_loads_are_in_flight_replay_exactly
         finally:
             foreign.end_capture()
         shape.load([1, 2], [4, 5]).wait()
-        landed, _ = _device_landed_or_untouched(g, dev, host_pool, host_data, [1], [4])
+        landed, _ = landed_or_untouched(g, dev, host_pool, host_data, [1], [4])
         assert landed == g.tensors * g.layers - g.tensors   # layers 0 and 2 of the shape, not layer 1
     finally:
         if foreign is not None:

@@ -20,59 +20,20 @@ import pytest
 
 from kvtier.errors import BufferClosed, KvtierError, RuntimeCallError
 from kvtier.memory.host_buffer import HostBuffer
-from kvtier.pools import DevicePool, HostPool, KVGeometry
 from kvtier.runtime import base, create
 from kvtier.runtime.base import Runtime
-from kvtier.transfer import TransferEngine
-from pool_helpers import fill_host, poison_device, read_device
+from pool_helpers import (
+    at_first_event,
+    fill_host,
+    host_page,
+    landed_or_untouched,
+    poison_device,
+    read_device,
+    small_engine,
+)
 
 POISON = 0xEE
 PAGES = np.arange(6)
-
-
-def _setup(rt, backend="kernel"):
-    g = KVGeometry("mha", 3, 4, 128, 1)
-    dev = DevicePool.allocate(g, 8, 0, runtime=rt)
-    host_pool = HostPool.allocate(g, "layer_first", pages=10, runtime=rt)
-    engine = TransferEngine(dev, host_pool, backend=backend, staging_bytes=3 * g.bytes_per_page)
-    return g, dev, host_pool, engine
-
-
-def _host_page(host_pool, snapshot, t, layer, p):
-    g = host_pool.geometry
-    at = host_pool.tensor_offset(t) + layer * host_pool.strides.layer + p * host_pool.strides.page
-    return snapshot[at:at + g.page_bytes]
-
-
-def _landed(g, dev, host_pool, host_data, pages, dst_pages):
-    """(landed, untouched) pages; anything else fails."""
-    landed = untouched = 0
-    for t in range(g.tensors):
-        for layer in range(g.layers):
-            got = read_device(dev, t, layer)
-            for p, d in zip(pages, dst_pages, strict=True):
-                if np.array_equal(got[d], _host_page(host_pool, host_data, t, layer, p)):
-                    landed += 1
-                elif (got[d] == POISON).all():
-                    untouched += 1
-                else:
-                    raise AssertionError(f"device page {d} (t {t}, layer {layer}) holds neither its page nor poison")
-    return landed, untouched
-
-
-def _inside_the_call(rt, action):
-    """Run ``action`` at the first event the runtime creates: inside the engine's call, under its lock."""
-    original = rt.create_event
-    fired = []
-
-    def hooked(*args, **kwargs):
-        if not fired:
-            fired.append(1)
-            action()
-        return original(*args, **kwargs)
-
-    rt.create_event = hooked
-    return lambda: setattr(rt, "create_event", original), fired
 
 
 class _Fake:
@@ -103,7 +64,7 @@ def test_a_captured_load_whose_close_a_capture_refuses_stays_open():
     neither retry after the capture nor replay. Fix: treat it like ``PoolUser.close`` — on ``capture_refused(error)``
     set ``closed`` back to False and re-raise without freeing; free only after a wait that was made."""
     rt = create("emulated:split:lazy")
-    g, dev, host_pool, engine = _setup(rt)
+    g, dev, host_pool, engine = small_engine(rt)
     stream = None
     try:
         host_data = fill_host(host_pool)
@@ -121,7 +82,7 @@ def test_a_captured_load_whose_close_a_capture_refuses_stays_open():
         finally:
             stream.end_capture()
         rt.synchronize(0)
-        landed = sum(np.array_equal(read_device(dev, t, 1)[d], _host_page(host_pool, host_data, t, 1, p))
+        landed = sum(np.array_equal(read_device(dev, t, 1)[d], host_page(host_pool, host_data, t, 1, p))
                      for t in range(g.tensors) for p, d in ((4, 0), (5, 1)))
         assert landed == 2 * g.tensors
         if raised is not None:
@@ -148,7 +109,7 @@ def test_a_deferred_engine_close_refused_at_the_calls_end_leaves_the_engine_usab
     the load failed. Fix: on a refused deferred close, clear ``_closing`` (as ``Users.close`` reopens pools) and keep
     the refusal out of the finished call (or keep the close for a later retry)."""
     rt = create("emulated:split")
-    g, dev, host_pool, engine = _setup(rt)
+    g, dev, host_pool, engine = small_engine(rt)
     stream = rt.create_stream(0)
     try:
         host_data = fill_host(host_pool)
@@ -158,7 +119,7 @@ def test_a_deferred_engine_close_refused_at_the_calls_end_leaves_the_engine_usab
             engine.close()
             stream.begin_capture()
 
-        undo, fired = _inside_the_call(rt, handler)
+        undo, fired = at_first_event(rt, handler)
         try:
             engine.load([0, 1, 2], [0, 1, 2])
             raised = None
@@ -170,7 +131,7 @@ def test_a_deferred_engine_close_refused_at_the_calls_end_leaves_the_engine_usab
                 stream.end_capture()
         assert fired
         rt.synchronize(0)
-        landed, _ = _landed(g, dev, host_pool, host_data, [0, 1, 2], [0, 1, 2])
+        landed, _ = landed_or_untouched(g, dev, host_pool, host_data, [0, 1, 2], [0, 1, 2])
         assert landed == 3 * g.tensors * g.layers
         assert engine.closed == engine._closed, "engine reports closed but was never closed (nor reopened)"
         assert raised is None, f"the load was queued and landed, yet the call raised {raised!r}"
@@ -277,13 +238,13 @@ def test_a_release_kept_by_another_thread_meanwhile_is_not_dropped(monkeypatch):
 def test_ok_a_pool_and_its_engine_closed_in_one_handler_land_the_call_then_free(order, which):
     """Both closes are deferred to the call's end; the pool's drains the engine before giving memory back."""
     rt = create("emulated:split")
-    g, dev, host_pool, engine = _setup(rt)
+    g, dev, host_pool, engine = small_engine(rt)
     pool = dev if which == "device" else host_pool
     try:
         host_data = fill_host(host_pool)
         poison_device(dev, POISON)
         closes = [pool.close, engine.close] if order == "pool_first" else [engine.close, pool.close]
-        undo, fired = _inside_the_call(rt, lambda: [c() for c in closes])
+        undo, fired = at_first_event(rt, lambda: [c() for c in closes])
         try:
             engine.load([0, 1, 2], [0, 1, 2]).wait()
             refused = False
@@ -294,7 +255,7 @@ def test_ok_a_pool_and_its_engine_closed_in_one_handler_land_the_call_then_free(
         assert fired and engine.closed and pool.closed and engine._closed
         rt.synchronize(0)
         if which == "host":     # the device pool stays open: the load landed whole or not at all
-            landed, untouched = _landed(g, dev, host_pool, host_data, [0, 1, 2], [0, 1, 2])
+            landed, untouched = landed_or_untouched(g, dev, host_pool, host_data, [0, 1, 2], [0, 1, 2])
             assert (landed, untouched) in ((3 * g.tensors * g.layers, 0), (0, 3 * g.tensors * g.layers))
             assert refused == (landed == 0)
         with pytest.raises(BufferClosed):
@@ -305,7 +266,7 @@ def test_ok_a_pool_and_its_engine_closed_in_one_handler_land_the_call_then_free(
 
 def test_ok_a_deferred_close_whose_call_then_raises_keyboard_interrupt_still_closes():
     rt = create("emulated:split")
-    g, dev, host_pool, engine = _setup(rt)
+    g, dev, host_pool, engine = small_engine(rt)
     try:
         fill_host(host_pool)
         poison_device(dev, POISON)
@@ -315,7 +276,7 @@ def test_ok_a_deferred_close_whose_call_then_raises_keyboard_interrupt_still_clo
             engine.close()
             raise KeyboardInterrupt
 
-        undo, fired = _inside_the_call(rt, handler)
+        undo, fired = at_first_event(rt, handler)
         try:
             with pytest.raises(KeyboardInterrupt):
                 engine.load([0, 1, 2], [0, 1, 2])
@@ -333,7 +294,7 @@ def test_ok_a_deferred_close_whose_call_then_raises_keyboard_interrupt_still_clo
 def test_ok_a_pool_close_deferred_in_a_call_while_another_thread_closes_it():
     """The deferred close marks the pool closed first: the other thread's close returns at once."""
     rt = create("emulated:split")
-    g, dev, host_pool, engine = _setup(rt)
+    g, dev, host_pool, engine = small_engine(rt)
     try:
         fill_host(host_pool)
         poison_device(dev, POISON)
@@ -345,7 +306,7 @@ def test_ok_a_pool_close_deferred_in_a_call_while_another_thread_closes_it():
             t.start()
             t.join()
 
-        undo, fired = _inside_the_call(rt, handler)
+        undo, fired = at_first_event(rt, handler)
         try:
             engine.load([0, 1, 2], [0, 1, 2]).wait()
             refused = False
@@ -363,7 +324,7 @@ def test_ok_a_pool_close_deferred_in_a_call_while_another_thread_closes_it():
 @pytest.mark.parametrize("which", ["device", "host"])
 def test_ok_a_pool_close_refused_during_a_capture_then_retried_frees_everything(which):
     rt = create("emulated:split:lazy")
-    g, dev, host_pool, engine = _setup(rt)
+    g, dev, host_pool, engine = small_engine(rt)
     pool = dev if which == "device" else host_pool
     stream = rt.create_stream(0)
     address = host_pool.buffer.cpu_address.value
@@ -379,7 +340,7 @@ def test_ok_a_pool_close_refused_during_a_capture_then_retried_frees_everything(
             stream.end_capture()
         assert not pool.closed
         transfer.wait()
-        landed, _ = _landed(g, dev, host_pool, host_data, PAGES, PAGES)
+        landed, _ = landed_or_untouched(g, dev, host_pool, host_data, PAGES, PAGES)
         assert landed == 6 * g.tensors * g.layers
         pool.close()
         assert pool.closed
@@ -395,7 +356,7 @@ def test_ok_a_pool_close_refused_during_a_capture_then_retried_frees_everything(
 
 def test_ok_a_host_buffer_close_refused_during_a_capture_keeps_views_usable():
     rt = create("emulated:split:lazy")
-    g, dev, host_pool, engine = _setup(rt)
+    g, dev, host_pool, engine = small_engine(rt)
     stream = rt.create_stream(0)
     try:
         host_data = fill_host(host_pool)
@@ -414,7 +375,7 @@ def test_ok_a_host_buffer_close_refused_during_a_capture_keeps_views_usable():
         engine.synchronize()
         poison_device(dev, POISON)
         engine.load(PAGES, PAGES).wait()
-        landed, _ = _landed(g, dev, host_pool, fresh, PAGES, PAGES)
+        landed, _ = landed_or_untouched(g, dev, host_pool, fresh, PAGES, PAGES)
         assert landed == 6 * g.tensors * g.layers
         del view
         engine.close()
