@@ -8,6 +8,7 @@ argument, before any state changes.
 from __future__ import annotations
 
 import enum
+import math
 import numbers
 from typing import Any
 
@@ -27,6 +28,16 @@ def integer(value: Any, name: str, *, low: int | None = None, high: int | None =
         raise InvalidArgument(f"{name} must be >= {low}, got {value}")
     if high is not None and value >= high:
         raise InvalidArgument(f"{name} must be < {high}, got {value}")
+    return value
+
+
+def positive_number(value: Any, name: str) -> float:
+    """``value`` as a finite float > 0 (any real number type, never bool or a string)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(f"{name} must be finite and positive, got {value!r}")
     return value
 
 

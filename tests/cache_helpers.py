@@ -12,6 +12,12 @@ from kvtier.memory import CpuAddress
 from kvtier.pools import DevicePool, HostPool, KVGeometry
 
 TINY = KVGeometry.mha(layers=2, kv_heads=1, head_dim=32, itemsize=2, page_size=4)
+P = TINY.page_size
+
+
+def prompt(n: int, rng: np.random.Generator | None = None) -> np.ndarray:
+    """``n`` random token ids (a prompt no other test shares)."""
+    return (rng or np.random.default_rng()).integers(0, 128256, n)
 
 
 class KVModel:

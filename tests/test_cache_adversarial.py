@@ -40,7 +40,7 @@ def test_a_match_of_another_cache_is_refused():
     a.drain()
     a.evict(device_pages=16)
     match = a.match_prefix(tokens, lock=True)
-    for call in (lambda: b.load_back(match), lambda: b.lock(match.last_node), lambda: b.unlock(match),
+    for call in (lambda: b.load_back(match), lambda: b.lock(match), lambda: b.unlock(match),
                  lambda: b.backup(match), lambda: b.page_keys(match)):
         with pytest.raises(InvalidArgument, match="not in this cache"):
             call()

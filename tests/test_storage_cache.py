@@ -18,82 +18,11 @@ from cache_helpers import build, close_all, serve
 from kvtier.cache import page_keys
 from kvtier.runtime import create
 from kvtier.storage import MemoryStore, SharedPages, open_store
-
-
-class Hooked(MemoryStore):
-    """A MemoryStore whose reads can be slowed, broken, or raced by an eviction after ``exists``."""
-
-    def __init__(self, namespace, **options):
-        super().__init__(namespace, **options)
-        self.delay = 0.0
-        self.fail: str | None = None
-        self.vanish_after_exists: int | None = None
-        self.reads = 0
-
-    def _exists(self, keys):
-        if self.fail == "exists":
-            raise ConnectionError("server went away")
-        found = super()._exists(keys)
-        if self.vanish_after_exists is not None and self.vanish_after_exists < len(keys):
-            self._delete([keys[self.vanish_after_exists]])
-        return found
-
-    def _get(self, keys, pages):
-        self.reads += 1
-        time.sleep(self.delay)
-        if self.fail == "get":
-            raise TimeoutError("read timed out")
-        yield from super()._get(keys, pages)
-
-    def _set(self, keys, pages):
-        time.sleep(self.delay)
-        if self.fail == "set":
-            raise ConnectionError("server went away")
-        return super()._set(keys, pages)
-
-
-def hooked_stores(**options):
-    """A factory of Hooked stores sharing one dict (a restart, a second cache), and the list of stores it made."""
-    shared, stores = SharedPages(), []
-
-    def storage(ns):
-        stores.append(Hooked(ns, shared=shared, **options))
-        return stores[-1]
-
-    return storage, stores
-
-
-def memory_stores():
-    shared, stores = SharedPages(), []
-
-    def storage(ns):
-        stores.append(MemoryStore(ns, shared=shared))
-        return stores[-1]
-
-    return storage, stores
+from storage_helpers import Hooked, hooked_stores, memory_stores, second, warm
 
 
 def prompt(pages: int, page_size: int = 4, seed: int | None = None) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50000, pages * page_size)
-
-
-def warm(runtime, storage, prompts, **settings):
-    """A first cache that serves ``prompts`` and writes them through to storage; returns the model's salt."""
-    cache, model, dev, host = build(runtime, device_pages=64, host_pages=128, storage=storage, **settings)
-    try:
-        for p in prompts:
-            serve(cache, model, p)
-        cache.drain()
-        assert cache.stats()["storage_pages.written"] >= sum(len(p) // 4 for p in prompts)
-    finally:
-        close_all(cache, dev, host)
-    return model.salt
-
-
-def second(runtime, storage, salt, **settings):
-    cache, model, dev, host = build(runtime, device_pages=64, host_pages=128, storage=storage, **settings)
-    model.salt = salt
-    return cache, model, dev, host
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct", "page_head"])

@@ -21,13 +21,12 @@ prompt's last token, and a match ends only where such a snapshot exists (:mod:`k
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -41,8 +40,8 @@ from kvtier.cache.rates import H200_TABLE, RateTable
 from kvtier.cache.settings import AUTO, COPY_ENGINE_BACKENDS, CacheSettings, WritePolicy
 from kvtier.cache.state_tier import StateTier
 from kvtier.cache.storage_tier import Prefetch, StorageTier
-from kvtier.cache.tiers import CALLER, FREE, TREE, Tiers
-from kvtier.checks import index_array, integer
+from kvtier.cache.tiers import CALLER, FREE, HELD, TREE, MustWait, Tiers
+from kvtier.checks import index_array, integer, positive_number
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.pools import DevicePool, HostPool, payload_order
 from kvtier.pools.state import StateDevicePool, StateHostPool
@@ -51,6 +50,7 @@ from kvtier.transfer import TransferEngine
 from kvtier.transfer.engine import CURRENT
 from kvtier.transfer.job import after_events
 
+_T = TypeVar("_T")
 _CLAIMED: weakref.WeakKeyDictionary[Any, KVCache] = weakref.WeakKeyDictionary()
 """Pools a cache owns: two caches over one pool would hand out the same pages."""
 
@@ -110,6 +110,9 @@ class KVCache:
             if owner is not None and not owner.closed:
                 raise InvalidArgument(f"{pool!r} already belongs to {owner!r}: one cache per pool (close it first)")
         self.device_pool, self.host_pool, self.namespace, self.settings = device_pool, host_pool, namespace, settings
+        self._pools = (device_pool, host_pool, *state_pools)
+        self._held: dict[object, Node] = {}
+        """The locks matches hold, by token: a lock is given back once, by the match that took it."""
         self.geometry, self.page_size = namespace.geometry, namespace.page_size
         self.rates = rates or H200_TABLE
         self.load_backend, self.backup_backend = self._choose_backends()
@@ -125,7 +128,8 @@ class KVCache:
         self.tiers = Tiers(RadixIndex(self.page_size, namespace.digest), self.geometry, device_pool.pages,
                            host_pool.pages, settings, self.metrics, self._engines, self._markers,
                            lambda: self._controller.inflight(BACKUP) + self._controller.inflight(LOAD),
-                           contiguous_device=self.load_backend in COPY_ENGINE_BACKENDS, states=self.states)
+                           contiguous_device=self.load_backend in COPY_ENGINE_BACKENDS, states=self.states,
+                           track=lambda op: self._controller.track(op))
         self._prefill_rate: float | None = None
         try:
             self._engines[LOAD] = TransferEngine(device_pool, host_pool, backend=self.load_backend,
@@ -146,7 +150,6 @@ class KVCache:
         self.storage = storage
         self._storage = StorageTier(storage, host_pool, self.tiers, self.metrics, self._lock, settings,
                                     self._decide_storage) if storage is not None else None
-        self._pools = (device_pool, host_pool, *state_pools)
         for pool in self._pools:
             _CLAIMED[pool] = self
         self._gauges()
@@ -198,8 +201,7 @@ class KVCache:
                 usable = (lambda n: n.device is not None) if device_only else None
             match = self.index.match(tokens, usable=usable)
             if lock:
-                self.index.lock(match.last_node)
-                match.locked = True
+                self._take_lock(match, match.last_node)
             whole = len(tokens) // self.page_size * self.page_size
             self.metrics.add("lookups")
             self.metrics.add("lookup_tokens", whole)
@@ -235,27 +237,45 @@ class KVCache:
                 return prefetch
             return self._storage.prefetch(tokens)
 
-    def lock(self, match: Match | Node) -> None:
+    def lock(self, match: Match) -> None:
         """Pin a match (prefer ``match_prefix(..., lock=True)``: between the two calls another thread may evict)."""
         with self._lock:
             self._check_open()
+            if not isinstance(match, Match):
+                raise InvalidArgument(f"lock takes a Match from match_prefix, got {type(match).__name__} (a lock is "
+                                      f"given back with unlock(match), so only a match can hold one)")
             node = self._own(match)
-            if isinstance(match, Match) and match.locked:
+            if match.locked:
                 raise InvalidArgument("this match is already locked")
-            self.index.lock(node)
-            if isinstance(match, Match):
-                match.locked = True
+            self._take_lock(match, node)
 
-    def unlock(self, match: Match | Node) -> None:
+    def unlock(self, match: Match) -> None:
+        """Give back the lock ``match`` holds, exactly once. A node a failed transfer dropped since has lost its locks
+        already: its match's unlock just ends it."""
         with self._lock:
             self._check_open()
-            node = self._own(match)
-            if isinstance(match, Match) and not match.locked:
+            if not isinstance(match, Match):
+                raise InvalidArgument(f"unlock takes the Match that holds the lock, got {type(match).__name__} (a "
+                                      f"node's lock may be another request's)")
+            token = match._lock_token
+            if token is None or not match.locked:
                 raise InvalidArgument("unlock of a match that is not locked (locked with lock=True or lock(), "
                                       "unlocked once)")
-            self.index.unlock(node)
-            if isinstance(match, Match):
-                match.locked = False
+            node = self._held.pop(token, None)
+            if node is None:
+                if match.last_node.alive and not self.index.owns(match.last_node):
+                    raise InvalidArgument(f"{match.last_node} is not in this cache (another cache's match)")
+                raise InvalidArgument("unlock of a match whose lock was given back already (a copy of it was "
+                                      "unlocked)")
+            match.locked, match._lock_token = False, None
+            if node.alive:
+                self.index.unlock(node)
+
+    def _take_lock(self, match: Match, node: Node) -> None:
+        self.index.lock(node)
+        token = object()
+        self._held[token] = node
+        match.locked, match._lock_token = True, token
 
     def page_keys(self, match: Match | Node) -> list[bytes]:
         """The storage keys of every page of the matched prefix (SHA-256 chain, see :mod:`kvtier.cache.keys`)."""
@@ -270,21 +290,25 @@ class KVCache:
         in flight and evicts again; raises OutOfPages when still short. The caller's current stream is made to wait
         (on the GPU) for writes still queued to pages freed before (duplicates, dropped nodes, ``free``)."""
         count = integer(count, "count", low=0)
-        with self._lock:
-            self._check_open()
-            pages = self.tiers.allocate_device(count)
-            self._gauges()
-            if pages is not None:
-                self.tiers.state[pages] = CALLER
-                stream = self.device_pool.runtime.current_stream(self.device_pool.device)
-                for fence in self.tiers.pending_fences():
-                    stream.wait(fence)               # on the GPU: writes to freed pages land before yours
-            if pages is None:
-                locked = self.index.device_tokens - self.tiers.evictable_tokens("device")
-                raise OutOfPages(f"cannot allocate {count} device pages: {self.device.free_pages} free of "
-                                 f"{self.device.pages}, nothing more is evictable ({locked} cached tokens are locked "
-                                 f"or in flight; caller-held pages: {self._caller_pages()})")
-            return pages
+        return self._locked(lambda: self._allocate(count))
+
+    def _allocate(self, count: int) -> np.ndarray:
+        pages = self.tiers.allocate_device(count)
+        self._gauges()
+        if pages is None:
+            locked = self.index.device_tokens - self.tiers.evictable_tokens("device")
+            raise OutOfPages(f"cannot allocate {count} device pages: {self.device.free_pages} free of "
+                             f"{self.device.pages}, nothing more is evictable ({locked} cached tokens are locked "
+                             f"or in flight; caller-held pages: {self._caller_pages()})")
+        self.tiers.state[pages] = CALLER
+        self._after_fences()
+        return pages
+
+    def _after_fences(self) -> None:
+        """On the GPU: the caller's writes to pages (or slots) freed before land after the writes still queued there."""
+        stream = self.device_pool.runtime.current_stream(self.device_pool.device)
+        for fence in self.tiers.pending_fences():
+            stream.wait(fence)
 
     def free(self, pages: Any, *, after: Any = CURRENT) -> None:
         """Give back device pages from ``allocate`` that were not inserted; whoever gets them next waits for
@@ -292,9 +316,8 @@ class KVCache:
         pages = index_array(pages, "pages")
         with self._lock:
             self._check_open()
-            fences = self._markers(after)
             self._check_caller_pages(pages, "free")
-            self.tiers.fence(fences)
+            self.tiers.fence(self._markers(after))
             self.tiers.state[pages] = FREE
             self.device.release(pages.copy())
             self._gauges()
@@ -303,19 +326,18 @@ class KVCache:
         """A device state slot for a request's recurrent state (hybrid caches); evicts least recently used snapshots
         as needed; raises OutOfPages when none can be had. The caller's current stream waits (on the GPU) for writes
         still queued to slots freed before."""
-        with self._lock:
-            self._check_open()
-            states = self._need_states("allocate_state")
-            slots = self.tiers.allocate_device_states(1)
-            if slots is None:
-                callers = int(np.count_nonzero(states.slots == CALLER))
-                raise OutOfPages(f"no device state slot free of {states.device.pages}: {callers} held by callers, "
-                                 f"the rest by snapshots that are locked or in flight")
-            states.slots[slots] = CALLER
-            stream = self.device_pool.runtime.current_stream(self.device_pool.device)
-            for fence in self.tiers.pending_fences():
-                stream.wait(fence)
-            return int(slots[0])
+        return self._locked(self._allocate_state)
+
+    def _allocate_state(self) -> int:
+        states = self._need_states("allocate_state")
+        slots = self.tiers.allocate_device_states(1)
+        if slots is None:
+            callers = int(np.count_nonzero(states.slots == CALLER))
+            raise OutOfPages(f"no device state slot free of {states.device.pages}: {callers} held by callers, "
+                             f"the rest by snapshots that are locked or in flight")
+        states.slots[slots] = CALLER
+        self._after_fences()
+        return int(slots[0])
 
     def fork_state(self, match: Match | Node, *, stream: Any = None) -> int:
         """A new slot of the caller's (as from :meth:`allocate_state`) holding a copy of the snapshot at the end of
@@ -323,33 +345,37 @@ class KVCache:
         copy) after the load-back that brings the snapshot, if one is in flight. A request continues from the copy:
         its state changes every step, and the tree's snapshot must not. The snapshot must be on the device
         (``load_back`` a host one first)."""
-        with self._lock:
-            self._check_open()
-            states = self._need_states("fork_state")
-            node = self._own(match)
-            if node.device_state is None:
-                where = "on the host only: load_back(match) first" if node.host_state is not None else "gone"
-                raise InvalidArgument(f"fork_state: the snapshot at the end of {node} is {where}")
-            loading = node.loading.state_transfer if node.loading is not None else None
-            slot = self.allocate_state()
-            try:
-                copied = states.engine.copy([node.device_state], [slot], stream=stream,
-                                            after=[loading.finished] if loading is not None else None)
-            except BaseException:
-                states.give_back(slot)
-                raise
-            node.state_written = [*(node.state_written or []), copied.finished]
-            self.metrics.add("states", 1, "forked")
-            return slot
+        return self._locked(lambda: self._fork_state(match, stream))
+
+    def _fork_state(self, match: Match | Node, stream: Any) -> int:
+        states = self._need_states("fork_state")
+        node = self._own(match)
+        if node.device_state is None:
+            where = "on the host only: load_back(match) first" if node.host_state is not None else "gone"
+            raise InvalidArgument(f"fork_state: the snapshot at the end of {node} is {where}")
+        self.index.lock(node)                        # its snapshot stays while a slot is found for the copy
+        try:
+            slot = self._allocate_state()
+        finally:
+            self.index.unlock(node)
+        loading = node.loading.state_transfer if node.loading is not None else None
+        try:
+            copied = states.engine.copy([node.device_state], [slot], stream=stream,
+                                        after=[loading.finished] if loading is not None else None)
+        except BaseException:
+            states.give_back(slot)
+            raise
+        node.state_written = [*(node.state_written or []), copied.finished]
+        self.metrics.add("states", 1, "forked")
+        return slot
 
     def free_state(self, slot: int, *, after: Any = CURRENT) -> None:
         """Give back a slot from ``allocate_state`` that was not inserted; whoever gets it next waits for ``after``."""
         with self._lock:
             self._check_open()
             states = self._need_states("free_state")
-            fences = self._markers(after)
             slot = states.check_caller_slot(slot, "free_state")
-            self.tiers.fence(fences)
+            self.tiers.fence(self._markers(after))
             states.give_back(slot)
 
     def _need_states(self, what: str) -> StateTier:
@@ -377,7 +403,6 @@ class KVCache:
                     raise InvalidArgument(f"insert with a state needs whole pages: {len(tokens)} tokens are not a "
                                           f"positive multiple of the page size {self.page_size} (the snapshot would "
                                           f"sit past the end of the cached prefix)")
-            written = self._markers(after)
             whole = self.index.whole_pages(tokens)
             count = len(whole) // self.page_size
             if len(pages) < count:
@@ -386,6 +411,7 @@ class KVCache:
             pages = np.array(pages[:count])
             walked = self.index.walk(whole)
             self._check_insert(walked, pages)
+            written = self._markers(after)
             placed = self.index.place(whole, pages, walked)
             for node in placed.revived + ([placed.new_node] if placed.new_node else []):
                 self.tiers.state[node.device] = TREE
@@ -433,42 +459,43 @@ class KVCache:
         (``no_device_pages`` / ``no_device_state``). Declined, the caller recomputes from
         ``match_prefix(tokens, device_only=True)``: so the estimate counts every token past the last device snapshot.
         """
-        with self._lock:
-            self._check_open()
-            order = self._markers(after)
-            if not isinstance(match, Match):
-                raise InvalidArgument(f"load_back takes a Match, got {type(match).__name__}")
-            node = match.last_node
-            if not node.alive:
-                self.metrics.add("decisions", 1, "stale_match")
-                return None
-            self._own(match)
-            chain = self.index.host_chain(node)
-            if self.states is not None and node.parent is not None and not StateTier.usable(node):
-                self.metrics.add("decisions", 1, "no_state")       # its snapshot was evicted since the match
-                return None
-            with_state = self.states is not None and node.device_state is None and node.host_state is not None
-            if not chain and not with_state:
-                return None
-            tokens = sum(len(n.tokens) for n in chain)
-            nbytes = tokens // self.page_size * self.geometry.bytes_per_page + \
-                (self.states.slot_bytes if with_state and self.states is not None else 0)
-            decision = self.decide(self._recompute_tokens(node, tokens), force=force, nbytes=nbytes)
-            if decision != "load":
-                self.metrics.add("decisions", 1, decision)
-                return None
-            room = self._load_room(node, tokens // self.page_size, with_state)
-            if room is None:
-                return None
-            pages, slots = room
-            op = LoadBack(list(chain), pages.copy(), np.concatenate([n.host for n in chain]) if chain else pages[:0],
-                          nbytes, tokens, self.states.layer_map if self.states is not None else None)
-            self._queue_load(op, node, pages, slots, (order or []) + self.tiers.pending_fences())
-            op.prefix_pages = np.concatenate([n.device for n in reversed(list(node.path()))])
-            self.metrics.add("decisions", 1, "load")
-            self._controller.track(op)
-            self._gauges()
-            return op
+        if not isinstance(match, Match):
+            raise InvalidArgument(f"load_back takes a Match, got {type(match).__name__}")
+        return self._locked(lambda: self._load_back(match, after, force))
+
+    def _load_back(self, match: Match, after: Any, force: bool) -> LoadBack | None:
+        node = match.last_node
+        if not node.alive:
+            self.metrics.add("decisions", 1, "stale_match")
+            return None
+        self._own(match)
+        order = self._markers(after)
+        chain = self.index.host_chain(node)
+        if self.states is not None and node.parent is not None and not StateTier.usable(node):
+            self.metrics.add("decisions", 1, "no_state")       # its snapshot was evicted since the match
+            return None
+        with_state = self.states is not None and node.device_state is None and node.host_state is not None
+        if not chain and not with_state:
+            return None
+        tokens = sum(len(n.tokens) for n in chain)
+        nbytes = tokens // self.page_size * self.geometry.bytes_per_page + \
+            (self.states.slot_bytes if with_state and self.states is not None else 0)
+        decision = self.decide(self._recompute_tokens(node, tokens), force=force, nbytes=nbytes)
+        if decision != "load":
+            self.metrics.add("decisions", 1, decision)
+            return None
+        room = self._load_room(node, tokens // self.page_size, with_state)
+        if room is None:
+            return None
+        pages, slots = room
+        op = LoadBack(list(chain), pages.copy(), np.concatenate([n.host for n in chain]) if chain else pages[:0],
+                      nbytes, tokens, self.states.layer_map if self.states is not None else None)
+        self._queue_load(op, node, pages, slots, (order or []) + self.tiers.pending_fences())
+        op.prefix_pages = np.concatenate([n.device for n in reversed(list(node.path()))])
+        self.metrics.add("decisions", 1, "load")
+        self._controller.track(op)
+        self._gauges()
+        return op
 
     def _recompute_tokens(self, node: Node, loaded: int) -> int:
         """What declining a load-back costs: the loaded tokens, or on a hybrid cache every token past the deepest
@@ -490,7 +517,11 @@ class KVCache:
             if pages is None:
                 self.metrics.add("decisions", 1, "no_device_pages")
                 return None
-            slots = self.tiers.allocate_device_states(1) if with_state else None
+            try:
+                slots = self.tiers.allocate_device_states(1) if with_state else None
+            except MustWait:
+                self.device.release(pages)
+                raise
             if with_state and slots is None:
                 self.device.release(pages)
                 self.metrics.add("decisions", 1, "no_device_state")
@@ -511,13 +542,15 @@ class KVCache:
                 assert self.states is not None and node.host_state is not None
                 op.state_device, op.state_host = slots, np.array([node.host_state], dtype=np.int64)
                 op.state_transfer = self.states.engine.load(op.state_host, slots.copy(), after=order or None)
-        except BaseException:
-            for transfer in op.transfers():
-                with contextlib.suppress(Exception):
-                    transfer.wait()
-            self.device.release(pages)
-            if slots is not None and self.states is not None:
-                self.states.give_back(int(slots[0]))
+        except BaseException as exc:
+            self.tiers.state[pages] = HELD
+
+            def give_back() -> None:
+                self.tiers.state[pages] = FREE
+                self.device.release(pages)
+                if slots is not None and self.states is not None:
+                    self.states.give_back(int(slots[0]))
+            self.tiers.abandon(op, give_back, exc)
             raise
         chain = [n for n in op.nodes if n.device is None]
         self.tiers.assign(chain, "device", pages, op)
@@ -557,10 +590,7 @@ class KVCache:
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         """Report a prefill the caller ran, so the cache learns the recompute rate (a moving average)."""
-        if not (math.isfinite(tokens) and math.isfinite(seconds)) or tokens <= 0 or seconds <= 0:
-            raise InvalidArgument(f"record_prefill needs finite positive tokens and seconds, got {tokens!r}, "
-                                  f"{seconds!r}")
-        rate = tokens / seconds
+        rate = positive_number(tokens, "record_prefill tokens") / positive_number(seconds, "record_prefill seconds")
         with self._lock:
             self._prefill_rate = rate if self._prefill_rate is None else 0.8 * self._prefill_rate + 0.2 * rate
 
@@ -569,23 +599,25 @@ class KVCache:
         """Evict at least this many pages per tier where possible; returns the pages freed per tier."""
         device_pages = integer(device_pages, "device_pages", low=0)
         host_pages = integer(host_pages, "host_pages", low=0)
-        with self._lock:
-            self._check_open()
-            freed = self.tiers.evict_device(device_pages), self.tiers.evict_host(host_pages)
-            self._gauges()
-            return freed
+        return self._locked(lambda: self._evict(device_pages, host_pages))
+
+    def _evict(self, device_pages: int, host_pages: int) -> tuple[int, int]:
+        freed = self.tiers.evict_device(device_pages), self.tiers.evict_host(host_pages)
+        self._gauges()
+        return freed
 
     def evict_states(self, *, device: int = 0, host: int = 0) -> tuple[int, int]:
         """Evict this many state snapshots per tier where possible (their nodes keep the KV); returns how many went.
         Under write_back a device snapshot is backed up first, with its KV."""
         device = integer(device, "device", low=0)
         host = integer(host, "host", low=0)
-        with self._lock:
-            self._check_open()
-            self._need_states("evict_states")
-            freed = self.tiers.evict_device_states(device), self.tiers.evict_states("host", host)
-            self._gauges()
-            return freed
+        self._need_states("evict_states")
+        return self._locked(lambda: self._evict_states(device, host))
+
+    def _evict_states(self, device: int, host: int) -> tuple[int, int]:
+        freed = self.tiers.evict_device_states(device), self.tiers.evict_states("host", host)
+        self._gauges()
+        return freed
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
     def drain(self) -> None:
@@ -617,11 +649,10 @@ class KVCache:
             if dropped:
                 self.metrics.add("skipped", dropped, "cancelled_at_close")
             if self._storage is not None:
-                unwritten = self._storage.close(cancel=cancel)
-                if unwritten:
-                    self.metrics.add("storage_skipped", unwritten, "cancelled_at_close")
+                self._storage.close(cancel=cancel)
             with self._lock:
                 self.returned_caller_pages = self.tiers.release_everything()
+                self._held.clear()
                 self.returned_caller_states = self.tiers.held_states
                 for pool in self._pools:
                     if _CLAIMED.get(pool) is self:
@@ -693,9 +724,42 @@ class KVCache:
             self.tiers.complete(op)
             self._gauges()
 
+    def _locked(self, attempt: Callable[[], _T]) -> _T:
+        """``attempt()`` under the cache's lock, on an open cache. An attempt that can go on only once some transfers
+        have finished (:class:`MustWait`: backups of write_back victims, or what is in flight when nothing is
+        evictable) runs again after this thread waited for them with the lock released, so no ``match_prefix`` of
+        another thread ever waits behind a copy. Attempts change nothing before they raise MustWait but the backups
+        they start."""
+        with self._lock:
+            try:
+                while True:
+                    self._check_open()
+                    try:
+                        return attempt()
+                    except MustWait as must:
+                        ops = must.ops
+                    self._lock.release()
+                    try:
+                        for op in ops:
+                            try:
+                                op.wait()
+                            except Exception as exc:  # noqa: BLE001 - completed as failed below
+                                op.error = op.error or exc
+                    finally:
+                        self._lock.acquire()
+                    for op in ops:
+                        self.tiers.waited(op)
+            finally:
+                self.tiers.unsaved_ok.clear()
+
     def _check_open(self) -> None:
+        """Every call that could hand out or read a page checks both pools too: a cache over a pool its caller
+        closed would otherwise keep handing out page numbers in freed memory."""
         if self._closing:
             raise BufferClosed("this KVCache is closed")
+        for what, pool in zip(("device", "host", "device state", "host state"), self._pools, strict=False):
+            if pool.closed:
+                raise BufferClosed(f"the cache's {what} pool {pool!r} was closed: close the cache before its pools")
 
     def _own(self, match: Match | Node) -> Node:
         """The node of ``match``, checked to be a live node of this cache's tree."""

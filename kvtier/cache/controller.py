@@ -62,10 +62,10 @@ class Controller:
             self._cond.wait_for(lambda: not (self._requests or self._submitting or any(self._inflight.values())))
 
     def close(self, *, cancel: bool) -> int:
-        """Stop: drop backups not yet submitted when ``cancel`` (returns how many), wait for transfers in flight,
-        join the threads. Idempotent."""
+        """Stop: drop backups not yet submitted when ``cancel`` (returns how many nodes they named), wait for
+        transfers in flight, join the threads. Idempotent."""
         with self._cond:
-            dropped = len(self._requests) if cancel else 0
+            dropped = sum(len(nodes) for nodes, _ in self._requests) if cancel else 0
             if cancel:
                 self._requests.clear()
             self._cond.wait_for(lambda: not (self._requests or self._submitting))

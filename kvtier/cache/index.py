@@ -116,6 +116,7 @@ class Match:
     locked: bool = False
     device_state: int | None = None
     host_state: int | None = None
+    _lock_token: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def cached_tokens(self) -> int:

@@ -14,6 +14,44 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 TIERS = ("device", "host", "storage")
 DIRECTIONS = ("load", "backup")
+REASONS: dict[str, dict[str, str]] = {
+    "skipped": {
+        "host_full": "a backup found no host room, even after evicting what the policy allows",
+        "host_state_full": "a hybrid backup found no host state slot",
+        "evicted_without_backup": "a device page went before any backup took it (not write_back)",
+        "cancelled_at_close": "a backup asked for but not started when close(cancel=True) ran",
+    },
+    "storage_skipped": {
+        "queue_full": "more pages waited for storage than storage_queue_pages allows",
+        "store_failed": "the store refused or failed the write (its own counters say why)",
+        "cancelled_at_close": "queued, or backed up while closing, when close(cancel=True) ran",
+    },
+    "decisions": {
+        "load": "the load-back was queued",
+        "too_short": "shorter than load_back_min_tokens",
+        "slower_than_recompute": "bytes / load rate not below tokens / recompute rate",
+        "no_device_pages": "no device pages could be had",
+        "no_device_state": "no device state slot could be had (hybrid)",
+        "no_state": "the match's state snapshot was evicted since the match (hybrid)",
+        "stale_match": "the match's last node left the cache since the match",
+    },
+    "prefetches": {
+        "complete": "every stored page was read",
+        "cached": "nothing past the host-resident prefix to read",
+        "miss": "storage holds none of the pages",
+        "truncated": "stopped at a page that failed verification or vanished",
+        "cancelled": "settled or cancelled before the end",
+        "host_full": "the host tier ran out of room: the leading pages that fit were committed",
+        "slower_than_recompute": "reading would take longer than recomputing",
+        "evicted": "its prefix left the host tier while it read",
+        "closed": "the cache closed",
+        "error": "an unexpected error in the worker",
+        "no_storage": "the cache has no storage tier",
+    },
+}
+"""The only labels these counters take, and what each means (docs/cache.md and docs/storage.md list them): a count
+under a reason nobody documented is a count nobody reads."""
+REASONS["prefetch_skipped"] = REASONS["prefetches"]
 
 
 class CacheMetrics:
@@ -44,6 +82,8 @@ class CacheMetrics:
                                      ["direction"], registry=r),
             "storage_bytes": Counter("kvtier_cache_storage_bytes", "bytes read from / written to storage",
                                      ["direction"], registry=r),
+            "prefetch_skipped": Counter("kvtier_cache_prefetch_pages_skipped", "stored pages a prefetch did not "
+                                        "read, by the outcome that ended it", ["reason"], registry=r),
             "storage_skipped": Counter("kvtier_cache_storage_writes_skipped", "pages not written to storage",
                                        ["reason"], registry=r),
         }
@@ -54,6 +94,9 @@ class CacheMetrics:
         }
 
     def add(self, name: str, amount: float = 1.0, label: str | None = None) -> None:
+        known = REASONS.get(name)
+        if known is not None and label not in known:
+            raise KeyError(f"{label!r} is not a documented label of {name}: {', '.join(known)}")
         counter = self._counters[name]
         (counter.labels(label) if label is not None else counter).inc(amount)
         with self._lock:

@@ -6,7 +6,7 @@ On a hybrid cache one operation moves a chain's KV pages and its state snapshots
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -30,6 +30,8 @@ class Operation:
         self.submitted = time.perf_counter()
         self.finished = False
         self.error: BaseException | None = None
+        self.give_back: Callable[[], None] | None = None
+        """Set when only part of the copies could be queued: the room to return once that part has finished."""
 
     def transfers(self) -> list[Transfer]:
         return [t for t in (self.transfer, self.state_transfer) if t is not None]

@@ -136,7 +136,8 @@ class StorageTier:
         self._jobs: deque[StoreJob] = deque()
         self._queued_pages = 0
         self._writing = False
-        self._stopping = False
+        self._prefetch_stopped = False
+        self._writes_closed = False
         self._cancel_writes = True
         self._active: set[Prefetch] = set()
         self._workers = ThreadPoolExecutor(max_workers=settings.storage_threads, thread_name_prefix="kvtier-prefetch")
@@ -161,7 +162,7 @@ class StorageTier:
             prefetch._finish("cached")
             return prefetch
         with self._cond:
-            if self._stopping:
+            if self._prefetch_stopped:
                 prefetch._finish("closed")
                 return prefetch
             self._active.add(prefetch)
@@ -196,6 +197,9 @@ class StorageTier:
                 self._cond.notify_all()
             self.metrics.set("queue", len(self._active), "prefetches")
             self.metrics.add("prefetches", 1, outcome)
+            unread = prefetch.stored_pages - prefetch.committed_pages
+            if unread > 0:
+                self.metrics.add("prefetch_skipped", unread, outcome)
             prefetch._finish(outcome)
 
     def _fetch(self, prefetch: Prefetch) -> str:
@@ -211,12 +215,13 @@ class StorageTier:
         position = 0
         while position < stored:
             if self._stop_requested(prefetch):
-                return "closed" if self._stopping else "cancelled"
-            count = min(self.settings.storage_batch_pages, stored - position)
+                return "closed" if self._prefetch_stopped else "cancelled"
             with self.lock:
-                host = self.tiers.allocate_host(count)
+                host = self.tiers.allocate_host(min(self.settings.storage_batch_pages, stored - position),
+                                                partial=True)
                 if host is None:
                     return "host_full"
+                count = len(host)
                 self.tiers.held_host += count
             read = 0
             try:
@@ -240,7 +245,7 @@ class StorageTier:
         return "complete"
 
     def _stop_requested(self, prefetch: Prefetch) -> bool:
-        return prefetch.cancelled or self._stopping
+        return prefetch.cancelled or self._prefetch_stopped
 
     def _commit(self, prefetch: Prefetch, first: int, host: np.ndarray, keys: list[bytes]) -> bool:
         """Put verified pages ``first``.. (counted from the prefetch's start) into the host tier, under the lock.
@@ -294,7 +299,8 @@ class StorageTier:
             return
         pages = sum(len(n.host) for n in todo if n.host is not None)
         with self._cond:
-            if self._stopping:
+            if self._writes_closed:
+                self.metrics.add("storage_skipped", pages, "cancelled_at_close")
                 return
             if self._queued_pages + pages > self.settings.storage_queue_pages:
                 self.metrics.add("storage_skipped", pages, "queue_full")
@@ -312,8 +318,8 @@ class StorageTier:
     def _write_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._jobs or self._stopping)
-                if self._stopping and (self._cancel_writes or not self._jobs):
+                self._cond.wait_for(lambda: self._jobs or self._writes_closed)
+                if not self._jobs:
                     return
                 job = self._jobs.popleft()
                 self._writing = True
@@ -321,8 +327,8 @@ class StorageTier:
             try:
                 with self.host.batch(job.host) as io:
                     stored = self.backend.set(job.keys, io.pages)
-            except Exception:  # noqa: BLE001 - counted; the pages simply are not in storage
-                self.metrics.add("storage_skipped", len(job.keys), "error")
+            except Exception:  # noqa: BLE001 - counted once, as store_failed; the pages simply are not in storage
+                stored = 0
             self._finish_job(job, stored)
 
     def _finish_job(self, job: StoreJob, stored: int, reason: str | None = "store_failed") -> None:
@@ -355,27 +361,27 @@ class StorageTier:
             self._cond.wait_for(lambda: not (self._active or self._jobs or self._writing))
 
     def stop_prefetches(self) -> None:
-        """Cancel running prefetches and wait for them (close, first step)."""
+        """Cancel running prefetches and wait for them (close, first step). Writes go on: backups still completing
+        while the cache closes queue theirs, and ``close`` decides what happens to them."""
         with self._cond:
-            self._stopping = True
+            self._prefetch_stopped = True
             for prefetch in self._active:
                 prefetch.cancel()
         self._workers.shutdown(wait=True)
 
-    def close(self, *, cancel: bool = True) -> int:
-        """Stop the writer (queued writes dropped when ``cancel``, else written first); returns the pages dropped.
-        Call after the controller has stopped, under no lock."""
+    def close(self, *, cancel: bool = True) -> None:
+        """Stop the writer: with ``cancel`` the queued writes are dropped (counted as ``cancelled_at_close``; the one
+        being written finishes), else every queued write is made before this returns. Call after the controller has
+        stopped (no backup completes later), under no lock."""
+        self.stop_prefetches()
         with self._cond:
-            self._stopping = True
-            self._cancel_writes = cancel
+            self._writes_closed = True
             dropped = list(self._jobs) if cancel else []
             if cancel:
                 self._jobs.clear()
             self._cond.notify_all()
-        self._workers.shutdown(wait=True)
         self._writer.join()
         for job in dropped:
-            self._finish_job(job, 0, reason=None)
+            self._finish_job(job, 0, reason="cancelled_at_close")
         self.host.close()
-        return sum(len(job.keys) for job in dropped)
 

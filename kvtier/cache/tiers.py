@@ -9,7 +9,6 @@ the nodes' state snapshots along: the same operation, all or nothing.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -27,22 +26,37 @@ from kvtier.transfer.engine import CURRENT
 if TYPE_CHECKING:
     from kvtier.cache.state_tier import StateTier
 
-FREE, CALLER, TREE = 0, 1, 2
-"""What a device page is: free, held by a caller (from ``allocate``, not inserted yet), or the tree's."""
+FREE, CALLER, TREE, HELD = 0, 1, 2, 3
+"""What a device page is: free, held by a caller (from ``allocate``, not inserted yet), the tree's, or held for a
+load that failed to queue whole until its queued part has finished."""
+
+
+class MustWait(Exception):
+    """Raised under the cache's lock when a request can be met only once these transfers have finished (backups of
+    write_back victims, or whatever is in flight when nothing is evictable). Nobody waits under the lock: the cache
+    waits with it released, completes them, and asks again (``KVCache._locked``)."""
+
+    def __init__(self, ops: list[Operation]) -> None:
+        super().__init__(f"waiting for {len(ops)} transfers")
+        self.ops = ops
 
 
 class Tiers:
     def __init__(self, index: RadixIndex, geometry: KVGeometry, device_pages: int, host_pages: int,
                  settings: CacheSettings, metrics: CacheMetrics, engines: dict[str, Any],
                  markers: Callable[[Any], list[Any] | None], inflight: Callable[[], list[Operation]],
-                 contiguous_device: bool = False, states: StateTier | None = None) -> None:
-        """``markers(after)`` turns an ordering request into events recorded now; ``inflight()`` lists the backups
-        the controller has in flight (an allocation that finds nothing to evict waits for them).
+                 contiguous_device: bool = False, states: StateTier | None = None,
+                 track: Callable[[Operation], None] = lambda op: None) -> None:
+        """``markers(after)`` turns an ordering request into events recorded now; ``inflight()`` lists the transfers
+        the controller has in flight (an allocation that finds nothing to evict waits for them); ``track(op)`` hands
+        it one more to complete.
         ``contiguous_device``: hand out runs of consecutive device pages (copy-engine loads move a layer of a run of
         pages with one strided copy)."""
         self.index, self.geometry, self.page_size = index, geometry, geometry.page_size
         self.settings, self.metrics, self.engines = settings, metrics, engines
-        self.markers, self.inflight = markers, inflight
+        self.markers, self.inflight, self.track = markers, inflight, track
+        self.unsaved_ok: set[int] = set()
+        """Nodes whose write_back backup failed during the current request: evicted without one on the retry."""
         self.device = PageAllocator(device_pages, name="device", contiguous=contiguous_device)
         self.host = PageAllocator(host_pages, name="host", contiguous=True)
         self.state = np.zeros(device_pages, dtype=np.uint8)
@@ -74,18 +88,25 @@ class Tiers:
         if pages is None:
             self.evict_device(count - self.device.free_pages)
             pages = self.device.allocate(count)
-        if pages is None and self.inflight():
-            for op in self.inflight():
-                self.finish_now(op)
-            self.evict_device(count - self.device.free_pages)
-            pages = self.device.allocate(count)
+        if pages is None:
+            self._wait_for_inflight()
         return pages
 
-    def allocate_host(self, count: int) -> np.ndarray | None:
+    def _wait_for_inflight(self) -> None:
+        """Nothing more is evictable now: what is in flight may free some (a node is busy while its transfer runs)."""
+        pending = [op for op in self.inflight() if not op.finished]
+        if pending:
+            raise MustWait(pending)
+
+    def allocate_host(self, count: int, *, partial: bool = False) -> np.ndarray | None:
+        """``count`` host pages, evicting LRU host leaves as needed; None when short. ``partial``: as many as can be
+        had, up to ``count`` (None when not one): a prefetch commits the leading pages that fit."""
         pages = self.host.allocate(count)
         if pages is None:
             self.evict_host(count - self.host.free_pages)
             pages = self.host.allocate(count)
+        if pages is None and partial and self.host.free_pages:
+            pages = self.host.allocate(self.host.free_pages)
         return pages
 
     def evict_device(self, need: int) -> int:
@@ -104,8 +125,13 @@ class Tiers:
             victims = self.index.lru_leaves(tier, need - freed)
             if not victims:
                 break
+            backing_up = None
             if tier == "device" and self.settings.write_policy is WritePolicy.WRITE_BACK:
-                self.backup_now([v for v in victims if v.host is None or self.state_unsaved(v)])
+                backing_up = self.backup_first(victims)
+                if backing_up is not None:
+                    victims = [v for v in victims if v.writing is None]
+                    if not victims:
+                        raise MustWait([backing_up])
             released: list[np.ndarray] = []
             dropped = 0
             for victim in victims:
@@ -128,6 +154,8 @@ class Tiers:
             self.metrics.add("evicted", len(pages) * self.page_size, tier)
             if dropped:
                 self.metrics.add("skipped", dropped, "evicted_without_backup")
+            if backing_up is not None and freed < need:
+                raise MustWait([backing_up])
         return freed
 
     # -- state snapshots (hybrid caches) ----------------------------------------------------------------------------
@@ -139,11 +167,8 @@ class Tiers:
         if slots is None:
             self.evict_device_states(count - self.states.device.free_pages)
             slots = self.states.device.allocate(count)
-        if slots is None and self.inflight():
-            for op in self.inflight():
-                self.finish_now(op)
-            self.evict_device_states(count - self.states.device.free_pages)
-            slots = self.states.device.allocate(count)
+        if slots is None:
+            self._wait_for_inflight()
         return slots
 
     def allocate_host_states(self, count: int) -> np.ndarray | None:
@@ -155,8 +180,10 @@ class Tiers:
         return slots
 
     def evict_device_states(self, need: int) -> int:
-        if self.settings.write_policy is WritePolicy.WRITE_BACK and self.states is not None:
-            self.backup_now([n for n in self.states.lru("device", need) if self.state_unsaved(n)])
+        if self.settings.write_policy is WritePolicy.WRITE_BACK and self.states is not None and need > 0:
+            backing_up = self.backup_first(self.states.lru("device", need))
+            if backing_up is not None:
+                raise MustWait([backing_up])
         return self.evict_states("device", need)
 
     def evict_states(self, tier: str, need: int) -> int:
@@ -210,8 +237,8 @@ class Tiers:
                 assert self.states is not None and slots is not None
                 op.state_device, op.state_host = np.array([n.device_state for n in stated], np.int64), slots
                 op.state_transfer = self.states.engine.backup(op.state_device, slots, after=events)
-        except BaseException:
-            self._abandon(op, host, slots)
+        except BaseException as exc:
+            self._abandon(op, host, slots, exc)
             raise
         self.assign(chain, "host", host, op)
         for node, slot in zip(stated, slots if slots is not None else [], strict=True):
@@ -258,14 +285,23 @@ class Tiers:
             return None, None
         return host, taken
 
-    def _abandon(self, op: Operation, host: np.ndarray, slots: np.ndarray | None) -> None:
-        """A backup failed to queue part of its copies: let the queued part finish, then give its room back."""
-        for transfer in op.transfers():
-            with contextlib.suppress(Exception):     # the room goes back either way
-                transfer.wait()
-        self.host.free(host)
-        if slots is not None and self.states is not None:
-            self.states.host.free(slots)
+    def _abandon(self, op: Operation, host: np.ndarray, slots: np.ndarray | None, error: BaseException) -> None:
+        """A backup failed to queue part of its copies: its room goes back once the queued part has finished (the
+        controller completes it as failed; nobody waits here, under the lock)."""
+        def give_back() -> None:
+            self.host.free(host)
+            if slots is not None and self.states is not None:
+                self.states.host.free(slots)
+        self.abandon(op, give_back, error)
+
+    def abandon(self, op: Operation, give_back: Callable[[], None], error: BaseException) -> None:
+        """``op`` will never be assigned to its nodes; ``give_back`` returns its room when nothing queued reads or
+        writes it any more: now when nothing was queued, else when the controller completes ``op`` (as failed)."""
+        if not op.transfers():
+            give_back()
+            return
+        op.error, op.give_back = error, give_back
+        self.track(op)
 
     def assign(self, chain: list[Node], tier: str, pages: np.ndarray, op: Operation) -> None:
         """Give each node of ``chain`` its run of ``pages`` on ``tier``, marked as in flight with ``op``."""
@@ -280,18 +316,23 @@ class Tiers:
                 node.writing = op
             start += span
 
-    def backup_now(self, nodes: list[Node]) -> None:
-        """write_back: copy these device-leaf victims (and ancestors not on the host) before their pages go."""
-        if nodes:
-            op = self.start_backup(nodes, self.markers(CURRENT))
-            if op is not None:
-                self.finish_now(op)
+    def backup_first(self, victims: list[Node]) -> Operation | None:
+        """write_back: start the backup of the victims not saved on the host yet (KV or state snapshot; with their
+        ancestors), ordered after the caller's stream; the caller evicts them once it completed. None when none
+        needs one, or no host room was had (then they go unsaved, counted)."""
+        unsaved = [v for v in victims if (v.host is None or self.state_unsaved(v)) and v.id not in self.unsaved_ok]
+        if not unsaved:
+            return None
+        op = self.start_backup(unsaved, self.markers(CURRENT))
+        if op is not None:
+            self.track(op)
+        return op
 
-    def finish_now(self, op: Operation) -> None:
-        try:
-            op.wait()
-        except BaseException as exc:  # noqa: BLE001 - completed as failed below
-            op.error = exc
+    def waited(self, op: Operation) -> None:
+        """``op`` finished while the cache waited for it (lock released): complete it; a write_back backup that
+        failed leaves its nodes to be evicted without one on the retry."""
+        if op.kind == BACKUP and op.error is not None:
+            self.unsaved_ok.update(n.id for n in op.nodes)
         self.complete(op)
 
     def complete(self, op: Operation) -> None:
@@ -299,6 +340,9 @@ class Tiers:
         if op.finished:
             return
         op.finished = True
+        if op.give_back is not None:            # never assigned; its failure was raised (and counted) when queued
+            op.give_back()
+            return
         field = "writing" if op.kind == BACKUP else "loading"
         nodes = [n for n in op.nodes if n.alive and getattr(n, field) is op]
         for node in nodes:

@@ -1,0 +1,122 @@
+"""No thread waits for a copy while holding the cache's lock: an allocation that needs a write_back victim backed up
+first, or that must wait for transfers in flight, waits with the lock released, so another thread's
+``match_prefix`` is served while the copy runs (before: it stalled for the whole copy)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from cache_helpers import P, build, close_all, prompt, serve
+from kvtier.cache.operation import BACKUP, Operation
+
+BOUND = 20.0
+"""Seconds a stalled thread is given before the test calls it stuck (only a failure waits this long)."""
+
+
+class HeldBackups:
+    """Backups look long: their waits block until ``release()``; ``waiting`` names the threads blocked in one."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.gate = threading.Event()
+        self.waiting: set[str] = set()
+        self.changed = threading.Condition()
+        wait = Operation.wait
+
+        def held_wait(op: Operation) -> None:
+            if op.kind == BACKUP and not self.gate.is_set():
+                with self.changed:
+                    self.waiting.add(threading.current_thread().name)
+                    self.changed.notify_all()
+                self.gate.wait(BOUND * 3)
+            wait(op)
+
+        monkeypatch.setattr(Operation, "wait", held_wait)
+
+    def until_waiting(self, name: str) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: name in self.waiting, BOUND), f"{name} never waited for a backup"
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def lookup_while_held(cache, tokens) -> float:
+    """``match_prefix`` from another thread; its latency, or a failure when it does not return."""
+    took: list[float] = []
+
+    def look() -> None:
+        start = time.perf_counter()
+        cache.match_prefix(tokens)
+        took.append(time.perf_counter() - start)
+
+    looker = threading.Thread(target=look, name="looker")
+    looker.start()
+    looker.join(BOUND)
+    assert took, f"match_prefix did not return within {BOUND} s while a backup was held: it waits for the cache lock"
+    return took[0]
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_match_prefix_is_served_while_an_allocation_waits_for_a_backup(rt, monkeypatch, policy):
+    cache, model, dev, host = build(rt, device_pages=8, host_pages=32, write_policy=policy)
+    held = HeldBackups(monkeypatch)
+    allocator = None
+    try:
+        victim = prompt(8 * P)
+        serve(cache, model, victim)             # the whole device pool: write_back has no host copy yet, and
+        got: list = []                          # write_through's backup of it is in flight (held)
+        allocator = threading.Thread(target=lambda: got.append(cache.allocate(4)), name="allocator")
+        allocator.start()
+        held.until_waiting("allocator")
+        latency = lookup_while_held(cache, prompt(4 * P))
+        assert allocator.is_alive() and not got, "the allocation returned before its backup was released"
+        held.release()
+        allocator.join(BOUND)
+        assert len(got) == 1 and len(got[0]) == 4, f"allocation failed (match_prefix took {latency * 1e3:.1f} ms)"
+        cache.free(got[0])
+        cache.drain()
+        match = cache.match_prefix(victim, lock=True)
+        assert match.cached_tokens == 8 * P and match.host_tokens >= 4 * P  # the victim kept its KV, on the host
+        load = cache.load_back(match, force=True)
+        if load is not None:
+            load.wait()
+        assert not model.mismatches(victim, load.prefix_pages if load is not None else match.device_pages)
+        cache.unlock(match)
+        cache.check()
+    finally:
+        held.release()
+        if allocator is not None:
+            allocator.join(BOUND)
+        close_all(cache, dev, host)
+
+
+def test_evict_under_write_back_waits_outside_the_lock_too(rt, monkeypatch):
+    cache, model, dev, host = build(rt, device_pages=8, host_pages=32, write_policy="write_back")
+    held = HeldBackups(monkeypatch)
+    evictor = None
+    try:
+        victim = prompt(8 * P)
+        serve(cache, model, victim)
+        freed: list = []
+        evictor = threading.Thread(target=lambda: freed.append(cache.evict(device_pages=8)), name="evictor")
+        evictor.start()
+        held.until_waiting("evictor")
+        lookup_while_held(cache, victim)
+        held.release()
+        evictor.join(BOUND)
+        assert freed == [(8, 0)]
+        match = cache.match_prefix(victim, lock=True)
+        assert match.host_tokens == 8 * P
+        load = cache.load_back(match, force=True)
+        load.wait()
+        assert not model.mismatches(victim, load.prefix_pages)
+        cache.unlock(match)
+        cache.check()
+    finally:
+        held.release()
+        if evictor is not None:
+            evictor.join(BOUND)
+        close_all(cache, dev, host)
