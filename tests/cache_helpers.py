@@ -99,6 +99,19 @@ def serve(cache: KVCache, model: KVModel, tokens, *, force: bool = True) -> tupl
     return match, len(prefix)
 
 
+def load_and_check(cache: KVCache, model: KVModel, tokens) -> Match:
+    """Match ``tokens``, load its host part back (forced) and check every byte of the whole cached prefix."""
+    match = cache.match_prefix(tokens, lock=True)
+    try:
+        load = cache.load_back(match, force=True)
+        if load is not None:
+            load.wait()
+        assert not model.mismatches(tokens, load.prefix_pages if load is not None else match.device_pages)
+    finally:
+        cache.unlock(match)
+    return match
+
+
 def close_all(cache: KVCache, dev: DevicePool, host: HostPool) -> None:
     cache.close()
     host.close()

@@ -216,6 +216,9 @@ def warm(runtime, storage, prompts, **settings):
 
 
 def second(runtime, storage, salt, **settings):
-    cache, model, dev, host = build(runtime, device_pages=64, host_pages=128, storage=storage, **settings)
+    """A cache over the same store whose stand-in model writes the first one's bytes (``salt``)."""
+    settings.setdefault("device_pages", 64)
+    settings.setdefault("host_pages", 128)
+    cache, model, dev, host = build(runtime, storage=storage, **settings)
     model.salt = salt
     return cache, model, dev, host

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cache_helpers import P, build, close_all, prompt, serve
+from cache_helpers import P, build, close_all, load_and_check, prompt, serve
 from kvtier.cache.operation import BACKUP, Operation
 
 BOUND = 20.0
@@ -78,13 +78,8 @@ def test_match_prefix_is_served_while_an_allocation_waits_for_a_backup(rt, monke
         assert len(got) == 1 and len(got[0]) == 4, f"allocation failed (match_prefix took {latency * 1e3:.1f} ms)"
         cache.free(got[0])
         cache.drain()
-        match = cache.match_prefix(victim, lock=True)
+        match = load_and_check(cache, model, victim)
         assert match.cached_tokens == 8 * P and match.host_tokens >= 4 * P  # the victim kept its KV, on the host
-        load = cache.load_back(match, force=True)
-        if load is not None:
-            load.wait()
-        assert not model.mismatches(victim, load.prefix_pages if load is not None else match.device_pages)
-        cache.unlock(match)
         cache.check()
     finally:
         held.release()
@@ -108,12 +103,7 @@ def test_evict_under_write_back_waits_outside_the_lock_too(rt, monkeypatch):
         held.release()
         evictor.join(BOUND)
         assert freed == [(8, 0)]
-        match = cache.match_prefix(victim, lock=True)
-        assert match.host_tokens == 8 * P
-        load = cache.load_back(match, force=True)
-        load.wait()
-        assert not model.mismatches(victim, load.prefix_pages)
-        cache.unlock(match)
+        assert load_and_check(cache, model, victim).host_tokens == 8 * P
         cache.check()
     finally:
         held.release()
