@@ -20,56 +20,56 @@ import math
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 from redis.exceptions import AskError, ResponseError, TryAgainError
 
 from kvtier.errors import InvalidArgument
 from kvtier.storage.backend import Entry, StorageBackend, StorageError, scatter
 from kvtier.storage.format import PageRejected
+from kvtier.storage.redis_url import parse_redis_url
 
 if TYPE_CHECKING:
     from kvtier.cache.keys import Namespace
-
-SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
-
 
 class RedisStore(StorageBackend):
     kind = "redis"
 
     def __init__(self, url: str, namespace: Namespace | None, *, cluster: bool | None = None, prefix: str = "kvtier",
-                 ttl: int | None = None, timeout: float = 5.0, connect_timeout: float = 2.0,
+                 ttl: int | None = None, timeout: float | None = None, connect_timeout: float | None = None,
                  **options: Any) -> None:
+        """``url`` and every option are checked here, before anything connects (:mod:`kvtier.storage.redis_url`);
+        ``timeout`` / ``connect_timeout`` (default 5 s / 2 s) may come from the URL's ``socket_timeout`` /
+        ``socket_connect_timeout`` instead, not from both."""
         super().__init__(namespace, **options)
-        scheme = url.split("://", 1)[0] if "://" in url else ""
-        if scheme not in SCHEMES:
-            raise InvalidArgument(f"Redis URL {url!r}: the scheme must be one of {', '.join(SCHEMES)}")
+        if not isinstance(url, str):
+            raise InvalidArgument(f"Redis URL {url!r}: a string such as redis://host:6379/0")
+        if cluster is not None and not isinstance(cluster, bool):
+            raise InvalidArgument(f"cluster={cluster!r}: True, False or None (from the URL's scheme)")
         if ttl is not None and (type(ttl) is not int or ttl < 1):
             raise InvalidArgument(f"ttl={ttl!r}: whole seconds >= 1, or None")
-        if not prefix or ":" in prefix:
+        if not isinstance(prefix, str) or not prefix or ":" in prefix:
             raise InvalidArgument(f"prefix={prefix!r}: a non-empty name without ':'")
         for name, value in (("timeout", timeout), ("connect_timeout", connect_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-                    value <= 0:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or
+                                      not math.isfinite(value) or value <= 0):
                 raise InvalidArgument(f"{name}={value!r}: a finite number of seconds > 0")
-        self.cluster = scheme.endswith("+cluster") if cluster is None else bool(cluster)
-        self.url = url.replace("+cluster", "", 1)
-        parsed = urlparse(self.url)
-        try:
-            port = parsed.port
-        except ValueError as exc:
-            raise InvalidArgument(f"Redis URL {url!r}: {exc}") from None
-        if scheme != "unix" and (not parsed.hostname or port == 0):
-            raise InvalidArgument(f"Redis URL {url!r} names no host (or port 0)")
+        target = parse_redis_url(url, cluster)
+        connection = dict(target.options)
+        for name, value, query, default in (("timeout", timeout, "socket_timeout", 5.0),
+                                            ("connect_timeout", connect_timeout, "socket_connect_timeout", 2.0)):
+            if value is not None and query in connection:
+                raise InvalidArgument(f"{name}={value!r} and the URL's {query}: give it once")
+            connection.setdefault(query, default if value is None else value)
+        self.cluster, self.url, self.where = target.cluster, target.url, target.where
         self.prefix, self.ttl = prefix, ttl
-        self._options = {"socket_timeout": timeout, "socket_connect_timeout": connect_timeout}
+        self._options = connection
         self._client_lock = threading.Lock()
         self._client: Any = None
+        self._record = json.dumps(self.describe()).encode() if namespace is not None else b""
         self._recorded = False
 
     def __repr__(self) -> str:
-        where = self.url.split("@")[-1]
-        return f"RedisStore({'cluster ' if self.cluster else ''}{where}, namespace {self.namespace_id})"
+        return f"RedisStore({'cluster ' if self.cluster else ''}{self.where}, namespace {self.namespace_id})"
 
     # -- the client ----------------------------------------------------------------------------------------------------
     def client(self) -> Any:
@@ -98,11 +98,12 @@ class RedisStore(StorageBackend):
         cluster is asked node by node, each with the store's timeout: no cluster-wide retry loop); results in key
         order, error replies in place."""
         results: list[Any] = [None] * len(keys)
-        owner, groups = self._by_node(keys)         # held: a reset elsewhere must not close it under us
+        names = [self.key(k) for k in keys]
+        owner, groups = self._by_node(names)        # held: a reset elsewhere must not close it under us
         for client, members in groups:
             pipe = client.pipeline(transaction=False)
             for i in members:
-                getattr(pipe, command)(self.key(keys[i]))
+                getattr(pipe, command)(names[i])
             for i, result in zip(members, pipe.execute(raise_on_error=False), strict=True):
                 results[i] = result
         del owner
@@ -143,12 +144,12 @@ class RedisStore(StorageBackend):
         """SETs written straight to the connection: header and host pieces go to the socket as they are, with no
         copy into one value (redis-py's pipeline needs each value as one buffer)."""
         if not self._recorded:
-            self.client().set(f"{self.prefix}:{self.namespace_id}:namespace", json.dumps(self.describe()))
+            self.client().set(f"{self.prefix}:{self.namespace_id}:namespace", self._record)
             self._recorded = True
         expiry = b"" if self.ttl is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl)), self.ttl)
         words = b"*3\r\n" if self.ttl is None else b"*5\r\n"
         headers = [self.format.header(key, pieces) for key, pieces in zip(keys, pages, strict=True)]
-        owner, groups = self._by_node(keys)
+        owner, groups = self._by_node([self.key(k) for k in keys])
         for client, members in groups:
             chunks: list[Any] = []
             for i in members:
@@ -162,14 +163,15 @@ class RedisStore(StorageBackend):
         del owner
         return len(keys)
 
-    def _by_node(self, keys: list[bytes]) -> tuple[Any, list[tuple[Any, list[int]]]]:
-        """The client, and (client of the node holding them, indices) per node: one for a standalone server."""
+    def _by_node(self, names: list[str]) -> tuple[Any, list[tuple[Any, list[int]]]]:
+        """The client, and (client of the node holding them, indices into ``names``) per node: one for a standalone
+        server."""
         client = self.client()
         if not self.cluster:
-            return client, [(client, list(range(len(keys))))]
+            return client, [(client, list(range(len(names))))]
         groups: dict[str, tuple[Any, list[int]]] = {}
-        for i, key in enumerate(keys):
-            node = client.get_node_from_key(self.key(key))
+        for i, name in enumerate(names):
+            node = client.get_node_from_key(name)
             groups.setdefault(node.name, (node.redis_connection, []))[1].append(i)
         return client, list(groups.values())
 
