@@ -66,7 +66,6 @@ class RedisStore(StorageBackend):
         self._client_lock = threading.Lock()
         self._client: Any = None
         self._record = json.dumps(self.describe()).encode() if namespace is not None else b""
-        self._recorded = False
 
     def __repr__(self) -> str:
         return f"RedisStore({'cluster ' if self.cluster else ''}{self.where}, namespace {self.namespace_id})"
@@ -142,26 +141,34 @@ class RedisStore(StorageBackend):
 
     def _set(self, keys: list[bytes], pages: list[list[memoryview]]) -> int:
         """SETs written straight to the connection: header and host pieces go to the socket as they are, with no
-        copy into one value (redis-py's pipeline needs each value as one buffer)."""
-        if not self._recorded:
-            self.client().set(f"{self.prefix}:{self.namespace_id}:namespace", self._record)
-            self._recorded = True
+        copy into one value (redis-py's pipeline needs each value as one buffer). The namespace record rides in
+        front of every batch (its node's share of it, on a cluster): a server restarted empty, a record evicted by
+        ``allkeys-lru`` or deleted by hand is back with the next write, at the cost of a few hundred bytes and no
+        round trip."""
         expiry = b"" if self.ttl is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl)), self.ttl)
         words = b"*3\r\n" if self.ttl is None else b"*5\r\n"
         headers = [self.format.header(key, pieces) for key, pieces in zip(keys, pages, strict=True)]
-        owner, groups = self._by_node([self.key(k) for k in keys])
+        names = [self.record_key().encode(), *(self.key(k).encode() for k in keys)]
+        owner, groups = self._by_node([n.decode() for n in names])
         for client, members in groups:
             chunks: list[Any] = []
             for i in members:
-                name = self.key(keys[i]).encode()
-                length = len(headers[i]) + sum(p.nbytes for p in pages[i])
-                chunks.append(b"%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (words, len(name), name, length,
-                                                                            headers[i]))
-                chunks.extend(pages[i])
+                if i == 0:
+                    chunks.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+                        len(names[0]), names[0], len(self._record), self._record))
+                    continue
+                length = len(headers[i - 1]) + sum(p.nbytes for p in pages[i - 1])
+                chunks.append(b"%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (words, len(names[i]), names[i], length,
+                                                                            headers[i - 1]))
+                chunks.extend(pages[i - 1])
                 chunks.append(b"\r\n" + expiry)
             _send(client, chunks, len(members))
         del owner
         return len(keys)
+
+    def record_key(self) -> str:
+        """Where the namespace's description lives."""
+        return f"{self.prefix}:{self.namespace_id}:namespace"
 
     def _by_node(self, names: list[str]) -> tuple[Any, list[tuple[Any, list[int]]]]:
         """The client, and (client of the node holding them, indices into ``names``) per node: one for a standalone
