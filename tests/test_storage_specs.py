@@ -71,6 +71,8 @@ def offline(monkeypatch, tmp_path):
     ("unix:///tmp/redis.sock?db=x", "db='x': expected a whole number"),
     ("redis:127.0.0.1:6379", "expected scheme://…, e.g. redis://host:6379/0"),
     ("redis://127.0.0.1:0/0", "names no host (or port 0)"),
+    ("redis://127.0.0.1\0:6379/0", "storage spec 'redis://127.0.0.1\\x00:6379/0' holds a control character"),
+    ("redis://127.0.0.1:6379/0?client_name=a b", "spaces and control characters must be %-encoded"),
 ])
 def test_a_malformed_redis_url_is_refused_naming_the_bad_part(offline, url, words):
     with pytest.raises(InvalidArgument, match=_escaped(words)):
@@ -84,6 +86,11 @@ def test_cluster_true_on_a_unix_socket_or_false_on_a_cluster_url_is_refused():
         RedisStore("redis+cluster://127.0.0.1:7000", namespace(), cluster=False)
     with pytest.raises(InvalidArgument, match="a cluster URL takes no path"):
         RedisStore(f"{HOST}/2", namespace(), cluster=True)
+
+
+def test_a_control_character_in_a_url_given_to_the_store_itself_is_refused(offline):
+    with pytest.raises(InvalidArgument, match="spaces and control characters must be %-encoded"):
+        RedisStore("redis://127.0.0.1\0:6379/0", namespace())
 
 
 def test_passwords_never_appear_in_a_message():
@@ -195,6 +202,8 @@ def test_a_namespace_that_is_not_one_is_refused(tmp_path):
     ("file:store?max_bytes=1000000", "a file store takes its options as keywords of open_store"),
     ("memory:x", "memory: takes nothing after the colon"),
     ("", "storage spec '': expected file:PATH"),
+    ("file:store\0x", "storage spec 'file:store\\x00x' holds a control character"),
+    ("file:store\nx", "storage spec 'file:store\\nx' holds a control character"),
 ])
 def test_an_unknown_scheme_or_a_bare_path_is_refused_and_nothing_is_made(tmp_path, monkeypatch, spec, words):
     monkeypatch.chdir(tmp_path)
@@ -204,9 +213,12 @@ def test_an_unknown_scheme_or_a_bare_path_is_refused_and_nothing_is_made(tmp_pat
     assert list(tmp_path.iterdir()) == [], "a refused spec made something"
 
 
-def test_a_spec_that_is_not_a_string_is_refused():
+def test_a_spec_or_root_that_is_not_a_string_is_refused():
     with pytest.raises(InvalidArgument, match="storage spec PosixPath"):
         open_store(Path("/tmp/x"), namespace())
+    for root in (5, "", "/tmp/a\0b"):
+        with pytest.raises(InvalidArgument, match="file store root .*: a directory path"):
+            FileStore(root, namespace())
 
 
 def test_file_specs_in_url_form_and_with_a_home_directory(tmp_path, monkeypatch):

@@ -42,6 +42,8 @@ def open_store(spec: str, namespace: Namespace | None, **options: Any) -> Storag
         raise InvalidArgument(f"storage spec {spec!r}: expected {SPEC_HELP}")
     if spec != spec.strip():
         raise InvalidArgument(f"storage spec {spec!r}: remove the spaces around it")
+    if not spec.isprintable():
+        raise InvalidArgument(f"storage spec {spec!r} holds a control character")
     scheme = _SCHEME.match(spec)
     if scheme is None:
         raise InvalidArgument(f"storage spec {spec!r} has no scheme: for a directory write file:{spec}; "

@@ -7,8 +7,9 @@ what one writes is a hit for the others.
 - **Atomic writes.** A page is written to a temporary file in its final directory (vectored ``pwritev``: header and
   the page's pieces, no copy), optionally synced (``fsync="data"``: the file before the rename; ``"full"``: the
   directory too), then renamed over the final name. A writer killed at any point leaves the old page or no page,
-  never a torn one; its temporary file is swept by the next store that opens the directory (the owner pid is in
-  its name). Without fsync a power loss may leave a torn page: the checksum makes that a miss.
+  never a torn one; its temporary file is swept by the next store that opens the directory once its writer is
+  surely gone (:mod:`kvtier.storage.temporaries`). Without fsync a power loss may leave a torn page: the checksum
+  makes that a miss.
 - **One write per page.** A key names its content (the KV of a prefix in one namespace), so a page already stored
   in this store's format (or in another payload order, for caches of that layout) is not written again
   (``overwrite=True`` rewrites it); a page of another format version or with a damaged header is replaced by the next
@@ -77,7 +78,7 @@ class FileStore(StorageBackend):
         naming the path, and leaves no file behind. A store whose record is already there opens on a read-only
         directory: reads are served, writes count as failures."""
         super().__init__(namespace, **options)
-        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root) or "\0" in os.fspath(root):
             raise InvalidArgument(f"file store root {root!r}: a directory path")
         if not isinstance(fsync, str) or fsync not in FSYNC_POLICIES:
             raise InvalidArgument(f"fsync={fsync!r}: choose one of {', '.join(FSYNC_POLICIES)}")

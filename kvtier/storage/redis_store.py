@@ -1,13 +1,15 @@
 """``RedisStore``: Redis or Valkey as the distributed engine, standalone or Redis Cluster, through redis-py.
 
 One key per page, ``<prefix>:<namespace id>:p:<key hex>``, whose value is the stored page (header + payload: one
-round trip reads and verifies it); the namespace's description lives at ``<prefix>:<namespace id>:namespace``.
+round trip reads and verifies it); the namespace's description lives at ``<prefix>:<namespace id>:namespace``,
+rewritten with every batch of writes (a restart or an eviction loses it only until the next one).
 Batches are pipelined (one round trip per batch, per cluster node). A Redis value is one buffer, so a page is copied
 once into it on ``set`` and once out of the reply on ``get``, whatever the host layout.
 
 URLs: ``redis://[user:password@]host:port/db``, ``rediss://…`` (TLS), ``unix:///path.sock``; a cluster with
 ``redis+cluster://host:port`` (or ``rediss+cluster://``, or ``cluster=True``): any node, the others are discovered,
-keys spread over every slot. Memory bounds are the server's (``maxmemory`` with ``allkeys-lru``); ``ttl`` sets an
+keys spread over every slot. A URL and its query options are checked when the store opens
+(:mod:`kvtier.storage.redis_url`). Memory bounds are the server's (``maxmemory`` with ``allkeys-lru``); ``ttl`` sets an
 expiry per page. The client does not retry on its own: the store's down/up logic does (see
 :mod:`kvtier.storage.backend`).
 """

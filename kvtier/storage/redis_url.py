@@ -123,6 +123,8 @@ def parse_redis_url(url: str, cluster: bool | None = None) -> RedisTarget:
     """The target of ``url``, or InvalidArgument naming what is wrong with it. ``cluster`` overrides the scheme
     (``cluster=True`` with ``redis://``)."""
     raw_url, url = url, shown(url)
+    if not raw_url.isprintable() or " " in raw_url:
+        raise InvalidArgument(f"Redis URL {url!r}: spaces and control characters must be %-encoded")
     scheme = raw_url.split("://", 1)[0] if "://" in raw_url else ""
     if not scheme:
         raise InvalidArgument(f"Redis URL {url!r}: expected scheme://…, e.g. redis://host:6379/0")
