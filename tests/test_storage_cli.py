@@ -112,3 +112,9 @@ def test_storage_ls_with_a_bad_spec_is_one_line_and_makes_nothing(tmp_path, spec
     spec, words = spec.format(tmp=tmp_path), words.format(tmp=tmp_path)
     refused_in_one_line(kvtier("storage", "ls", spec, cwd=tmp_path), "storage", words)
     assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
+def test_an_unreachable_store_with_a_password_is_reported_without_it(capsys):
+    assert main(["storage", "stats", "redis://kv:s3cret@127.0.0.1:1/0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier storage: redis://kv:***@127.0.0.1:1/0: ConnectionError") and "s3cret" not in err

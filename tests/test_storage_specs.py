@@ -93,13 +93,20 @@ def test_a_control_character_in_a_url_given_to_the_store_itself_is_refused(offli
         RedisStore("redis://127.0.0.1\0:6379/0", namespace())
 
 
-def test_passwords_never_appear_in_a_message():
+def test_passwords_never_appear_in_a_message(offline):
     with pytest.raises(InvalidArgument) as refused:
         open_store("redis://kv:s3cret@127.0.0.1:6379/x?password=", namespace())
     assert "s3cret" not in str(refused.value) and "kv:***@127.0.0.1" in str(refused.value)
     with pytest.raises(InvalidArgument) as refused:
         open_store("rediss://127.0.0.1:6379/0?ssl_password=hunter2&ssl_keyfile=/nonexistent", namespace())
     assert "hunter2" not in str(refused.value) and "ssl_password=***" in str(refused.value)
+    for spec in ("redis://kv:s3cret@127.0.0.1:6379/0 ", "redis://kv:s3cret@127.0.0.1:6379/0\n"):
+        with pytest.raises(InvalidArgument) as refused:
+            open_store(spec, namespace())
+        assert "s3cret" not in str(refused.value)
+    with pytest.raises(InvalidArgument) as refused:
+        open_store("redis://kv:s3cret@127.0.0.1:6379/0", namespace(), max_bytes=1)
+    assert "s3cret" not in str(refused.value) and "unknown option 'max_bytes'" in str(refused.value)
 
 
 @pytest.fixture(scope="module")

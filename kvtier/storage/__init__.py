@@ -19,6 +19,7 @@ from kvtier.storage.format import HEADER_BYTES, PageFormat, PageRejected, descri
 from kvtier.storage.memory import MemoryStore, SharedPages
 from kvtier.storage.redis_store import RedisStore
 from kvtier.storage.redis_url import SCHEMES as REDIS_SCHEMES
+from kvtier.storage.redis_url import shown
 from kvtier.storage.views import HostPages, PageIO
 
 if TYPE_CHECKING:
@@ -40,24 +41,25 @@ def open_store(spec: str, namespace: Namespace | None, **options: Any) -> Storag
     InvalidArgument; a file store whose directory cannot be made is StorageError."""
     if not isinstance(spec, str) or not spec:
         raise InvalidArgument(f"storage spec {spec!r}: expected {SPEC_HELP}")
+    said = shown(spec)                              # passwords masked in every message
     if spec != spec.strip():
-        raise InvalidArgument(f"storage spec {spec!r}: remove the spaces around it")
+        raise InvalidArgument(f"storage spec {said!r}: remove the spaces around it")
     if not spec.isprintable():
-        raise InvalidArgument(f"storage spec {spec!r} holds a control character")
+        raise InvalidArgument(f"storage spec {said!r} holds a control character")
     scheme = _SCHEME.match(spec)
     if scheme is None:
-        raise InvalidArgument(f"storage spec {spec!r} has no scheme: for a directory write file:{spec}; "
+        raise InvalidArgument(f"storage spec {said!r} has no scheme: for a directory write file:{said}; "
                               f"expected {SPEC_HELP}")
     name = scheme.group()[:-1]
     if name in REDIS_SCHEMES:
-        return RedisStore(spec, namespace, **_checked(RedisStore, spec, options))
+        return RedisStore(spec, namespace, **_checked(RedisStore, said, options))
     if name == "memory":
         if spec != "memory:":
-            raise InvalidArgument(f"storage spec {spec!r}: memory: takes nothing after the colon")
-        return MemoryStore(namespace, **_checked(MemoryStore, spec, options))
+            raise InvalidArgument(f"storage spec {said!r}: memory: takes nothing after the colon")
+        return MemoryStore(namespace, **_checked(MemoryStore, said, options))
     if name == "file":
-        return FileStore(_file_path(spec), namespace, **_checked(FileStore, spec, options))
-    raise InvalidArgument(f"storage spec {spec!r}: unknown scheme {name!r}; expected {SPEC_HELP}")
+        return FileStore(_file_path(spec), namespace, **_checked(FileStore, said, options))
+    raise InvalidArgument(f"storage spec {said!r}: unknown scheme {name!r}; expected {SPEC_HELP}")
 
 
 def _file_path(spec: str) -> str:

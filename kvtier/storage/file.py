@@ -135,8 +135,7 @@ class FileStore(StorageBackend):
                 write_file(temporary, json.dumps(self.describe(), indent=1).encode())
                 os.replace(temporary, record)
         except OSError as exc:
-            raise StorageError(f"file store {self.root}: cannot write {exc.filename or record}: "
-                               f"{exc.strerror or exc}") from None
+            raise StorageError(f"file store {self.root}: cannot write {record}: {exc.strerror or exc}") from None
 
     # -- the backend ---------------------------------------------------------------------------------------------------
     def _exists(self, keys: list[bytes]) -> list[bool]:
@@ -369,4 +368,3 @@ class FileStore(StorageBackend):
             if self.max_bytes is None:
                 self._rescan_locked()
             return self._used
-
