@@ -132,16 +132,20 @@ class RedisClusterServers:
         assert CLI is not None
         subprocess.run([CLI, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:                 # every node must agree before tests use it
-            states = [subprocess.run([CLI, "-p", str(p), "cluster", "info"], capture_output=True, text=True).stdout
-                      for p in ports]
-            if all("cluster_state:ok" in state for state in states):
-                break
-            time.sleep(0.1)
-        else:
-            raise RuntimeError("the test cluster did not reach cluster_state:ok")
+        self.wait_ok()
         self.url = f"redis+cluster://127.0.0.1:{ports[0]}"
+
+    def wait_ok(self, seconds: float = 60) -> None:
+        """Until every node says ``cluster_state:ok`` (after creation, or after a node restarted)."""
+        assert CLI is not None
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            states = [subprocess.run([CLI, "-p", str(s.port), "cluster", "info"], capture_output=True,
+                                     text=True).stdout for s in self.servers]
+            if all("cluster_state:ok" in state for state in states):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the test cluster did not reach cluster_state:ok")
 
     def close(self) -> None:
         for server in self.servers:

@@ -15,7 +15,7 @@ from kvtier.cache import page_keys
 from kvtier.cli import main
 from kvtier.errors import InvalidArgument
 from kvtier.runtime import create
-from kvtier.storage import FileStore, MemoryStore, SharedPages, open_store
+from kvtier.storage import FileStore, MemoryStore, SharedPages, StorageError, open_store
 from kvtier.storage import file as file_module
 from storage_helpers import GEOMETRY, RedisClusterServers, namespace, random_pages, read_pages
 
@@ -121,7 +121,7 @@ def test_bad_urls_and_options_are_refused_when_the_store_opens(spec, options, wo
 def test_a_file_where_the_store_directory_should_be_is_refused(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(InvalidArgument, match="file store"):
+    with pytest.raises(StorageError, match=f"file store {blocker}: cannot make {blocker}/.*: Not a directory"):
         FileStore(blocker, namespace())
 
 

@@ -3,16 +3,19 @@ and hits again once it is back; a cluster spreads pages over its nodes; ACL user
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
 
 import numpy as np
 import pytest
+import redis
 
 from kvtier.cache import page_keys
+from kvtier.cli import main
 from kvtier.storage import RedisStore, open_store
-from storage_helpers import CLI, GEOMETRY, RedisServer, namespace, random_pages, read_pages
+from storage_helpers import CLI, GEOMETRY, RedisClusterServers, RedisServer, namespace, random_pages, read_pages
 
 PAGE = GEOMETRY.bytes_per_page
 
@@ -176,3 +179,69 @@ def test_the_cache_keeps_serving_right_kv_while_its_redis_is_down(own_server, ru
         close_all(cache, dev, host)
         for store in stores:
             store.close()
+
+
+def recorded_models(url: str, capsys) -> dict[str, str | None]:
+    """Namespace id → model, as ``kvtier storage ls`` shows them."""
+    assert main(["storage", "ls", url, "--json"]) == 0
+    return {row["namespace"]: row["model"] for row in json.loads(capsys.readouterr().out)}
+
+
+@pytest.mark.parametrize("outage_seen", [True, False], ids=["outage-seen", "idle-restart"])
+def test_the_namespace_record_is_back_after_a_restart_that_lost_it(own_server, capsys, outage_seen):
+    """A server restarted empty (``--save ''``) loses the record with the pages. Whether the store saw the outage
+    (calls failed meanwhile) or not (the restart happened between calls and redis-py reconnected silently), the
+    next write records the namespace again."""
+    ns = namespace(model="restart/record")
+    store = RedisStore(own_server.url, ns, retry_interval=0, timeout=2.0, connect_timeout=1.0)
+    keys = page_keys(ns, np.arange(4 * GEOMETRY.page_size))
+    pages = random_pages(4)
+    assert store.set(keys[:2], [[p] for p in pages[:2]]) == 2
+    assert recorded_models(own_server.url, capsys) == {store.namespace_id: "restart/record"}
+    own_server.stop()
+    if outage_seen:
+        assert store.exists(keys) == 0 and store.stats()["errors.exists"] == 1
+    own_server.start()
+    assert recorded_models(own_server.url, capsys) == {}
+    assert store.set(keys[2:], [[p] for p in pages[2:]]) == 2
+    assert recorded_models(own_server.url, capsys) == {store.namespace_id: "restart/record"}
+    count, out = read_pages(store, keys[2:])
+    assert count == 2 and all(np.array_equal(a, b) for a, b in zip(out, pages[2:], strict=True))
+    store.close()
+
+
+def test_a_namespace_record_deleted_or_evicted_is_written_again_with_the_next_pages(own_server, capsys):
+    ns = namespace(model="evicted/record")
+    with RedisStore(own_server.url, ns) as store:
+        keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
+        assert store.set(keys[:1], [[random_pages(1)[0]]]) == 1
+        store.client().delete(f"kvtier:{store.namespace_id}:namespace")       # as allkeys-lru would
+        assert store.set(keys[1:], [[random_pages(1)[0]]]) == 1
+    assert recorded_models(own_server.url, capsys) == {store.namespace_id: "evicted/record"}
+
+
+def test_a_cluster_node_restarted_empty_gets_the_namespace_record_back():
+    """The record lives on the one node owning its slot; that node restarted with nothing saved loses it, and the
+    store's next write puts it back there."""
+    cluster = RedisClusterServers()
+    try:
+        ns = namespace(model="cluster/record")
+        store = open_store(cluster.url, ns, retry_interval=0, timeout=2.0, connect_timeout=1.0)
+        record = f"kvtier:{store.namespace_id}:namespace"
+        keys = page_keys(ns, np.arange(40 * GEOMETRY.page_size))
+        assert store.set(keys[:20], [[p] for p in random_pages(20)]) == 20
+        port = store.client().get_node_from_key(record).port
+        owner = next(s for s in cluster.servers if s.port == port)
+        assert json.loads(redis.Redis(port=port).get(record))["model"] == "cluster/record"
+        owner.stop()
+        owner.start()
+        cluster.wait_ok()
+        assert redis.Redis(port=port).get(record) is None
+        deadline = time.monotonic() + 60                 # the client finds the cluster again
+        while store.set(keys[20:], [[p] for p in random_pages(20)]) != 20:
+            assert time.monotonic() < deadline, store.last_error
+            time.sleep(0.2)
+        assert json.loads(redis.Redis(port=port).get(record))["model"] == "cluster/record"
+        store.close()
+    finally:
+        cluster.close()

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.runtime import Runtime
 from kvtier.storage import SPEC_HELP, RedisStore, StorageBackend, StorageError, open_store
+from kvtier.storage.redis_url import shown
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -54,7 +55,7 @@ def _operator(command: Callable[[Runtime | None, argparse.Namespace], int]) -> C
         except KvtierError:
             raise
         except Exception as exc:  # noqa: BLE001 - redis / OS errors of the operator's store, reported plainly
-            raise StorageError(f"{args.spec}: {type(exc).__name__}: {exc}") from exc
+            raise StorageError(f"{shown(args.spec)}: {type(exc).__name__}: {exc}") from exc
 
     return run
 
@@ -97,7 +98,7 @@ def ls_command(runtime: Runtime | None, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    table = Table(title=f"kvtier storage — {args.spec}")
+    table = Table(title=f"kvtier storage — {shown(args.spec)}")
     for column in ("namespace", "model", "geometry", "dtype", "tp", "adapter/tenant", "pages", "size"):
         table.add_column(column, no_wrap=column == "namespace", justify="right" if column in ("pages", "size")
                          else "left")
@@ -109,7 +110,7 @@ def ls_command(runtime: Runtime | None, args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)                 # a pipe or a log: do not squeeze the table to 80 columns
-    console.print(table if rows else f"{args.spec}: no kvtier pages")
+    console.print(table if rows else f"{shown(args.spec)}: no kvtier pages")
     return 0
 
 
@@ -145,5 +146,5 @@ def stats_command(runtime: Runtime | None, args: argparse.Namespace) -> int:
 def clear_command(runtime: Runtime | None, args: argparse.Namespace) -> int:
     with _open(args.spec) as store:
         removed = store.clear(args.namespace, every_namespace=args.all)
-    print(f"removed {removed:,} pages from {args.spec}")
+    print(f"removed {removed:,} pages from {shown(args.spec)}")
     return 0

@@ -17,6 +17,7 @@ tries again; the first success after that counts a reconnect.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -41,7 +42,8 @@ KEY_BYTES = 32
 
 
 class StorageError(KvtierError):
-    """A storage backend was misconfigured or used wrongly (bad URL, closed store, malformed keys)."""
+    """A store cannot be used: its environment refused it when it opened (a directory that cannot be made or
+    written: read-only, missing, full), or it was used after close."""
 
 
 class PartialWrite(Exception):
@@ -131,6 +133,10 @@ class StorageBackend:
         ``io_threads``: threads that read, write and verify the pages of a batch side by side (default: up to 4).
         ``layout``: the host layout of the pages given to ``get``/``set`` (it orders their bytes; a cache refuses a
         store opened for another order than its host pool's)."""
+        from kvtier.cache.keys import Namespace
+
+        if namespace is not None and not isinstance(namespace, Namespace):
+            raise InvalidArgument(f"namespace={namespace!r:.60}: a kvtier.cache.Namespace, or None for operators")
         if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)) or \
                 not math.isfinite(retry_interval) or retry_interval < 0:
             raise InvalidArgument(f"retry_interval={retry_interval!r}: a finite number of seconds >= 0")
@@ -153,6 +159,17 @@ class StorageBackend:
         self._failed_at = {READ: 0.0, WRITE: 0.0}
         self.last_error = ""
         self._closed = False
+
+    @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """The keyword options this backend's constructor takes (its own and the shared ones), so ``open_store``
+        can name a misspelt one instead of failing with a TypeError."""
+        names: set[str] = set()
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is not None and klass is not object:
+                names.update(p.name for p in inspect.signature(init).parameters.values() if p.kind is p.KEYWORD_ONLY)
+        return frozenset(names)
 
     # -- public -----------------------------------------------------------------------------------------------------
     @property

@@ -7,8 +7,9 @@ what one writes is a hit for the others.
 - **Atomic writes.** A page is written to a temporary file in its final directory (vectored ``pwritev``: header and
   the page's pieces, no copy), optionally synced (``fsync="data"``: the file before the rename; ``"full"``: the
   directory too), then renamed over the final name. A writer killed at any point leaves the old page or no page,
-  never a torn one; its temporary file is swept by the next store that opens the directory (the owner pid is in
-  its name). Without fsync a power loss may leave a torn page: the checksum makes that a miss.
+  never a torn one; its temporary file is swept by the next store that opens the directory once its writer is
+  surely gone (:mod:`kvtier.storage.temporaries`). Without fsync a power loss may leave a torn page: the checksum
+  makes that a miss.
 - **One write per page.** A key names its content (the KV of a prefix in one namespace), so a page already stored
   in this store's format (or in another payload order, for caches of that layout) is not written again
   (``overwrite=True`` rewrites it); a page of another format version or with a damaged header is replaced by the next
@@ -33,8 +34,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import InvalidArgument
-from kvtier.storage.backend import Entry, PartialWrite, StorageBackend
+from kvtier.storage.backend import Entry, PartialWrite, StorageBackend, StorageError
 from kvtier.storage.format import HEADER_BYTES, PageRejected
+from kvtier.storage.temporaries import sweep_temporaries, write_file, writing
 
 if TYPE_CHECKING:
     from kvtier.cache.keys import Namespace
@@ -71,9 +73,17 @@ class FileStore(StorageBackend):
 
     def __init__(self, root: str | os.PathLike[str], namespace: Namespace | None, *, max_bytes: int | None = None,
                  fsync: str = "none", overwrite: bool = False, **options: Any) -> None:
+        """Opening makes the namespace's directory and record and sweeps dead writers' temporary files; a directory
+        that cannot be made or written (read-only, missing parent, a file in the way, a full disk) is StorageError
+        naming the path, and leaves no file behind. A store whose record is already there opens on a read-only
+        directory: reads are served, writes count as failures."""
         super().__init__(namespace, **options)
-        if fsync not in FSYNC_POLICIES:
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root) or "\0" in os.fspath(root):
+            raise InvalidArgument(f"file store root {root!r}: a directory path")
+        if not isinstance(fsync, str) or fsync not in FSYNC_POLICIES:
             raise InvalidArgument(f"fsync={fsync!r}: choose one of {', '.join(FSYNC_POLICIES)}")
+        if not isinstance(overwrite, bool):
+            raise InvalidArgument(f"overwrite={overwrite!r}: True or False")
         smallest = PAYLOAD_OFFSET + self.format.payload_bytes if namespace is not None else 1
         if max_bytes is not None and (type(max_bytes) is not int or max_bytes < smallest):
             raise InvalidArgument(f"max_bytes={max_bytes!r} must be an int of at least one stored page "
@@ -87,16 +97,17 @@ class FileStore(StorageBackend):
         self._scanned = 0.0
         if namespace is None:                    # an operator's view: a missing directory holds no pages
             if self.root.exists() and not self.root.is_dir():
-                raise InvalidArgument(f"{self.root} is not a directory")
+                raise StorageError(f"file store {self.root}: not a directory")
             self.directory = self.root
             return
         self.directory = self.root / self.namespace_id
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError) as exc:
-            raise InvalidArgument(f"file store {self.root}: {exc.strerror} ({exc.filename})") from None
+        except OSError as exc:
+            raise StorageError(f"file store {self.root}: cannot make {exc.filename or self.directory}: "
+                               f"{exc.strerror or exc}") from None
+        sweep_temporaries(self.root)
         self._record_namespace()
-        self._sweep_temporaries()
         if max_bytes is not None:
             self._rescan()
 
@@ -113,22 +124,18 @@ class FileStore(StorageBackend):
         return self.directory / hexkey[:2] / (hexkey + SUFFIX)
 
     def _record_namespace(self) -> None:
+        """Write ``namespace.json`` unless it is there: to a temporary file renamed over it, removed if the write
+        fails (a full disk must not leave one behind)."""
         record = self.directory / "namespace.json"
         if record.exists():
             return
         temporary = self.directory / f".namespace.{os.getpid()}.{threading.get_ident()}.tmp"
-        temporary.write_text(json.dumps(self.describe(), indent=1))
-        os.replace(temporary, record)
-
-    def _sweep_temporaries(self) -> None:
-        """Remove temporary files of writers that died before their rename."""
-        for path in self.root.glob("*/*/.*.tmp"):
-            try:
-                pid = int(path.name.split(".")[2])
-            except (IndexError, ValueError):
-                continue
-            if pid != os.getpid() and not _alive(pid):
-                path.unlink(missing_ok=True)
+        try:
+            with writing(temporary):
+                write_file(temporary, json.dumps(self.describe(), indent=1).encode())
+                os.replace(temporary, record)
+        except OSError as exc:
+            raise StorageError(f"file store {self.root}: cannot write {record}: {exc.strerror or exc}") from None
 
     # -- the backend ---------------------------------------------------------------------------------------------------
     def _exists(self, keys: list[bytes]) -> list[bool]:
@@ -211,8 +218,8 @@ class FileStore(StorageBackend):
             parent.mkdir(parents=True, exist_ok=True)
             self._made.add(parent.name)
         temporary = parent / f".{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o600)
-        try:
+        with writing(temporary):
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o600)
             try:
                 header = self.format.header(key, pieces).ljust(PAYLOAD_OFFSET, b"\0")
                 written = _transfer(os.pwritev, fd, list(pieces), PAYLOAD_OFFSET)
@@ -225,9 +232,6 @@ class FileStore(StorageBackend):
             finally:
                 os.close(fd)
             os.replace(temporary, path)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
         if self.fsync == "full":
             directory = os.open(parent, os.O_RDONLY | _O_CLOEXEC)
             try:
@@ -242,7 +246,7 @@ class FileStore(StorageBackend):
         if self.closed:
             return
         self._made.clear()
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, StorageError):
             self.directory.mkdir(parents=True, exist_ok=True)
             self._record_namespace()
 
@@ -364,13 +368,3 @@ class FileStore(StorageBackend):
             if self.max_bytes is None:
                 self._rescan_locked()
             return self._used
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

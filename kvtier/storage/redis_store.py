@@ -1,13 +1,15 @@
 """``RedisStore``: Redis or Valkey as the distributed engine, standalone or Redis Cluster, through redis-py.
 
 One key per page, ``<prefix>:<namespace id>:p:<key hex>``, whose value is the stored page (header + payload: one
-round trip reads and verifies it); the namespace's description lives at ``<prefix>:<namespace id>:namespace``.
+round trip reads and verifies it); the namespace's description lives at ``<prefix>:<namespace id>:namespace``,
+rewritten with every batch of writes (a restart or an eviction loses it only until the next one).
 Batches are pipelined (one round trip per batch, per cluster node). A Redis value is one buffer, so a page is copied
 once into it on ``set`` and once out of the reply on ``get``, whatever the host layout.
 
 URLs: ``redis://[user:password@]host:port/db``, ``rediss://…`` (TLS), ``unix:///path.sock``; a cluster with
 ``redis+cluster://host:port`` (or ``rediss+cluster://``, or ``cluster=True``): any node, the others are discovered,
-keys spread over every slot. Memory bounds are the server's (``maxmemory`` with ``allkeys-lru``); ``ttl`` sets an
+keys spread over every slot. A URL and its query options are checked when the store opens
+(:mod:`kvtier.storage.redis_url`). Memory bounds are the server's (``maxmemory`` with ``allkeys-lru``); ``ttl`` sets an
 expiry per page. The client does not retry on its own: the store's down/up logic does (see
 :mod:`kvtier.storage.backend`).
 """
@@ -20,56 +22,55 @@ import math
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 from redis.exceptions import AskError, ResponseError, TryAgainError
 
 from kvtier.errors import InvalidArgument
 from kvtier.storage.backend import Entry, StorageBackend, StorageError, scatter
 from kvtier.storage.format import PageRejected
+from kvtier.storage.redis_url import parse_redis_url
 
 if TYPE_CHECKING:
     from kvtier.cache.keys import Namespace
-
-SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
-
 
 class RedisStore(StorageBackend):
     kind = "redis"
 
     def __init__(self, url: str, namespace: Namespace | None, *, cluster: bool | None = None, prefix: str = "kvtier",
-                 ttl: int | None = None, timeout: float = 5.0, connect_timeout: float = 2.0,
+                 ttl: int | None = None, timeout: float | None = None, connect_timeout: float | None = None,
                  **options: Any) -> None:
+        """``url`` and every option are checked here, before anything connects (:mod:`kvtier.storage.redis_url`);
+        ``timeout`` / ``connect_timeout`` (default 5 s / 2 s) may come from the URL's ``socket_timeout`` /
+        ``socket_connect_timeout`` instead, not from both."""
         super().__init__(namespace, **options)
-        scheme = url.split("://", 1)[0] if "://" in url else ""
-        if scheme not in SCHEMES:
-            raise InvalidArgument(f"Redis URL {url!r}: the scheme must be one of {', '.join(SCHEMES)}")
+        if not isinstance(url, str):
+            raise InvalidArgument(f"Redis URL {url!r}: a string such as redis://host:6379/0")
+        if cluster is not None and not isinstance(cluster, bool):
+            raise InvalidArgument(f"cluster={cluster!r}: True, False or None (from the URL's scheme)")
         if ttl is not None and (type(ttl) is not int or ttl < 1):
             raise InvalidArgument(f"ttl={ttl!r}: whole seconds >= 1, or None")
-        if not prefix or ":" in prefix:
+        if not isinstance(prefix, str) or not prefix or ":" in prefix:
             raise InvalidArgument(f"prefix={prefix!r}: a non-empty name without ':'")
         for name, value in (("timeout", timeout), ("connect_timeout", connect_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-                    value <= 0:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or
+                                      not math.isfinite(value) or value <= 0):
                 raise InvalidArgument(f"{name}={value!r}: a finite number of seconds > 0")
-        self.cluster = scheme.endswith("+cluster") if cluster is None else bool(cluster)
-        self.url = url.replace("+cluster", "", 1)
-        parsed = urlparse(self.url)
-        try:
-            port = parsed.port
-        except ValueError as exc:
-            raise InvalidArgument(f"Redis URL {url!r}: {exc}") from None
-        if scheme != "unix" and (not parsed.hostname or port == 0):
-            raise InvalidArgument(f"Redis URL {url!r} names no host (or port 0)")
+        target = parse_redis_url(url, cluster)
+        connection = dict(target.options)
+        for name, value, query, default in (("timeout", timeout, "socket_timeout", 5.0),
+                                            ("connect_timeout", connect_timeout, "socket_connect_timeout", 2.0)):
+            if value is not None and query in connection:
+                raise InvalidArgument(f"{name}={value!r} and the URL's {query}: give it once")
+            connection.setdefault(query, default if value is None else value)
+        self.cluster, self.url, self.where = target.cluster, target.url, target.where
         self.prefix, self.ttl = prefix, ttl
-        self._options = {"socket_timeout": timeout, "socket_connect_timeout": connect_timeout}
+        self._options = connection
         self._client_lock = threading.Lock()
         self._client: Any = None
-        self._recorded = False
+        self._record = json.dumps(self.describe()).encode() if namespace is not None else b""
 
     def __repr__(self) -> str:
-        where = self.url.split("@")[-1]
-        return f"RedisStore({'cluster ' if self.cluster else ''}{where}, namespace {self.namespace_id})"
+        return f"RedisStore({'cluster ' if self.cluster else ''}{self.where}, namespace {self.namespace_id})"
 
     # -- the client ----------------------------------------------------------------------------------------------------
     def client(self) -> Any:
@@ -98,11 +99,12 @@ class RedisStore(StorageBackend):
         cluster is asked node by node, each with the store's timeout: no cluster-wide retry loop); results in key
         order, error replies in place."""
         results: list[Any] = [None] * len(keys)
-        owner, groups = self._by_node(keys)         # held: a reset elsewhere must not close it under us
+        names = [self.key(k) for k in keys]
+        owner, groups = self._by_node(names)        # held: a reset elsewhere must not close it under us
         for client, members in groups:
             pipe = client.pipeline(transaction=False)
             for i in members:
-                getattr(pipe, command)(self.key(keys[i]))
+                getattr(pipe, command)(names[i])
             for i, result in zip(members, pipe.execute(raise_on_error=False), strict=True):
                 results[i] = result
         del owner
@@ -141,35 +143,44 @@ class RedisStore(StorageBackend):
 
     def _set(self, keys: list[bytes], pages: list[list[memoryview]]) -> int:
         """SETs written straight to the connection: header and host pieces go to the socket as they are, with no
-        copy into one value (redis-py's pipeline needs each value as one buffer)."""
-        if not self._recorded:
-            self.client().set(f"{self.prefix}:{self.namespace_id}:namespace", json.dumps(self.describe()))
-            self._recorded = True
+        copy into one value (redis-py's pipeline needs each value as one buffer). The namespace record rides in
+        front of every batch (its node's share of it, on a cluster): a server restarted empty, a record evicted by
+        ``allkeys-lru`` or deleted by hand is back with the next write, at the cost of a few hundred bytes and no
+        round trip."""
         expiry = b"" if self.ttl is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl)), self.ttl)
         words = b"*3\r\n" if self.ttl is None else b"*5\r\n"
         headers = [self.format.header(key, pieces) for key, pieces in zip(keys, pages, strict=True)]
-        owner, groups = self._by_node(keys)
+        names = [self.record_key().encode(), *(self.key(k).encode() for k in keys)]
+        owner, groups = self._by_node([n.decode() for n in names])
         for client, members in groups:
             chunks: list[Any] = []
             for i in members:
-                name = self.key(keys[i]).encode()
-                length = len(headers[i]) + sum(p.nbytes for p in pages[i])
-                chunks.append(b"%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (words, len(name), name, length,
-                                                                            headers[i]))
-                chunks.extend(pages[i])
+                if i == 0:
+                    chunks.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+                        len(names[0]), names[0], len(self._record), self._record))
+                    continue
+                length = len(headers[i - 1]) + sum(p.nbytes for p in pages[i - 1])
+                chunks.append(b"%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (words, len(names[i]), names[i], length,
+                                                                            headers[i - 1]))
+                chunks.extend(pages[i - 1])
                 chunks.append(b"\r\n" + expiry)
             _send(client, chunks, len(members))
         del owner
         return len(keys)
 
-    def _by_node(self, keys: list[bytes]) -> tuple[Any, list[tuple[Any, list[int]]]]:
-        """The client, and (client of the node holding them, indices) per node: one for a standalone server."""
+    def record_key(self) -> str:
+        """Where the namespace's description lives."""
+        return f"{self.prefix}:{self.namespace_id}:namespace"
+
+    def _by_node(self, names: list[str]) -> tuple[Any, list[tuple[Any, list[int]]]]:
+        """The client, and (client of the node holding them, indices into ``names``) per node: one for a standalone
+        server."""
         client = self.client()
         if not self.cluster:
-            return client, [(client, list(range(len(keys))))]
+            return client, [(client, list(range(len(names))))]
         groups: dict[str, tuple[Any, list[int]]] = {}
-        for i, key in enumerate(keys):
-            node = client.get_node_from_key(self.key(key))
+        for i, name in enumerate(names):
+            node = client.get_node_from_key(name)
             groups.setdefault(node.name, (node.redis_connection, []))[1].append(i)
         return client, list(groups.values())
 
