@@ -131,3 +131,36 @@ def test_prompts_of_a_batch_sharing_a_host_prefix_all_serve_it():
         assert [t.device_tokens + t.host_tokens for t in generation.turns[-2:]] == [32, 32]
         assert generation.turns[-2].host_tokens == 32
         generation.cache.check()
+
+
+def test_rows_gather_alike_from_torch_pages_and_from_the_emulated_pool():
+    """What each row reads (left padding as zeros, a part of its last page, one prompt's rows read once) is the same
+    from pages kept as torch tensors (the CUDA path, indexed in place) and from the emulated pool (copied through the
+    runtime), and is the pages' tokens in order."""
+    from kvtier.integrations.paged import CachedRow, PagedKV
+    from kvtier.pools import DevicePool, KVGeometry
+    from kvtier.runtime import create
+
+    g = KVGeometry.mha(layers=2, kv_heads=2, head_dim=8, itemsize=4, page_size=16)
+    pages = 8
+    tensors = [[torch.randn(pages * 16, 2, 8) for _ in range(g.layers)] for _ in range(2)]
+    with contextlib.closing(DevicePool.allocate(g, pages, 0, runtime=create("emulated:split"))) as pool:
+        in_place, copied = PagedKV(pool, torch.float32, "cpu", tensors), PagedKV(pool, torch.float32, "cpu")
+        everything = torch.arange(pages)
+        for layer in range(g.layers):
+            keys, values = (tensors[t][layer].transpose(0, 1)[None] for t in range(2))
+            copied.write(layer, everything, keys, values)
+        index = (torch.tensor([5, 2]), torch.tensor([1, 7]))
+        rows = [CachedRow(0, 3, 21, index[0]), CachedRow(1, 0, 24, index[1]), CachedRow(0, 3, 21, index[0]),
+                CachedRow(2, 24, 0, index[0][:0])]
+        new = torch.randn(4, 2, 5, 8)
+        for layer in range(g.layers):
+            for t, (a, b) in enumerate(zip(in_place.gather(layer, rows, new, new), copied.gather(layer, rows, new, new),
+                                           strict=True)):
+                assert torch.equal(a, b) and a.shape == (4, 2, 29, 8)
+                tokens = tensors[t][layer].view(pages, 16, 2, 8)
+                for r, row in enumerate(rows):
+                    expected = torch.cat([torch.zeros(row.pad, 2, 8)] + [tokens[int(p)] for p in row.index])[:24]
+                    expected = expected.transpose(0, 1)
+                    assert torch.equal(a[r, :, :24], expected), (layer, t, r)
+                    assert torch.equal(a[r, :, 24:], new[r])

@@ -177,19 +177,19 @@ class Request:
             raise InvalidArgument(f"finish: the cache holds {rows} rows for {count} prompts; only widening (beams, "
                                   "samples) keeps each prompt's rows together")
         per_prompt = rows // count
-        given = _sequences_of(sequences) if sequences is not None else None
-        if given is not None and len(given) % count:
+        given = _sequences_of(sequences) if sequences is not None else np.zeros((0, 0), dtype=np.int64)
+        if len(given) % count:
             raise InvalidArgument(f"finish: {len(given)} sequences for {count} prompts")
-        each = len(given) // count if given is not None else 1
+        each = len(given) // count
         inserts = []
         for b, prompt in enumerate(self.prompts):
             tokens = prompt.tokens
-            for sequence in (given[b * each:(b + 1) * each] if given is not None else []):
-                real = sequence[prompt.pad:]
+            for s in range(b * each, (b + 1) * each):
+                real = given[s, prompt.pad:]
                 common = min(len(real), len(prompt.tokens))
                 if not np.array_equal(real[:common], prompt.tokens[:common]):
-                    raise InvalidArgument(f"finish: sequence {b * each} does not extend the request's prompt {b} (nor "
-                                          "is it a part of it); its KV is not what this request's cache holds")
+                    raise InvalidArgument(f"finish: sequence {s} does not extend the request's prompt {b} (nor is it "
+                                          "a part of it); its KV is not what this request's cache holds")
                 tokens = real
             if per_prompt > 1 or each > 1:
                 tokens = prompt.tokens                  # rows (beams, samples) share the prompt's KV, not more
