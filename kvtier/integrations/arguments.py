@@ -2,7 +2,7 @@
 match, lock or load-back behind, and the model has not run.
 
 Prompts are token ids ``[rows, tokens]``, optionally left-padded under an attention mask: each row's prompt is its
-tokens after the padding (padding only hides positions and shifts none, so their KV is the prompt's own). ``generate``
+tokens after the padding (generate numbers positions from the mask, so their KV is the prompt's own). ``generate``
 arguments go through transformers' own preparation and validation (the ones ``generate`` runs first), then kvtier
 refuses what a pre-filled cache cannot serve exactly.
 """
@@ -92,8 +92,8 @@ def _left_padding(mask: Any, input_ids: Any) -> list[int]:
         pad = int(len(keep) - keep.sum())
         if pad == len(keep) or keep[:pad].any():
             raise InvalidArgument(f"attention_mask row {row} is not left padding (zeros, then at least one 1): kvtier "
-                                  "serves the tokens after the padding as the row's prompt, and only left padding "
-                                  "leaves their KV the prompt's own")
+                                  "lays a row out as its padding, then its prompt (decoder-only generate wants left "
+                                  "padding too)")
         pads.append(pad)
     return pads
 
