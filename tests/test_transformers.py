@@ -12,16 +12,17 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
+from transformers_helpers import (  # noqa: E402
+    GREEDY,
+    emulated,
+    forward,
+    host_only,
+    reference,
+    run_prefill,
+    tiny_llama,
+)
 
 from kvtier.integrations.transformers import KVTierGeneration  # noqa: E402
-
-
-def tiny_llama(device: str):
-    torch.manual_seed(1234)
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=4096)
-    return transformers.LlamaForCausalLM(config).eval().to(device)
 
 
 def test_greedy_tokens_are_the_models_own_and_later_turns_hit(runtime):
@@ -45,21 +46,9 @@ def test_greedy_tokens_are_the_models_own_and_later_turns_hit(runtime):
         generation.close()
 
 
-def test_one_sequence_at_a_time():
-    model = tiny_llama("cpu")
-    generation = KVTierGeneration.build(model, device_tokens=64, host_tokens=128, runtime="emulated:split")
-    try:
-        from kvtier.errors import InvalidArgument
-
-        with pytest.raises(InvalidArgument, match="one sequence"):
-            generation.generate(torch.zeros((2, 8), dtype=torch.long))
-    finally:
-        generation.close()
-
-
 def test_a_sequence_longer_than_the_device_pool_still_returns_its_output():
     """Regression: the new pages did not fit and generate raised OutOfPages after generating."""
-    model = tiny_llama("cpu")
+    model = tiny_llama()
     generation = KVTierGeneration.build(model, device_tokens=64, host_tokens=256, runtime="emulated:split")
     try:
         for length in (1, 15, 16, 33, 200, 200):
@@ -70,23 +59,6 @@ def test_a_sequence_longer_than_the_device_pool_still_returns_its_output():
         generation.cache.check()
     finally:
         generation.close()
-
-
-def run_prefill(generation, ids, *, overlap=True, keep=True):
-    """One request through a forward of the uncached tokens: (last-token logits, the turn, tokens inserted);
-    ``keep=False`` releases the request without inserting."""
-    with generation.request(ids, overlap=overlap) as request:
-        assert request.cache.get_seq_length() == request.cached_tokens      # known before any byte is read
-        with torch.no_grad():
-            logits = generation.model(ids[:, request.cached_tokens:], past_key_values=request.cache).logits[0, -1]
-        inserted = request.finish() if keep else 0
-    return logits.float(), request.turn, inserted
-
-
-def host_only(generation):
-    """Drop every device copy the host tier also has (after the backups land), so the next match is a host hit."""
-    generation.cache.drain()
-    generation.cache.evict(device_pages=generation.cache.device.pages)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -115,7 +87,7 @@ def test_logits_of_a_host_hit_equal_those_of_a_device_hit(runtime, overlap):
 
 
 def test_a_released_request_inserts_nothing_and_unlocks():
-    model = tiny_llama("cpu")
+    model = tiny_llama()
     generation = KVTierGeneration.build(model, device_tokens=128, host_tokens=256, runtime="emulated:split")
     try:
         ids = torch.randint(0, 1000, (1, 70))
@@ -135,13 +107,12 @@ def test_a_released_request_inserts_nothing_and_unlocks():
 
 
 def test_pending_layers_read_their_pages_when_anything_needs_the_tensors():
-    model = tiny_llama("cpu")
+    model = tiny_llama()
     generation = KVTierGeneration.build(model, device_tokens=128, host_tokens=256, runtime="emulated:split")
     try:
         ids = torch.randint(0, 1000, (1, 50))
-        with torch.no_grad():
-            full = DynamicCache(config=model.config)
-            model(ids, past_key_values=full)
+        full = DynamicCache(config=model.config)
+        forward(generation, ids, full)
         run_prefill(generation, ids)
         request = generation.request(ids)
         layer = request.cache.layers[1]
@@ -202,25 +173,11 @@ def test_a_larger_bf16_model_on_the_gpu(cuda, capsys):
 
 
 # Regressions from an adversarial review: each failed before its fix.
-GREEDY = dict(max_new_tokens=8, do_sample=False)
-
-
-def reference(model, ids, **kwargs):
-    with torch.no_grad():
-        return model.generate(ids, **kwargs)
-
-
-def emulated(model, **kwargs):
-    kwargs.setdefault("device_tokens", 512)
-    kwargs.setdefault("host_tokens", 2048)
-    return KVTierGeneration.build(model, runtime="emulated:split", **kwargs)
-
-
 @pytest.mark.parametrize("seed", [15, 37])
 def test_beam_search_caches_only_the_prompt_so_the_next_turn_is_right(seed):
     """Beam 0 of the final cache is not the returned hypothesis when a finished beam wins: its KV was inserted under
     the returned tokens, and the next turn was served another beam's KV."""
-    model = tiny_llama("cpu")
+    model = tiny_llama()
     torch.manual_seed(seed)
     prompt = torch.randint(0, 1000, (1, 16))
     beams = reference(model, prompt, max_new_tokens=40, num_beams=4, num_return_sequences=4, do_sample=False,
@@ -234,37 +191,9 @@ def test_beam_search_caches_only_the_prompt_so_the_next_turn_is_right(seed):
         generation.cache.check()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"attention_mask": "padded"}, "attention mask with padding"),
-    ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens"),
-    ({"use_cache": False}, "use_cache=False"),
-])
-def test_generate_arguments_a_prefilled_cache_cannot_serve_are_refused_before_any_work(kwargs, message):
-    """KV computed under a padding mask was served to the same ids without one; prompt-lookup decoding and
-    use_cache=False gave other tokens than the model's own."""
-    from kvtier.errors import InvalidArgument
-
-    model = tiny_llama("cpu")
-    ids = torch.randint(3, 1000, (1, 48))
-    if kwargs.get("attention_mask") == "padded":
-        kwargs = {"attention_mask": torch.cat([torch.zeros((1, 8), dtype=torch.long),
-                                               torch.ones((1, 40), dtype=torch.long)], dim=1), "pad_token_id": 0}
-    generation = emulated(model)
-    calls, forward = [], model.forward
-    model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
-    try:
-        with pytest.raises(InvalidArgument, match=message):
-            generation.generate(ids, **kwargs, **GREEDY)
-        assert not calls and not generation.turns
-        generation.cache.evict(device_pages=8)                   # nothing left locked
-    finally:
-        model.forward = forward
-        generation.close()
-
-
 def test_generate_returns_dicts_and_several_sequences_and_caches_the_prompt():
     """return_dict_in_generate=True and num_return_sequences=2 generated, then raised from finish (output lost)."""
-    model = tiny_llama("cpu")
+    model = tiny_llama()
     ids = torch.randint(0, 1000, (1, 40))
     with contextlib.closing(emulated(model)) as generation:
         output = generation.generate(ids, return_dict_in_generate=True, output_scores=True, **GREEDY)
@@ -281,7 +210,7 @@ def test_generate_returns_dicts_and_several_sequences_and_caches_the_prompt():
 def test_two_models_of_one_name_with_other_weights_never_share_stored_pages(tmp_path):
     """The namespace was the config's name or model type only: a second Llama with other weights was served the
     first one's stored KV."""
-    first, second = tiny_llama("cpu"), tiny_llama("cpu")
+    first, second = tiny_llama(), tiny_llama()
     torch.manual_seed(999)
     for parameter in second.parameters():
         parameter.data.normal_(0, 0.02)
@@ -303,12 +232,11 @@ def test_finish_refuses_what_the_cache_does_not_hold_and_inserts_nothing():
     """finish(other tokens) and a forward of the whole prompt on a hit inserted KV under the wrong tokens."""
     from kvtier.errors import InvalidArgument
 
-    model = tiny_llama("cpu")
+    model = tiny_llama()
     a, b = torch.randint(0, 1000, (1, 40)), torch.randint(0, 1000, (1, 40))
     with contextlib.closing(emulated(model)) as generation:
         with generation.request(a) as request:
-            with torch.no_grad():
-                model(a, past_key_values=request.cache)
+            forward(generation, a, request.cache)
             with pytest.raises(InvalidArgument, match="does not extend"):
                 request.finish(b)
         longer = torch.cat([a, b], dim=1)
@@ -316,8 +244,7 @@ def test_finish_refuses_what_the_cache_does_not_hold_and_inserts_nothing():
             assert request.cached_tokens == 0
         run_prefill(generation, a)
         with generation.request(longer) as request:
-            with torch.no_grad():
-                model(longer, past_key_values=request.cache)     # forgot [:, request.cached_tokens:]
+            forward(generation, longer, request.cache)     # forgot [:, request.cached_tokens:]
             with pytest.raises(InvalidArgument, match="holds 112 tokens"):
                 request.finish()
         for ids in (b, longer):
@@ -329,17 +256,17 @@ def test_a_batch_on_an_unread_cache_is_refused_and_an_expanded_one_is_right():
     """A batch-2 forward on a request's cache copied only row 0's new K/V (silently wrong logits)."""
     from kvtier.errors import InvalidArgument
 
-    model = tiny_llama("cpu")
+    model = tiny_llama()
     prompt, suffix = torch.randint(0, 1000, (1, 40)), torch.randint(0, 1000, (2, 5))
     with contextlib.closing(emulated(model)) as generation:
         run_prefill(generation, prompt)
         ids = torch.cat([prompt[:, 32:].repeat(2, 1), suffix], dim=1)
         with generation.request(torch.cat([prompt, suffix[:1]], dim=1)) as request, torch.no_grad():
-            with pytest.raises(InvalidArgument, match="one sequence"):
-                model(ids, past_key_values=request.cache)
+            with pytest.raises(InvalidArgument, match="holds 1 row but the forward has 2"):
+                forward(generation, ids, request.cache)
         with generation.request(torch.cat([prompt, suffix[:1]], dim=1)) as request, torch.no_grad():
             request.cache.batch_repeat_interleave(2)
-            logits = model(ids, past_key_values=request.cache).logits[:, -1]
+            logits = forward(generation, ids, request.cache).logits[:, -1]
             expected = model(torch.cat([prompt.repeat(2, 1), suffix], dim=1)).logits[:, -1]
         assert (logits - expected).abs().max() < 1e-4
 
@@ -372,7 +299,7 @@ def test_models_whose_kv_cannot_be_paged_are_refused_at_build():
 
 def test_a_failed_insert_gives_its_pages_back():
     """A write that raised (a CUDA out-of-memory in index_copy_) left the pages held by the caller for good."""
-    model = tiny_llama("cpu")
+    model = tiny_llama()
     with contextlib.closing(emulated(model, device_tokens=128)) as generation:
         free = generation.cache.stats()["device_free_pages"]
         write = generation.paged.write
@@ -389,7 +316,7 @@ def test_a_storage_backend_opened_for_namespace_of_the_model_is_taken(tmp_path):
     from kvtier.integrations.transformers import namespace_of
     from kvtier.storage import open_store
 
-    model = tiny_llama("cpu")
+    model = tiny_llama()
     ids = torch.randint(0, 1000, (1, 50))
     with contextlib.closing(open_store(f"file:{tmp_path}", namespace_of(model, 16), layout="layer_first")) as store:
         with contextlib.closing(emulated(model, storage=store)) as generation:
@@ -411,7 +338,7 @@ def test_stored_pages_of_another_host_layout_are_never_served(tmp_path):
     from kvtier.integrations.transformers import namespace_of
     from kvtier.storage import open_store
 
-    model = tiny_llama("cpu")
+    model = tiny_llama()
     ids = torch.randint(0, 1000, (1, 70))
     with contextlib.closing(emulated(model, storage=f"file:{tmp_path}", host_layout="page_first")) as generation:
         generation.generate(ids, **GREEDY)
