@@ -539,3 +539,40 @@ def test_hybrid_threads_allocating_under_write_back_keep_the_index_whole(rt):
         cache.check()
     finally:
         made.close()
+
+
+def test_evict_under_write_back_returns_what_it_freed_across_its_wait(rt):
+    """evict() returns the pages freed per tier. Under write_back the first attempt evicts a saved leaf, starts the
+    backup of an unsaved one and waits; the retry evicts again. What the first attempt freed must be in the count
+    (and the retry must not evict the full amount a second time)."""
+    cache, model, dev, host = build(rt, device_pages=8, host_pages=32, write_policy="write_back")
+    try:
+        saved, unsaved = prompt(2 * P), prompt(4 * P)
+        serve(cache, model, saved)
+        cache.backup(cache.match_prefix(saved))
+        cache.drain()
+        serve(cache, model, unsaved)                 # more recent: the saved leaf is evicted first
+        free = cache.device.free_pages
+        assert free == 2
+        freed = cache.evict(device_pages=4)
+        assert freed[0] == cache.device.free_pages - free, (freed, free, cache.device.free_pages)
+        cache.drain()
+        cache.check()
+        for tokens in (saved, unsaved):
+            load_and_check(cache, model, tokens)
+    finally:
+        close_all(cache, dev, host)
+
+
+@pytest.mark.parametrize("tokens, seconds", [(10**400, 1.0), (100, 10**400), (1e308, 1e-308), (5e-324, 1e300)],
+                         ids=["huge-int-tokens", "huge-int-seconds", "rate-overflows", "rate-underflows"])
+def test_record_prefill_refuses_numbers_whose_rate_is_not_a_finite_positive_number(rt, tokens, seconds):
+    """record_prefill takes finite positive numbers only: an int too large for a float is InvalidArgument (not an
+    OverflowError), and a pair whose rate is infinite or zero teaches the cache nothing."""
+    cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
+    try:
+        with pytest.raises(InvalidArgument, match="record_prefill"):
+            cache.record_prefill(tokens, seconds)
+        assert cache.stats()["prefill_tokens_per_s"] is None
+    finally:
+        close_all(cache, dev, host)
