@@ -31,14 +31,19 @@ def integer(value: Any, name: str, *, low: int | None = None, high: int | None =
     return value
 
 
-def positive_number(value: Any, name: str) -> float:
-    """``value`` as a finite float > 0 (any real number type, never bool or a string)."""
+def positive_number(value: Any, name: str, *, zero: bool = False) -> float:
+    """``value`` as a finite float > 0 (>= 0 with ``zero``): any real number type, never bool or a string, never an
+    integer too large for a float."""
+    what = "finite and >= 0" if zero else "finite and positive"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise InvalidArgument(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidArgument(f"{name} must be finite and positive, got {value!r}")
-    return value
+        raise InvalidArgument(f"{name} must be a number, got {type(value).__name__} {value!r:.60}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise InvalidArgument(f"{name} must be {what}, got an integer too large for a float") from None
+    if not math.isfinite(number) or number < 0 or (number == 0 and not zero):
+        raise InvalidArgument(f"{name} must be {what}, got {value!r}")
+    return number
 
 
 class Choice(str, enum.Enum):

@@ -4,10 +4,12 @@ and read from device pages with plain copies (no transfer engine), so a test can
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import numpy as np
 
 from kvtier.cache import CacheSettings, KVCache, Match, Namespace, page_keys
+from kvtier.cache.operation import BACKUP, Operation
 from kvtier.memory import CpuAddress
 from kvtier.pools import DevicePool, HostPool, KVGeometry
 
@@ -142,3 +144,67 @@ class AsyncKVModel(KVModel):
         self.pool.runtime.synchronize(self.pool.device)
         for staged in self.staging:
             self.pool.runtime.host_free(staged)
+
+
+# -- threads ---------------------------------------------------------------------------------------------------------
+BOUND = 20.0
+"""Seconds a thread is given before the test calls it stuck (only a failure waits this long)."""
+
+
+class HeldOps:
+    """Operations of ``kind`` look long: their waits block until ``release()``; ``waiting`` names the threads blocked
+    in one. ``then(op, thread)`` may raise after the real wait (a fault, an interrupt)."""
+
+    def __init__(self, monkeypatch, kind=BACKUP, then=None):
+        self.gate = threading.Event()
+        self.waiting: set[str] = set()
+        self.changed = threading.Condition()
+        self.kind, self.then = kind, then
+        real = Operation.wait
+
+        def held(op):
+            if op.kind == self.kind and not self.gate.is_set():
+                with self.changed:
+                    self.waiting.add(threading.current_thread().name)
+                    self.changed.notify_all()
+                self.gate.wait(BOUND * 3)
+            real(op)
+            if self.then is not None:
+                self.then(op, threading.current_thread().name)
+
+        monkeypatch.setattr(Operation, "wait", held)
+
+    def until_waiting(self, name):
+        with self.changed:
+            assert self.changed.wait_for(lambda: name in self.waiting, BOUND), f"{name} never waited for a transfer"
+
+    def release(self):
+        self.gate.set()
+
+
+def run(name, target):
+    """``target()`` on a thread named ``name``; returns (thread, results) where results gets ('ok', value) or
+    ('raised', exception)."""
+    results: list = []
+
+    def body():
+        try:
+            results.append(("ok", target()))
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            results.append(("raised", exc))
+
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    thread.start()
+    return thread, results
+
+
+def joined(thread):
+    thread.join(BOUND)
+    assert not thread.is_alive(), f"{thread.name} is stuck"
+
+
+def counting_events(monkeypatch, rt):
+    made: list = []
+    create_event = rt.create_event
+    monkeypatch.setattr(rt, "create_event", lambda *a, **k: made.append(a) or create_event(*a, **k))
+    return made

@@ -9,38 +9,7 @@ import time
 
 import pytest
 
-from cache_helpers import P, build, close_all, load_and_check, prompt, serve
-from kvtier.cache.operation import BACKUP, Operation
-
-BOUND = 20.0
-"""Seconds a stalled thread is given before the test calls it stuck (only a failure waits this long)."""
-
-
-class HeldBackups:
-    """Backups look long: their waits block until ``release()``; ``waiting`` names the threads blocked in one."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.gate = threading.Event()
-        self.waiting: set[str] = set()
-        self.changed = threading.Condition()
-        wait = Operation.wait
-
-        def held_wait(op: Operation) -> None:
-            if op.kind == BACKUP and not self.gate.is_set():
-                with self.changed:
-                    self.waiting.add(threading.current_thread().name)
-                    self.changed.notify_all()
-                self.gate.wait(BOUND * 3)
-            wait(op)
-
-        monkeypatch.setattr(Operation, "wait", held_wait)
-
-    def until_waiting(self, name: str) -> None:
-        with self.changed:
-            assert self.changed.wait_for(lambda: name in self.waiting, BOUND), f"{name} never waited for a backup"
-
-    def release(self) -> None:
-        self.gate.set()
+from cache_helpers import BOUND, HeldOps, P, build, close_all, load_and_check, prompt, serve
 
 
 def lookup_while_held(cache, tokens) -> float:
@@ -62,12 +31,14 @@ def lookup_while_held(cache, tokens) -> float:
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
 def test_match_prefix_is_served_while_an_allocation_waits_for_a_backup(rt, monkeypatch, policy):
     cache, model, dev, host = build(rt, device_pages=8, host_pages=32, write_policy=policy)
-    held = HeldBackups(monkeypatch)
+    held = HeldOps(monkeypatch)
     allocator = None
     try:
         victim = prompt(8 * P)
         serve(cache, model, victim)             # the whole device pool: write_back has no host copy yet, and
-        got: list = []                          # write_through's backup of it is in flight (held)
+        if policy == "write_through":           # write_through's backup of it is in flight (held)
+            held.until_waiting("kvtier-cache-backups")
+        got: list = []
         allocator = threading.Thread(target=lambda: got.append(cache.allocate(4)), name="allocator")
         allocator.start()
         held.until_waiting("allocator")
@@ -90,7 +61,7 @@ def test_match_prefix_is_served_while_an_allocation_waits_for_a_backup(rt, monke
 
 def test_evict_under_write_back_waits_outside_the_lock_too(rt, monkeypatch):
     cache, model, dev, host = build(rt, device_pages=8, host_pages=32, write_policy="write_back")
-    held = HeldBackups(monkeypatch)
+    held = HeldOps(monkeypatch)
     evictor = None
     try:
         victim = prompt(8 * P)

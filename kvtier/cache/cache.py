@@ -465,6 +465,8 @@ class KVCache:
 
     def _load_back(self, match: Match, after: Any, force: bool) -> LoadBack | None:
         node = match.last_node
+        if not self.index.grew(node):
+            raise InvalidArgument(f"{node} is not in this cache (another cache's match)")
         if not node.alive:
             self.metrics.add("decisions", 1, "stale_match")
             return None
@@ -565,6 +567,7 @@ class KVCache:
     def decide(self, tokens: int, *, force: bool = False, nbytes: int | None = None) -> str:
         """``"load"``, or why loading ``tokens`` from host memory is declined (``nbytes``: what the load moves, when
         that is not ``tokens`` of KV — a hybrid load-back saves more tokens than it moves)."""
+        self._check_open()
         if tokens < self.settings.load_back_min_tokens:
             return "too_short"
         rate = self.settings.prefill_tokens_per_s or self._prefill_rate
@@ -591,7 +594,11 @@ class KVCache:
     def record_prefill(self, tokens: int, seconds: float) -> None:
         """Report a prefill the caller ran, so the cache learns the recompute rate (a moving average)."""
         rate = positive_number(tokens, "record_prefill tokens") / positive_number(seconds, "record_prefill seconds")
+        if not math.isfinite(rate) or rate <= 0:
+            raise InvalidArgument(f"record_prefill: {tokens!r} tokens in {seconds!r} s is no usable rate ({rate!r} "
+                                  f"tokens/s)")
         with self._lock:
+            self._check_open()
             self._prefill_rate = rate if self._prefill_rate is None else 0.8 * self._prefill_rate + 0.2 * rate
 
     # -- eviction -----------------------------------------------------------------------------------------------
@@ -599,12 +606,19 @@ class KVCache:
         """Evict at least this many pages per tier where possible; returns the pages freed per tier."""
         device_pages = integer(device_pages, "device_pages", low=0)
         host_pages = integer(host_pages, "host_pages", low=0)
-        return self._locked(lambda: self._evict(device_pages, host_pages))
+        freed = [0]                                  # device pages freed by earlier attempts (see _locked)
 
-    def _evict(self, device_pages: int, host_pages: int) -> tuple[int, int]:
-        freed = self.tiers.evict_device(device_pages), self.tiers.evict_host(host_pages)
-        self._gauges()
-        return freed
+        def attempt() -> tuple[int, int]:
+            try:
+                freed[0] += self.tiers.evict_device(device_pages - freed[0])
+            except MustWait as must:
+                freed[0] += must.freed
+                raise
+            result = freed[0], self.tiers.evict_host(host_pages)
+            self._gauges()
+            return result
+
+        return self._locked(attempt)
 
     def evict_states(self, *, device: int = 0, host: int = 0) -> tuple[int, int]:
         """Evict this many state snapshots per tier where possible (their nodes keep the KV); returns how many went.

@@ -352,6 +352,12 @@ class RadixIndex:
         self.nodes += 1
         return head
 
+    def grew(self, node: Node) -> bool:
+        """Whether ``node`` is or was a node of this tree (a removed node keeps its parent link)."""
+        while node.parent is not None:
+            node = node.parent
+        return node is self.root
+
     def owns(self, node: Node) -> bool:
         """Whether ``node`` is a live node of this tree (not of another cache, not removed)."""
         if not node.alive:

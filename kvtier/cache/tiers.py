@@ -36,9 +36,11 @@ class MustWait(Exception):
     write_back victims, or whatever is in flight when nothing is evictable). Nobody waits under the lock: the cache
     waits with it released, completes them, and asks again (``KVCache._locked``)."""
 
-    def __init__(self, ops: list[Operation]) -> None:
+    def __init__(self, ops: list[Operation], freed: int = 0) -> None:
         super().__init__(f"waiting for {len(ops)} transfers")
         self.ops = ops
+        self.freed = freed
+        """Pages an eviction freed before it had to wait (they stay freed: the retry asks only for the rest)."""
 
 
 class Tiers:
@@ -131,7 +133,7 @@ class Tiers:
                 if backing_up is not None:
                     victims = [v for v in victims if v.writing is None]
                     if not victims:
-                        raise MustWait([backing_up])
+                        raise MustWait([backing_up], freed)
             released: list[np.ndarray] = []
             dropped = 0
             for victim in victims:
@@ -155,7 +157,7 @@ class Tiers:
             if dropped:
                 self.metrics.add("skipped", dropped, "evicted_without_backup")
             if backing_up is not None and freed < need:
-                raise MustWait([backing_up])
+                raise MustWait([backing_up], freed)
         return freed
 
     # -- state snapshots (hybrid caches) ----------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import math
 import os
 import threading
 import time
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtier.checks import positive_number
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.pools.geometry import HostLayout
 from kvtier.storage.format import HEADER_BYTES, PageFormat, PageRejected
@@ -137,9 +137,7 @@ class StorageBackend:
 
         if namespace is not None and not isinstance(namespace, Namespace):
             raise InvalidArgument(f"namespace={namespace!r:.60}: a kvtier.cache.Namespace, or None for operators")
-        if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)) or \
-                not math.isfinite(retry_interval) or retry_interval < 0:
-            raise InvalidArgument(f"retry_interval={retry_interval!r}: a finite number of seconds >= 0")
+        retry_interval = positive_number(retry_interval, "retry_interval (seconds)", zero=True)
         if type(batch_pages) is not int or batch_pages < 1:
             raise InvalidArgument(f"batch_pages={batch_pages!r}: an int >= 1")
         self._namespace = namespace

@@ -37,7 +37,9 @@ class MemoryStore(StorageBackend):
         super().__init__(namespace, **options)
         if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):
             raise InvalidArgument(f"max_bytes={max_bytes!r}: an int >= 1, or None")
-        self.shared = shared or SharedPages()
+        if shared is not None and not isinstance(shared, SharedPages):
+            raise InvalidArgument(f"shared={shared!r:.60}: a SharedPages, or None for pages of this store's own")
+        self.shared = SharedPages() if shared is None else shared
         self.max_bytes = max_bytes
         if namespace is not None:
             with self.shared.lock:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import AskError, ResponseError, TryAgainError
 
+from kvtier.checks import positive_number
 from kvtier.errors import InvalidArgument
 from kvtier.storage.backend import Entry, StorageBackend, StorageError, scatter
 from kvtier.storage.format import PageRejected
@@ -51,17 +51,13 @@ class RedisStore(StorageBackend):
             raise InvalidArgument(f"ttl={ttl!r}: whole seconds >= 1, or None")
         if not isinstance(prefix, str) or not prefix or ":" in prefix:
             raise InvalidArgument(f"prefix={prefix!r}: a non-empty name without ':'")
-        for name, value in (("timeout", timeout), ("connect_timeout", connect_timeout)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or
-                                      not math.isfinite(value) or value <= 0):
-                raise InvalidArgument(f"{name}={value!r}: a finite number of seconds > 0")
         target = parse_redis_url(url, cluster)
         connection = dict(target.options)
         for name, value, query, default in (("timeout", timeout, "socket_timeout", 5.0),
                                             ("connect_timeout", connect_timeout, "socket_connect_timeout", 2.0)):
             if value is not None and query in connection:
                 raise InvalidArgument(f"{name}={value!r} and the URL's {query}: give it once")
-            connection.setdefault(query, default if value is None else value)
+            connection.setdefault(query, default if value is None else positive_number(value, f"{name} (seconds)"))
         self.cluster, self.url, self.where = target.cluster, target.url, target.where
         self.prefix, self.ttl = prefix, ttl
         self._options = connection

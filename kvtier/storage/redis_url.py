@@ -137,7 +137,13 @@ def parse_redis_url(url: str, cluster: bool | None = None) -> RedisTarget:
     base = scheme.removesuffix("+cluster")
     if base == "unix" and in_cluster:
         raise InvalidArgument(f"Redis URL {url!r}: a Redis Cluster is not reached through a unix socket")
-    parts = urlsplit(base + raw_url[len(scheme):])
+    try:
+        parts = urlsplit(base + raw_url[len(scheme):])
+    except ValueError as exc:                   # an unbalanced IPv6 bracket
+        raise InvalidArgument(f"Redis URL {url!r}: {exc}") from None
+    host_and_port = parts.netloc.rpartition("@")[2]
+    if "]" in host_and_port and not re.fullmatch(r"\[[^\[\]]*\](:[^:\[\]]*)?", host_and_port):
+        raise InvalidArgument(f"Redis URL {url!r}: after an IPv6 host in brackets only ':port' may follow")
     if parts.fragment:
         raise InvalidArgument(f"Redis URL {url!r}: a URL fragment ('#…') means nothing here")
     try:

@@ -93,14 +93,16 @@ def after_events(runtime: Runtime, device: int, after: Any, *, skip: Stream | No
         if after != CURRENT:
             raise InvalidArgument(f"after={after!r}: use {CURRENT!r}, a Transfer, an event, a stream, a list or None")
         after = runtime.current_stream(device)
-    events, theirs = [], []
-    for item in after if isinstance(after, (list, tuple)) else [after]:
+    theirs, sources = [], []
+    for item in after if isinstance(after, (list, tuple)) else [after]:   # every item checked before any is used
         if isinstance(item, Transfer):
             item = item.finished
         if isinstance(item, Event) or hasattr(item, "cuda_event"):
             theirs.append(runtime.as_event(item))
-            continue
-        source = runtime.as_stream(item)
+        else:
+            sources.append(runtime.as_stream(item))
+    events = []
+    for source in sources:
         if source is skip:
             continue
         marker = runtime.create_event(source.device)  # an event records only on a stream of its own device

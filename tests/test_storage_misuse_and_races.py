@@ -1,6 +1,5 @@
-"""Adversarial tests of the storage tier's latest fixes (specs checked at open, the CLI's one-line errors, prefetches
-that commit what fits, close with queued writes, a host pool closed under storage I/O). Temporary file: the lead moves
-the survivors."""
+"""The storage tier misused and raced: malformed specs at open and through the CLI, prefetches into a host tier too
+small for them, a host pool closed under storage I/O, closes from two threads with writes queued, failed writes."""
 
 from __future__ import annotations
 
@@ -10,35 +9,14 @@ import threading
 import numpy as np
 import pytest
 
-from cache_helpers import P, build, close_all, load_and_check, prompt, serve
+from cache_helpers import BOUND, P, build, close_all, joined, load_and_check, prompt, run, serve
 from kvtier.cache import page_keys
 from kvtier.cache.metrics import REASONS
 from kvtier.cli import main
-from kvtier.errors import BufferClosed, InvalidArgument, KvtierError
+from kvtier.errors import BufferClosed, InvalidArgument
 from kvtier.storage import MemoryStore, SharedPages, StorageError, open_store
 from kvtier.storage.backend import PartialWrite
 from storage_helpers import Hooked, namespace, second, warm
-
-BOUND = 20.0
-
-
-def run(name, target):
-    results: list = []
-
-    def body():
-        try:
-            results.append(("ok", target()))
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            results.append(("raised", exc))
-
-    thread = threading.Thread(target=body, name=name, daemon=True)
-    thread.start()
-    return thread, results
-
-
-def joined(thread):
-    thread.join(BOUND)
-    assert not thread.is_alive(), f"{thread.name} is stuck"
 
 
 def documented(stats):
@@ -49,7 +27,7 @@ def documented(stats):
             assert label in REASONS[name], f"{key}: undocumented label"
 
 
-# -- 8. specs -------------------------------------------------------------------------------------------------------
+# -- specs -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", ["redis://[::1/0", "redis://h]:6379/0", "rediss://[::1/0",
                                   "redis+cluster://[::1:7000", "unix://[/run/redis.sock"])
 def test_an_unbalanced_ipv6_bracket_is_refused_as_invalid_argument(spec, tmp_path, monkeypatch):
@@ -175,7 +153,7 @@ def test_stale_temporaries_of_a_dead_writer_are_swept_and_a_live_ones_kept(tmp_p
     dead = 2**22 + 12345                       # past pid_max on this machine: surely not running
     assert not os.path.exists(f"/proc/{dead}")
     stale = [directory / f".namespace.{dead}.7.tmp", directory / key[:2] / f".{key}.{dead}.7.tmp"]
-    live = [directory / f".namespace.1.7.tmp", directory / key[:2] / f".{key}.1.7.tmp"]   # pid 1 runs
+    live = [directory / ".namespace.1.7.tmp", directory / key[:2] / f".{key}.1.7.tmp"]   # pid 1 runs
     for path in stale + live:
         path.write_bytes(b"torn")
         os.utime(path, (2**31, 2**31))         # written after pid 1 started: pid 1's own
@@ -185,7 +163,7 @@ def test_stale_temporaries_of_a_dead_writer_are_swept_and_a_live_ones_kept(tmp_p
     assert [p.exists() for p in live] == [True, True]
 
 
-# -- 2. prefetch into a host tier too small for it --------------------------------------------------------------------
+# -- prefetch into a host tier too small for it --------------------------------------------------------------------
 def test_a_prefetch_whose_last_batch_only_partly_fits_commits_exactly_what_fits(rt):
     shared = SharedPages()
     stores: list = []
@@ -249,7 +227,7 @@ def test_a_prefetch_past_a_host_prefix_commits_what_fits_behind_it(rt):
             store.close()
 
 
-# -- 1. a host pool closed under storage I/O --------------------------------------------------------------------------
+# -- a host pool closed under storage I/O --------------------------------------------------------------------------
 def test_a_host_pool_closed_while_a_write_through_is_in_flight_stores_the_right_bytes(rt):
     shared = SharedPages()
     stores: list = []
@@ -336,7 +314,7 @@ def test_a_host_pool_closed_while_a_prefetch_reads_into_it(rt):
             store.close()
 
 
-# -- 3. close with queued writes --------------------------------------------------------------------------------------
+# -- close with queued writes --------------------------------------------------------------------------------------
 def slow_cache(rt, shared, delay=0.02, **settings):
     made = {}
 
@@ -424,7 +402,7 @@ def test_close_without_cancel_while_another_thread_serves(rt):
         store.close()
 
 
-# -- 5. a failed write counted once -------------------------------------------------------------------------------------
+# -- a failed write counted once ----------------------------------------------------------------------------------
 class HalfStored(MemoryStore):
     """Stores the first half of every batch, then fails."""
 

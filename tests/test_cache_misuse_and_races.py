@@ -1,5 +1,5 @@
-"""Adversarial tests of the cache's latest fixes (closed pools, arguments checked first, locks owned by matches, no
-wait under the lock). Temporary file: the lead moves the survivors."""
+"""The cache misused and raced from several threads: pools closed under waiting calls, bad ``after`` lists, clones of
+locked matches, interrupts and faults during a wait with the lock released, hybrid caches under write_back."""
 
 from __future__ import annotations
 
@@ -10,74 +10,23 @@ import threading
 import numpy as np
 import pytest
 
-from cache_helpers import P, build, close_all, load_and_check, prompt, serve
-from kvtier.cache.operation import BACKUP, LOAD, Operation
+from cache_helpers import (
+    HeldOps,
+    P,
+    build,
+    close_all,
+    counting_events,
+    joined,
+    load_and_check,
+    prompt,
+    run,
+    serve,
+)
+from kvtier.cache.operation import BACKUP, LOAD
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, RuntimeCallError
 
-BOUND = 20.0
-"""Seconds a thread is given before the test calls it stuck (only a failure waits this long)."""
 
-
-class HeldOps:
-    """Operations of ``kind`` look long: their waits block until ``release()``; ``waiting`` names the threads blocked
-    in one. ``then(op, thread)`` may raise after the real wait (a fault, an interrupt)."""
-
-    def __init__(self, monkeypatch, kind=BACKUP, then=None):
-        self.gate = threading.Event()
-        self.waiting: set[str] = set()
-        self.changed = threading.Condition()
-        self.kind, self.then = kind, then
-        real = Operation.wait
-
-        def held(op):
-            if op.kind == self.kind and not self.gate.is_set():
-                with self.changed:
-                    self.waiting.add(threading.current_thread().name)
-                    self.changed.notify_all()
-                self.gate.wait(BOUND * 3)
-            real(op)
-            if self.then is not None:
-                self.then(op, threading.current_thread().name)
-
-        monkeypatch.setattr(Operation, "wait", held)
-
-    def until_waiting(self, name):
-        with self.changed:
-            assert self.changed.wait_for(lambda: name in self.waiting, BOUND), f"{name} never waited for a transfer"
-
-    def release(self):
-        self.gate.set()
-
-
-def run(name, target):
-    """``target()`` on a thread named ``name``; returns (thread, results) where results gets ('ok', value) or
-    ('raised', exception)."""
-    results: list = []
-
-    def body():
-        try:
-            results.append(("ok", target()))
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            results.append(("raised", exc))
-
-    thread = threading.Thread(target=body, name=name, daemon=True)
-    thread.start()
-    return thread, results
-
-
-def joined(thread):
-    thread.join(BOUND)
-    assert not thread.is_alive(), f"{thread.name} is stuck"
-
-
-def counting_events(monkeypatch, rt):
-    made: list = []
-    create_event = rt.create_event
-    monkeypatch.setattr(rt, "create_event", lambda *a, **k: made.append(a) or create_event(*a, **k))
-    return made
-
-
-# -- 1. closed pools ------------------------------------------------------------------------------------------------
+# -- closed pools ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("closed", ["device", "host"])
 @pytest.mark.parametrize("call", ["record_prefill", "decide"])
 def test_every_public_call_after_a_pool_closed_raises_buffer_closed(rt, closed, call):
@@ -146,7 +95,7 @@ def test_the_device_pool_closed_while_an_allocation_waits_names_the_pool(rt, mon
     assert cache.device.free_pages == cache.device.pages and cache.host.free_pages == cache.host.pages
 
 
-# -- 7. arguments checked before any work -----------------------------------------------------------------------------
+# -- arguments checked before any work -----------------------------------------------------------------------------
 def test_free_with_a_bad_after_records_no_event_and_keeps_the_pages(rt, monkeypatch):
     cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
     try:
@@ -225,7 +174,7 @@ def test_load_back_of_another_caches_dead_match_is_refused_and_counts_nothing(rt
         close_all(*[b[0], b[2], b[3]])
 
 
-# -- 6. locks belong to matches -------------------------------------------------------------------------------------
+# -- locks belong to matches -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("clone", [copy.copy, dataclasses.replace, copy.deepcopy])
 def test_a_clone_of_a_locked_match_cannot_give_its_lock_back_twice(rt, clone):
     cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
@@ -313,7 +262,7 @@ def test_a_deeper_match_dropped_with_a_failed_load_unlocks_once_and_pins_nothing
         close_all(cache, dev, host)
 
 
-# -- 4. no wait under the lock ----------------------------------------------------------------------------------------
+# -- no wait under the lock ----------------------------------------------------------------------------------------
 def test_two_allocations_waiting_for_write_back_backups_get_distinct_pages(rt, monkeypatch):
     cache, model, dev, host = build(rt, device_pages=8, host_pages=32, write_policy="write_back")
     held = HeldOps(monkeypatch)
@@ -471,6 +420,7 @@ def test_every_state_call_after_a_state_pool_closed_raises_buffer_closed(rt, clo
         for what, call in calls.items():
             with pytest.raises(BufferClosed, match=name):
                 call()
+                pytest.fail(f"{what} ran on a closed {name}")
     finally:
         made.close()
 
