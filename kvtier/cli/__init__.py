@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from kvtier.errors import KvtierError
@@ -49,16 +50,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` names (default: this program's arguments); returns its exit code."""
     args = build_parser().parse_args(argv)
+    code = run(args)
+    if code == INTERRUPTED and argv is None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C must not break the exit with a traceback
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         runtime = get_runtime(args.runtime) if getattr(args, "needs_runtime", False) else None
         return int(args.run(runtime, args))
     except KvtierError as exc:
+        if interrupted(exc):                 # cleaning up after Ctrl-C failed: the Ctrl-C is what to report
+            print(f"kvtier {args.command}: interrupted", file=sys.stderr)
+            return INTERRUPTED
         print(f"kvtier {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"kvtier {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while a KeyboardInterrupt was being handled (a Ctrl-C inside an emulated kernel
+    poisons the device, and closing the pools then fails)."""
+    seen: BaseException | None = exc
+    for _ in range(32):                      # a chain of contexts, bounded (they can loop)
+        if seen is None:
+            return False
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__context__
+    return False
 
 
 if __name__ == "__main__":
