@@ -26,10 +26,21 @@ from typing import Any
 import numpy as np
 
 from kvtier.cache import CacheSettings, KVCache, Namespace, OutOfPages, RateTable, page_keys
+from kvtier.cli import INTERRUPTED
 from kvtier.cli.demo_model import DeviceOnlyBaseline, StandInModel, StandInState
 from kvtier.cli.demo_progress import Reporter, StorageWatch, stop_on_interrupt
 from kvtier.cli.demo_report import Tally, results, show
-from kvtier.cli.demo_workload import MEMORY_CAP, MEMORY_SHARE, WORKLOAD, Plan, check_memory, conversations, gib, plan
+from kvtier.cli.demo_workload import (
+    DEVICE_SHARE,
+    MEMORY_CAP,
+    MEMORY_SHARE,
+    WORKLOAD,
+    Plan,
+    check_memory,
+    conversations,
+    gib,
+    plan,
+)
 from kvtier.errors import KvtierError
 from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry
 from kvtier.pools.state import StateDevicePool, StateGeometry, StateHostPool
@@ -74,10 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         hicache_storage_prefetch_policy="wait_complete")
     parser.epilog = (f"Sizes are checked before anything is allocated: the pools, scratch pages and token arrays may "
                      f"take at most {MEMORY_SHARE:.0%} of the memory this machine has available, and at most "
-                     f"{gib(MEMORY_CAP)}; on a GPU the device pool at most 90% of its memory. The demo's host layout "
-                     f"defaults to page_first_direct (whole per-layer pieces: the fewest copies) and its storage "
-                     f"prefetches to wait_complete (no clock in the results). Ctrl-C stops after the request in hand "
-                     f"and shows the totals so far (exit code 130).")
+                     f"{gib(MEMORY_CAP)}; on a GPU the device pool at most {DEVICE_SHARE:.0%} of its memory. The "
+                     f"demo's host layout defaults to page_first_direct (whole per-layer pieces: the fewest copies) "
+                     f"and its storage prefetches to wait_complete (no clock in the results). Ctrl-C stops after the "
+                     f"request in hand and shows the totals so far (exit code 130).")
 
 
 def command(runtime: Any, args: argparse.Namespace) -> int:
@@ -111,7 +122,7 @@ def command(runtime: Any, args: argparse.Namespace) -> int:
     else:
         show(Console(), report)
     if tally.interrupted:
-        return 130
+        return INTERRUPTED
     return 1 if tally.mismatched_pages or tally.mismatched_states else 0
 
 
@@ -144,7 +155,6 @@ def serve_all(runtime: Any, args: argparse.Namespace, model: str, settings: Cach
             try:
                 for _, prompt, reply in conversations(args):
                     if stop.is_set():
-                        tally.interrupted = True
                         break
                     serve_turn(cache, stand_in, baseline, tally, prompt, reply, args.verify == "all")
                     tally.handled += 1
@@ -153,6 +163,7 @@ def serve_all(runtime: Any, args: argparse.Namespace, model: str, settings: Cach
                     reporter.advance(hits(tally, storage is not None))
             finally:
                 reporter.stop()
+            tally.interrupted = stop.is_set()
             cache.drain()
         elapsed = time.perf_counter() - started
         return results(cache, tally, elapsed, model, runtime.name, sizes.device_pages, sizes.host_pages), tally
