@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
+from cli_helpers import kvtier
 
 from kvtier.cli import main
+from kvtier.errors import RuntimeUnavailable
 
 
 def _report(capsys, spec, *extra):
@@ -62,3 +65,53 @@ def test_doctor_on_cuda(capsys, cuda):
 def test_bad_arguments_are_named_with_the_command_prefix(capsys, argv, match):
     assert main(argv) == 2
     assert match in capsys.readouterr().err
+
+
+class _NoDeviceCudart:
+    """cuda-bindings' runtime as a machine without a usable GPU answers: no device, for ``status``."""
+
+    def __init__(self, status: int, name: bytes, driver: int, runtime: int = 13050) -> None:
+        self.cudaError_t = types.SimpleNamespace(cudaSuccess=0)
+        self.status, self.name, self.driver, self.runtime = status, name, driver, runtime
+
+    def cudaGetDeviceCount(self):  # noqa: N802 (the driver's names)
+        return self.status, 0
+
+    def cudaGetErrorName(self, status):  # noqa: N802
+        return 0, self.name
+
+    def cudaGetErrorString(self, status):  # noqa: N802
+        return 0, b"CUDA driver version is insufficient for CUDA runtime version"
+
+    def cudaDriverGetVersion(self):  # noqa: N802
+        return 0, self.driver
+
+    def cudaRuntimeGetVersion(self):  # noqa: N802
+        return 0, self.runtime
+
+
+@pytest.mark.parametrize("driver, says", [
+    (0, "no NVIDIA driver found"),
+    (12020, "the NVIDIA driver supports CUDA 12.2, older than the CUDA 13.5 runtime of cuda-bindings: update the "
+            "driver, or install cuda-bindings 12.x")])
+def test_a_missing_driver_and_an_old_one_are_told_apart(monkeypatch, driver, says):
+    import kvtier.runtime.cuda as cuda_module
+
+    fake = _NoDeviceCudart(35, b"cudaErrorInsufficientDriver", driver)
+    monkeypatch.setattr(cuda_module, "_bindings", lambda: fake)
+    with pytest.raises(RuntimeUnavailable) as caught:
+        cuda_module.CudaRuntime()
+    assert says in str(caught.value) and "insufficient" not in str(caught.value)
+
+
+def test_cuda_doctor_without_a_driver_says_no_driver_was_found():
+    """This machine's case (no NVIDIA driver), through the real command and the real cuda-bindings."""
+    bindings = pytest.importorskip("cuda.bindings.runtime")
+    if bindings.cudaDriverGetVersion()[1]:
+        pytest.skip("an NVIDIA driver is installed here")
+    done = kvtier("--runtime", "cuda", "doctor", timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtier doctor: cuda runtime unusable on this machine (no NVIDIA "
+                                                   "driver found"), lines
+    assert "insufficient" not in lines[0]

@@ -119,26 +119,35 @@ class CacheSettings:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("cache (names follow SGLang's --hicache-* where the meaning is the same)")
         group.add_argument("--hicache-ratio", type=float, default=2.0,
-                           help="host pool pages per device pool page (default 2)")
+                           help="host pool pages per device pool page (default: %(default)s)")
         group.add_argument("--hicache-size", type=float, default=0.0,
-                           help="host pool size in GB; overrides --hicache-ratio when > 0")
+                           help="host pool size in GB; overrides --hicache-ratio when > 0 (default: %(default)s)")
         group.add_argument("--hicache-write-policy", default="write_through",
-                           choices=[p.value for p in WritePolicy])
+                           choices=[p.value for p in WritePolicy],
+                           help="when a device page is backed up to host memory: at once, after "
+                                "--hicache-write-through-threshold hits, or when the device evicts it "
+                                "(default: %(default)s)")
         group.add_argument("--hicache-write-through-threshold", type=int, default=2,
                            help="hits before a page is backed up under write_through_selective")
         group.add_argument("--hicache-io-backend", default=AUTO, choices=(AUTO,) + IO_BACKENDS,
                            help="io backend for both directions; auto chooses from the measured rate table")
-        group.add_argument("--hicache-load-backend", choices=IO_BACKENDS, help="override the load backend")
-        group.add_argument("--hicache-backup-backend", choices=IO_BACKENDS, help="override the backup backend")
-        group.add_argument("--hicache-mem-layout", default="page_first", choices=[x.value for x in HostLayout])
-        group.add_argument("--hicache-host-kind", default="pinned", choices=["pinned", "registered", "shm"])
+        group.add_argument("--hicache-load-backend", choices=IO_BACKENDS,
+                           help="override the load backend (default: --hicache-io-backend's)")
+        group.add_argument("--hicache-backup-backend", choices=IO_BACKENDS,
+                           help="override the backup backend (default: --hicache-io-backend's)")
+        group.add_argument("--hicache-mem-layout", default="page_first", choices=[x.value for x in HostLayout],
+                           help="byte order of the host pool (default: %(default)s)")
+        group.add_argument("--hicache-host-kind", default="pinned", choices=["pinned", "registered", "shm"],
+                           help="memory of the host pool (default: %(default)s)")
         group.add_argument("--load-back-min-tokens", type=int, default=64,
-                           help="shorter host hits are recomputed (default 64)")
+                           help="shorter host hits are recomputed (default: %(default)s)")
         group.add_argument("--prefill-tokens-per-s", type=float,
-                           help="recompute estimate; default: measured from the prefills the caller reports")
+                           help="recompute estimate; default: learned from the prefills the caller reports (with "
+                                "none, every load-back is taken)")
         group.add_argument("--hicache-storage-prefetch-policy", default="timeout",
                            choices=[p.value for p in PrefetchPolicy],
-                           help="what a request does with a storage prefetch still reading (default timeout)")
+                           help="what a request does with a storage prefetch still reading (default: "
+                                "%(default)s)")
         group.add_argument("--prefetch-timeout-base", type=float, default=1.0, help="seconds (timeout policy)")
         group.add_argument("--prefetch-timeout-per-1k-tokens", type=float, default=0.25,
                            help="seconds per 1000 tokens (timeout policy)")

@@ -5,6 +5,12 @@ the device pool has been taken by the others, so the history is found in host me
 model writes each page's KV (bytes derived from the page key), so every page loaded back is checked byte for byte.
 Beside it runs a device-only radix cache of the same device size (index only), the baseline for "prefill saved".
 
+The same flags and seed give the same results (not the same timings): between steps of a request the demo waits for
+the cache's background work (backups, storage writes), as a model's prefill and decode and a user's pause would give
+it time, so the background threads never race the next request; its KV bytes derive from the namespace; on the
+emulator the cache estimates load times from its rate table instead of timing a calibration transfer; and storage
+prefetches run to completion (``wait_complete``) instead of against a clock.
+
 ``--model qwen3.5-like`` runs a hybrid geometry (three linear-attention layers with Mamba-like state for every GQA
 layer, scaled down to run on the emulator): the cache keeps a state snapshot at the end of every prompt and history,
 a match ends only on one, and every state loaded back is checked byte for byte too.
@@ -13,32 +19,32 @@ a match ends only on one, and every state loaded back is checked byte for byte t
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvtier.cache import (
-    CacheSettings,
-    KVCache,
-    Namespace,
-    OutOfPages,
-    PageAllocator,
-    RadixIndex,
-    RateTable,
-    WritePolicy,
-    page_keys,
-    token_array,
+from kvtier.cache import CacheSettings, KVCache, Namespace, OutOfPages, RateTable, page_keys
+from kvtier.cli import INTERRUPTED
+from kvtier.cli.demo_model import DeviceOnlyBaseline, StandInModel, StandInState
+from kvtier.cli.demo_progress import Reporter, StorageWatch, stop_on_interrupt
+from kvtier.cli.demo_report import Tally, results, show
+from kvtier.cli.demo_workload import (
+    DEVICE_SHARE,
+    MEMORY_CAP,
+    MEMORY_SHARE,
+    WORKLOAD,
+    Plan,
+    check_memory,
+    conversations,
+    gib,
+    plan,
 )
 from kvtier.errors import KvtierError
-from kvtier.pools import DevicePool, HostPool, KVGeometry
+from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry
 from kvtier.pools.state import StateDevicePool, StateGeometry, StateHostPool
 from kvtier.storage import SPEC_HELP, open_store
-from kvtier.transfer import TransferEngine
-from kvtier.transfer.family import FamilyEngine
 
 MODELS = {
     "tiny": (KVGeometry.mha(layers=4, kv_heads=2, head_dim=64, itemsize=2, page_size=16), None),
@@ -47,228 +53,120 @@ MODELS = {
 }
 STATES = {"qwen3.5-like": StateGeometry.mamba(6, (256, 3), (4, 32, 32))}
 """Hybrid models: the state of their linear-attention layers (the KV geometry above holds the attention layers)."""
-VOCAB = 128256
+ANNOUNCE_BYTES = 1 << 30
+"""Pools at least this large are announced before they are allocated (registering them takes a while)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="auto", choices=("auto", *MODELS),
-                        help="KV geometry: tiny (default on the emulator), llama3-8b (default on CUDA), or "
+                        help="KV geometry: tiny (auto on the emulator), llama3-8b (auto on a GPU), or "
                              "qwen3.5-like (hybrid: 2 GQA + 6 linear-attention layers with state snapshots)")
-    parser.add_argument("--users", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--system-tokens", type=int, default=1024)
-    parser.add_argument("--user-tokens", type=int, default=256, help="new tokens per user message")
-    parser.add_argument("--reply-tokens", type=int, default=128, help="tokens per assistant reply")
+    parser.add_argument("--users", type=int, default=WORKLOAD["users"], help="users sharing the system prompt")
+    parser.add_argument("--turns", type=int, default=WORKLOAD["turns"], help="requests per user")
+    parser.add_argument("--system-tokens", type=int, default=WORKLOAD["system_tokens"],
+                        help="tokens of the system prompt every conversation starts with")
+    parser.add_argument("--user-tokens", type=int, default=WORKLOAD["user_tokens"], help="new tokens per user message")
+    parser.add_argument("--reply-tokens", type=int, default=WORKLOAD["reply_tokens"],
+                        help="tokens per assistant reply")
     parser.add_argument("--device-tokens", type=int, default=0,
-                        help="device pool size in tokens (default: a third of the workload's distinct tokens)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the token ids (the KV salt is always fresh)")
+                        help="device pool size in tokens, rounded up to whole pages and raised to hold the longest "
+                             "conversation plus a page (default 0: a third of the workload's distinct tokens)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the token ids: the same flags and seed give the same results")
     parser.add_argument("--verify", choices=("all", "none"), default="all",
-                        help="check every loaded-back page byte for byte (default) or not")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--save", metavar="PATH", help="also write the results as JSON to PATH")
+                        help="check every loaded-back page byte for byte, or not")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON (and no progress)")
+    parser.add_argument("--save", metavar="PATH", help="also write the results as JSON to PATH (default: no file)")
     parser.add_argument("--storage", metavar="SPEC",
                         help=f"a storage tier to prefetch from and write through to ({SPEC_HELP}); a second run of "
-                             "the demo with the same storage is served from it")
+                             "the demo with the same storage is served from it (default: none)")
     CacheSettings.add_arguments(parser)
-
-
-@dataclass
-class Tally:
-    requests: int = 0
-    prompt_tokens: int = 0
-    device_hit: int = 0
-    host_hit: int = 0
-    storage_hit: int = 0
-    loaded: int = 0
-    computed: int = 0
-    baseline_computed: int = 0
-    pages_checked: int = 0
-    mismatched_pages: int = 0
-    states_checked: int = 0
-    mismatched_states: int = 0
-    declined: int = 0
-    out_of_pages: int = 0
-
-
-class StandInModel:
-    """Writes the KV of new pages (bytes derived from the page key, different in every 16-byte piece) through a
-    pinned scratch pool, and reads pages back to check them. The salt is fresh in every run, except with storage:
-    then it is derived from the namespace, so that pages a previous run stored are the KV this run expects."""
-
-    state: StandInState | None = None
-    """Hybrid models: the stand-in for the linear-attention layers' state."""
-
-    def __init__(self, device: DevicePool, namespace: Namespace, scratch_pages: int, *, stable: bool = False) -> None:
-        g = device.geometry
-        self.namespace, self.bytes_per_page = namespace, g.bytes_per_page
-        self.salt = hashlib.sha256(b"kvtier-demo" + namespace.digest).digest()[:16] if stable else \
-            np.random.default_rng().bytes(16)
-        self.scratch = HostPool.allocate(g, "page_first", pages=scratch_pages, kind="pinned", runtime=device.runtime)
-        self.engine = TransferEngine(device, self.scratch, backend="direct")
-        self.view = self.scratch.buffer.as_tensor().numpy().reshape(g.tensors, scratch_pages, -1)
-        self.ramp = (np.arange(g.bytes_per_page) // 16 % 251).astype(np.uint8).reshape(g.tensors, -1)
-
-    def expected(self, key: bytes) -> np.ndarray:
-        digest = np.frombuffer(hashlib.sha256(self.salt + key).digest(), np.uint8)
-        return np.tile(digest, self.bytes_per_page // 32).reshape(self.ramp.shape) + self.ramp
-
-    def write(self, keys: list[bytes], pages: np.ndarray) -> None:
-        step = self.scratch.pages
-        for start in range(0, len(pages), step):
-            chunk = pages[start:start + step]
-            for i, key in enumerate(keys[start:start + step]):
-                self.view[:, i] = self.expected(key)
-            self.engine.load(np.arange(len(chunk)), chunk, per_layer=False).wait()
-
-    def mismatches(self, keys: list[bytes], pages: np.ndarray) -> int:
-        bad, step = 0, self.scratch.pages
-        for start in range(0, len(pages), step):
-            chunk = pages[start:start + step]
-            self.view[:] = 0
-            self.engine.backup(chunk, np.arange(len(chunk))).wait()
-            bad += sum(not np.array_equal(self.view[:, i], self.expected(key))
-                       for i, key in enumerate(keys[start:start + step]))
-        return bad
-
-    def close(self) -> None:
-        if self.state is not None:
-            self.state.close()
-        del self.view
-        self.engine.close()
-        self.scratch.close()
-
-
-class StandInState:
-    """A hybrid model's recurrent state after a prefix: bytes derived from the prefix's last page key, written into a
-    device slot and read back through a one-slot scratch host pool and the state engine."""
-
-    def __init__(self, device: StateDevicePool, salt: bytes) -> None:
-        self.salt, self.nbytes = salt, device.geometry.slot_bytes
-        self.scratch = StateHostPool.allocate(device.geometry, "page_first", slots=1, kind="pinned",
-                                              runtime=device.runtime)
-        self.engine = FamilyEngine(device, self.scratch)
-        self.view = self.scratch.buffer.as_tensor().numpy()
-
-    def expected(self, key: bytes) -> np.ndarray:
-        seed = int.from_bytes(hashlib.sha256(self.salt + b"state" + key).digest()[:8], "little")
-        return np.random.default_rng(seed).integers(1, 256, self.nbytes, dtype=np.uint8)
-
-    def write(self, key: bytes, slot: int) -> None:
-        self.view[:] = self.expected(key)
-        self.engine.load([0], [slot], per_layer=False).wait()
-
-    def matches(self, key: bytes, slot: int) -> bool:
-        self.view[:] = 0
-        self.engine.backup([slot], [0]).wait()
-        return bool(np.array_equal(self.view, self.expected(key)))
-
-    def close(self) -> None:
-        del self.view
-        self.engine.close()
-        self.scratch.close()
-
-
-class DeviceOnlyBaseline:
-    """A radix cache with the same device pool and no host tier: what an engine without kvtier would hit. For a
-    hybrid model (``hybrid``) a match ends only where a request ended (where it would hold a state)."""
-
-    def __init__(self, pages: int, page_size: int, *, hybrid: bool = False) -> None:
-        self.index = RadixIndex(page_size, b"\0" * 32)
-        self.pages, self.page_size = PageAllocator(pages, name="baseline"), page_size
-        self.ends: set[Any] | None = set() if hybrid else None
-
-    def serve(self, tokens: np.ndarray) -> int:
-        tokens = token_array(tokens)
-        ends = self.ends
-        match = self.index.match(tokens, usable=None if ends is None else (lambda n: n in ends))
-        need = len(tokens) // self.page_size - len(match.device_pages)
-        self.index.lock(match.last_node)
-        try:
-            new = self.pages.allocate(need)
-            while new is None:
-                victims = self.index.lru_leaves("device", need - self.pages.free_pages)
-                if not victims:
-                    return match.device_tokens
-                for victim in victims:
-                    self.pages.free(victim.device)
-                    self.index.set_device(victim, None)
-                    self.index.remove(victim)
-                new = self.pages.allocate(need)
-        finally:
-            self.index.unlock(match.last_node)
-        placed = self.index.place(tokens, np.concatenate([match.device_pages, new]))
-        self.pages.free(placed.duplicates)
-        if ends is not None:
-            ends.add(placed.last_node)
-        return match.device_tokens
-
-
-def conversations(args: argparse.Namespace) -> tuple[list[tuple[int, np.ndarray, np.ndarray]], int]:
-    """Requests in arrival order: (user, prompt tokens, reply tokens); and the distinct tokens of the workload."""
-    rng = np.random.default_rng(args.seed)
-    system = rng.integers(0, VOCAB, args.system_tokens)
-    histories = [system.copy() for _ in range(args.users)]
-    requests = []
-    for _ in range(args.turns):
-        for user in range(args.users):
-            prompt = np.concatenate([histories[user], rng.integers(0, VOCAB, args.user_tokens)])
-            reply = rng.integers(0, VOCAB, args.reply_tokens)
-            requests.append((user, prompt, reply))
-            histories[user] = np.concatenate([prompt, reply])
-    distinct = args.system_tokens + args.users * args.turns * (args.user_tokens + args.reply_tokens)
-    return requests, distinct
+    parser.set_defaults(hicache_mem_layout=HostLayout.PAGE_FIRST_DIRECT.value,
+                        hicache_storage_prefetch_policy="wait_complete")
+    parser.epilog = (f"Sizes are checked before anything is allocated: the pools, scratch pages and token arrays may "
+                     f"take at most {MEMORY_SHARE:.0%} of the memory this machine has available, and at most "
+                     f"{gib(MEMORY_CAP)}; on a GPU the device pool at most {DEVICE_SHARE:.0%} of its memory. The "
+                     f"demo's host layout defaults to page_first_direct (whole per-layer pieces: the fewest copies) "
+                     f"and its storage prefetches to wait_complete (no clock in the results). Ctrl-C stops after the "
+                     f"request in hand and shows the totals so far (exit code 130).")
 
 
 def command(runtime: Any, args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=args.json)
+    reporter = Reporter(quiet=args.json)
     model = args.model if args.model != "auto" else ("llama3-8b" if runtime.torch_device else "tiny")
     geometry, prefill_default = MODELS[model]
     settings = CacheSettings.from_arguments(args)
     if settings.prefill_tokens_per_s is None and prefill_default is not None:
         settings.prefill_tokens_per_s = prefill_default
-    for name in ("users", "turns", "system_tokens", "user_tokens", "reply_tokens"):
-        if getattr(args, name) < (1 if name in ("users", "turns") else 0):
-            raise KvtierError(f"--{name.replace('_', '-')} must be positive")
-    requests, distinct = conversations(args)
-    page = geometry.page_size
-    longest = max(len(p) + len(r) for _, p, r in requests)
-    device_pages = max(args.device_tokens or distinct // 3, longest + page) // page + 1
+    settings.calibrate = bool(runtime.torch_device)   # the emulator's timings are no link's: use the rate table
+    if args.storage and model in STATES:
+        raise KvtierError("--storage does not take hybrid models yet: state snapshots are not stored")
+    sizes = plan(args, geometry, STATES.get(model), settings)
+    check_memory(sizes, args, runtime)
+    for note in sizes.notes:
+        reporter.note(note)
+    if sizes.device_bytes + sizes.host_bytes >= ANNOUNCE_BYTES:
+        reporter.note(f"allocating a {gib(sizes.device_bytes)} device pool and a {gib(sizes.host_bytes)} host pool")
+    rates = RateTable.load(args.hicache_rate_table) if args.hicache_rate_table else None
+    report, tally = serve_all(runtime, args, model, settings, sizes, rates, reporter)
+    if args.save:
+        with open(args.save, "w") as file:
+            json.dump(report, file, indent=1)
+    if tally.interrupted:
+        reporter.note(f"interrupted after {tally.handled:,} of {tally.planned:,} requests; "
+                      f"the results below count those")
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        show(Console(), report)
+    if tally.interrupted:
+        return INTERRUPTED
+    return 1 if tally.mismatched_pages or tally.mismatched_states else 0
+
+
+def serve_all(runtime: Any, args: argparse.Namespace, model: str, settings: CacheSettings, sizes: Plan,
+              rates: RateTable | None, reporter: Reporter) -> tuple[dict[str, Any], Tally]:
+    """Build the pools, cache and stand-ins, serve every request (or those before a Ctrl-C), and take everything
+    down again, the cache's threads included."""
+    geometry = sizes.geometry
     namespace = Namespace(f"kvtier-demo/{model}", geometry, "bfloat16")
-    device = DevicePool.allocate(geometry, device_pages, 0, runtime=runtime)
-    host_pages = settings.host_pages(device_pages, geometry.bytes_per_page)
-    host = HostPool.allocate(geometry, settings.hicache_mem_layout, pages=host_pages,
-                             kind=settings.hicache_host_kind, runtime=runtime)
-    cache = stand_in = storage = None
+    device = DevicePool.allocate(geometry, sizes.device_pages, 0, runtime=runtime)
+    cache = stand_in = storage = host = None
     state_pools: tuple[StateDevicePool, StateHostPool] | None = None
     try:
-        if model in STATES:
-            if args.storage:
-                raise KvtierError("--storage does not take hybrid models yet: state snapshots are not stored")
-            state_pools = state_pools_for(STATES[model], args, runtime)
-        rates = RateTable.load(args.hicache_rate_table) if args.hicache_rate_table else None
+        host = HostPool.allocate(geometry, settings.hicache_mem_layout, pages=sizes.host_pages,
+                                 kind=settings.hicache_host_kind, runtime=runtime)
+        if sizes.state is not None:
+            state_pools = state_pools_for(sizes, runtime)
         storage = open_store(args.storage, namespace, layout=settings.hicache_mem_layout) if args.storage else None
         cache = KVCache(device, host, namespace, settings, rates=rates, storage=storage, state=state_pools)
-        stand_in = StandInModel(device, namespace, min(64, longest // page + 1), stable=storage is not None)
+        stand_in = StandInModel(device, namespace, sizes.scratch_pages)
         if state_pools is not None:
             stand_in.state = StandInState(state_pools[0], stand_in.salt)
-        baseline = DeviceOnlyBaseline(device_pages, page, hybrid=state_pools is not None)
-        tally = Tally()
+        baseline = DeviceOnlyBaseline(sizes.device_pages, geometry.page_size, hybrid=state_pools is not None)
+        watch = StorageWatch(storage, args.storage, reporter) if storage is not None else None
+        tally = Tally(planned=sizes.requests)
         started = time.perf_counter()
-        with Progress(TextColumn("[bold]kvtier demo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("{task.description}"), console=console, transient=args.json) as progress:
-            task = progress.add_task("", total=len(requests))
-            for _, prompt, reply in requests:
-                serve_turn(cache, stand_in, baseline, tally, prompt, reply, args.verify == "all")
-                seen = max(tally.prompt_tokens, 1)
-                progress.update(task, advance=1, description=(
-                    f"hits: device {tally.device_hit / seen:.0%}, host {tally.host_hit / seen:.0%}"
-                    + (f" (storage {tally.storage_hit / seen:.0%})" if storage is not None else "")))
-        cache.drain()
+        with stop_on_interrupt() as stop:
+            reporter.start(sizes.requests, f"{sizes.requests:,} requests ({args.users:,} users, {args.turns:,} "
+                                           f"turns each)")
+            try:
+                for _, prompt, reply in conversations(args):
+                    if stop.is_set():
+                        break
+                    serve_turn(cache, stand_in, baseline, tally, prompt, reply, args.verify == "all")
+                    tally.handled += 1
+                    if watch is not None:
+                        watch.check()
+                    reporter.advance(hits(tally, storage is not None))
+            finally:
+                reporter.stop()
+            tally.interrupted = stop.is_set()
+            cache.drain()
         elapsed = time.perf_counter() - started
-        report = results(cache, tally, elapsed, model, runtime.name, device_pages, host_pages)
+        return results(cache, tally, elapsed, model, runtime.name, sizes.device_pages, sizes.host_pages), tally
     finally:
         if stand_in is not None:
             stand_in.close()
@@ -278,24 +176,24 @@ def command(runtime: Any, args: argparse.Namespace) -> int:
             storage.close()
         for pool in state_pools or ():
             pool.close()
-        host.close()
+        if host is not None:
+            host.close()
         device.close()
-    if args.save:
-        with open(args.save, "w") as file:
-            json.dump(report, file, indent=1)
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        show(console, report)
-    return 1 if tally.mismatched_pages or tally.mismatched_states else 0
 
 
-def state_pools_for(geometry: StateGeometry, args: argparse.Namespace, runtime: Any
-                    ) -> tuple[StateDevicePool, StateHostPool]:
-    """Device slots for about half the users' snapshots plus the request in flight; host slots for all of them."""
-    device = StateDevicePool.allocate(geometry, max(3, args.users // 2 + 2), 0, runtime=runtime)
+def hits(tally: Tally, storage: bool) -> str:
+    seen = max(tally.prompt_tokens, 1)
+    return (f"hits: device {tally.device_hit / seen:.0%}, host {tally.host_hit / seen:.0%}"
+            + (f" (storage {tally.storage_hit / seen:.0%})" if storage else ""))
+
+
+def state_pools_for(sizes: Plan, runtime: Any) -> tuple[StateDevicePool, StateHostPool]:
+    """Device slots for about half the users' snapshots plus the request in flight; host slots for all of them
+    (:func:`~kvtier.cli.demo_workload.plan` counts them)."""
+    assert sizes.state is not None
+    device = StateDevicePool.allocate(sizes.state, sizes.device_state_slots, 0, runtime=runtime)
     try:
-        host = StateHostPool.allocate(geometry, "page_first", slots=2 * args.users * args.turns + 2, kind="pinned",
+        host = StateHostPool.allocate(sizes.state, "page_first", slots=sizes.host_state_slots, kind="pinned",
                                       runtime=runtime)
     except BaseException:
         device.close()
@@ -347,6 +245,7 @@ def serve_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline
         tally.baseline_computed += len(prompt) - baseline.serve(prompt)
     finally:
         cache.unlock(match)
+    cache.drain()                                    # the prompt's backups land while the model decodes
     if len(reply):                                   # decode: the reply's KV joins the history
         history = cache.match_prefix(full, lock=True)
         try:
@@ -359,6 +258,7 @@ def serve_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline
             tally.out_of_pages += 1
         finally:
             cache.unlock(history)
+        cache.drain()                                # and the reply's while the user reads it
 
 
 def serve_hybrid_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline, tally: Tally,
@@ -403,6 +303,7 @@ def serve_hybrid_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyB
         tally.baseline_computed += len(prompt) - baseline.serve(prompt)
     finally:
         cache.unlock(match)
+    cache.drain()
     full = np.concatenate([prompt, reply])
     full = full[:len(full) // page * page]
     if len(full) > len(prompt):                      # decode: the reply's KV and the state after it join
@@ -413,6 +314,7 @@ def serve_hybrid_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyB
             insert_with_state(cache, model, tally, full, history.device_pages, keys)
         finally:
             cache.unlock(history)
+        cache.drain()
 
 
 def insert_with_state(cache: KVCache, model: StandInModel, tally: Tally, tokens: np.ndarray, prefix: np.ndarray,
@@ -435,88 +337,3 @@ def insert_with_state(cache: KVCache, model: StandInModel, tally: Tally, tokens:
     model.state.write(keys[whole - 1], slot)
     cache.insert(tokens, np.concatenate([prefix, new]), state=slot)
     return True
-
-
-def results(cache: KVCache, tally: Tally, elapsed: float, model: str, runtime: str, device_pages: int,
-            host_pages: int) -> dict[str, Any]:
-    s = cache.stats()
-    g = cache.geometry
-    return {
-        "runtime": runtime, "model": model, "requests": tally.requests, "prompt_tokens": tally.prompt_tokens,
-        "device_pool_tokens": device_pages * g.page_size, "host_pool_tokens": host_pages * g.page_size,
-        "write_policy": WritePolicy(cache.settings.write_policy).value, "load_backend": cache.load_backend,
-        "backup_backend": cache.backup_backend,
-        "device_hit_rate": tally.device_hit / max(tally.prompt_tokens, 1),
-        "host_hit_rate": tally.host_hit / max(tally.prompt_tokens, 1),
-        "prefill_tokens": tally.computed, "baseline_prefill_tokens": tally.baseline_computed,
-        "prefill_saved_tokens": tally.baseline_computed - tally.computed,
-        "pages_loaded": int(s.get("pages.load", 0)), "bytes_loaded": int(s.get("bytes.load", 0)),
-        "pages_backed_up": int(s.get("pages.backup", 0)), "bytes_backed_up": int(s.get("bytes.backup", 0)),
-        "load_seconds": s.get("seconds.load", 0.0), "backup_seconds": s.get("seconds.backup", 0.0),
-        "load_gbps": s.get("gbps.load", 0.0), "backup_gbps": s.get("gbps.backup", 0.0),
-        "declined_slower_than_recompute": int(s.get("decisions.slower_than_recompute", 0)),
-        "declined_other": tally.declined - int(s.get("decisions.slower_than_recompute", 0)),
-        "recompute_estimate_tokens_per_s": s.get("prefill_tokens_per_s"),
-        "evicted_device_tokens": int(s.get("evicted.device", 0)), "evicted_host_tokens": int(s.get("evicted.host", 0)),
-        "pages_checked": tally.pages_checked, "mismatched_pages": tally.mismatched_pages,
-        "out_of_pages": tally.out_of_pages, "seconds": elapsed,
-        "storage": cache.storage.kind if cache.storage is not None else None,
-        "storage_hit_rate": tally.storage_hit / max(tally.prompt_tokens, 1),
-        "storage_pages_read": int(s.get("storage_pages.read", 0)),
-        "storage_pages_written": int(s.get("storage_pages.written", 0)),
-        "storage_read_gbps": s.get("storage.get.gbps", 0.0), "storage_write_gbps": s.get("storage.set.gbps", 0.0),
-        "storage_misses": {k[len("storage.miss."):]: int(v) for k, v in s.items() if k.startswith("storage.miss.")},
-        "storage_errors": int(sum(v for k, v in s.items() if k.startswith("storage.errors."))),
-        "storage_writes_skipped": int(sum(v for k, v in s.items() if k.startswith("storage_skipped."))),
-        "hybrid": cache.states is not None, "states_checked": tally.states_checked,
-        "mismatched_states": tally.mismatched_states, "states_loaded": int(s.get("states.load", 0)),
-        "states_backed_up": int(s.get("states.backup", 0)),
-        "states_evicted": int(s.get("states.evicted_device", 0) + s.get("states.evicted_host", 0)),
-        "device_state_slots": cache.states.device.pages if cache.states is not None else 0,
-        "host_state_slots": cache.states.host.pages if cache.states is not None else 0,
-    }
-
-
-def show(console: Any, r: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"kvtier demo — {r['model']} on {r['runtime']}, {r['requests']} requests, "
-                        f"{r['write_policy']}, load={r['load_backend']} backup={r['backup_backend']}")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    gib = 1 << 30
-    rows = [
-        ("device pool / host pool", f"{r['device_pool_tokens']:,} / {r['host_pool_tokens']:,} tokens"),
-        ("hit rate: device / host", f"{r['device_hit_rate']:.1%} / {r['host_hit_rate']:.1%}"),
-        ("prefill tokens: kvtier / device-only", f"{r['prefill_tokens']:,} / {r['baseline_prefill_tokens']:,}"),
-        ("prefill saved vs device-only", f"{r['prefill_saved_tokens']:,} tokens"),
-        ("loaded back (host → device)", f"{r['pages_loaded']:,} pages, {r['bytes_loaded'] / gib:.3f} GiB"),
-        ("  transfer time, rate", f"{r['load_seconds']:.3f} s, {r['load_gbps']:.2f} GB/s"),
-        ("backed up (device → host)", f"{r['pages_backed_up']:,} pages, {r['bytes_backed_up'] / gib:.3f} GiB"),
-        ("  transfer time, rate", f"{r['backup_seconds']:.3f} s, {r['backup_gbps']:.2f} GB/s"),
-        ("load-backs declined: slower than recompute", f"{r['declined_slower_than_recompute']}"
-         + ("" if r["recompute_estimate_tokens_per_s"] else " (no estimate given)")),
-        ("evicted tokens: device / host", f"{r['evicted_device_tokens']:,} / {r['evicted_host_tokens']:,}"),
-        ("loaded pages checked, byte for byte", f"{r['pages_checked']:,}, {r['mismatched_pages']} wrong"),
-        ("wall time", f"{r['seconds']:.1f} s"),
-    ]
-    if r["hybrid"]:
-        rows[-1:-1] = [
-            ("state slots: device / host", f"{r['device_state_slots']} / {r['host_state_slots']}"),
-            ("states: loaded back / backed up / evicted alone",
-             f"{r['states_loaded']} / {r['states_backed_up']} / {r['states_evicted']}"),
-            ("served states checked, byte for byte", f"{r['states_checked']:,}, {r['mismatched_states']} wrong"),
-        ]
-    if r["storage"]:
-        rows[2:2] = [
-            ("hit rate: storage (part of host)", f"{r['storage_hit_rate']:.1%} ({r['storage']})"),
-            ("storage: pages read / written", f"{r['storage_pages_read']:,} / {r['storage_pages_written']:,}"),
-            ("storage: read / write rate", f"{r['storage_read_gbps']:.2f} / {r['storage_write_gbps']:.2f} GB/s"),
-            ("storage: misses (why), errors, writes skipped",
-             f"{sum(r['storage_misses'].values())}"
-             + "".join(f" {k}={v}" for k, v in r["storage_misses"].items())
-             + f", {r['storage_errors']}, {r['storage_writes_skipped']}"),
-        ]
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)

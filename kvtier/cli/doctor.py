@@ -16,12 +16,13 @@ from kvtier.runtime import Runtime
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    parser.add_argument("--probe-mib", type=int, default=256, help="size of each probe buffer (default 256 MiB)")
+    parser.add_argument("--probe-mib", type=int, default=256, help="size of each probe buffer in MiB")
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the copy-bandwidth measurement")
     parser.add_argument("--cache-rates", metavar="PATH",
                         help="also measure the io backend pairs the cache chooses from (Llama-3-8B pages, "
                              "--probe-mib each way) and write the rate table to PATH (kvtier demo "
-                             "--hicache-rate-table PATH, KVCache(rates=RateTable.load(PATH)))")
+                             "--hicache-rate-table PATH, KVCache(rates=RateTable.load(PATH))); default: not "
+                             "measured")
 
 
 def command(runtime: Runtime, args: argparse.Namespace) -> int:

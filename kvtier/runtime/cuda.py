@@ -213,6 +213,28 @@ def _retire_event(destroy: Any, handle: Any, spare: list[Any] | None) -> None:
         destroy(handle)
 
 
+def _version(number: int) -> str:
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+def unusable_reason(cudart: Any, status: Any) -> str:
+    """Why ``cudaGetDeviceCount`` found no device, in words: the runtime reports a missing driver and an old one
+    alike as "driver version is insufficient", but ``cudaDriverGetVersion`` gives 0 only when no driver (libcuda)
+    could be loaded."""
+    if status == cudart.cudaError_t.cudaSuccess:
+        return "no CUDA device"
+    name = cudart.cudaGetErrorName(status)[1].decode()
+    if name == "cudaErrorInsufficientDriver":
+        driver, runtime = cudart.cudaDriverGetVersion()[1], cudart.cudaRuntimeGetVersion()[1]
+        if not driver:
+            return "no NVIDIA driver found: libcuda.so.1 could not be loaded"
+        return (f"the NVIDIA driver supports CUDA {_version(driver)}, older than the CUDA {_version(runtime)} "
+                f"runtime of cuda-bindings: update the driver, or install cuda-bindings {driver // 1000}.x")
+    if name == "cudaErrorNoDevice":
+        return "the NVIDIA driver found no GPU"
+    return f"{name}: {cudart.cudaGetErrorString(status)[1].decode()}"
+
+
 class CudaRuntime(Runtime):
     name = "cuda"
     torch_device = "cuda"
@@ -222,10 +244,8 @@ class CudaRuntime(Runtime):
         self._cudart = cudart = _bindings()
         status, count = cudart.cudaGetDeviceCount()
         if status != cudart.cudaError_t.cudaSuccess or count == 0:
-            reason = "no CUDA device" if status == cudart.cudaError_t.cudaSuccess else (
-                f"{cudart.cudaGetErrorName(status)[1].decode()}: {cudart.cudaGetErrorString(status)[1].decode()}")
-            raise RuntimeUnavailable(f"cuda runtime unusable on this machine ({reason}); the emulated runtime "
-                                     f"(KVTIER_RUNTIME=emulated:split) needs no GPU")
+            raise RuntimeUnavailable(f"cuda runtime unusable on this machine ({unusable_reason(cudart, status)}); "
+                                     f"the emulated runtime (KVTIER_RUNTIME=emulated:split) needs no GPU")
         self._count = count
         self._memcpy_default = cudart.cudaMemcpyKind.cudaMemcpyDefault
         self._batch_supported = hasattr(cudart, "cudaMemcpyBatchAsync")
