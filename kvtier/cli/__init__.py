@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -12,6 +13,8 @@ from kvtier.runtime import get as get_runtime
 
 INTERRUPTED = 130
 """Exit code after Ctrl-C, as a shell reports a command SIGINT ended (128 + 2)."""
+DEBUG = "KVTIER_DEBUG"
+"""Set to see the traceback of an unexpected error instead of its one line."""
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -71,6 +74,15 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"kvtier {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except OSError as exc:                   # the machine said no (a full disk under --save, a closed pipe)
+        print(f"kvtier {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if os.environ.get(DEBUG):
+            raise
+        print(f"kvtier {args.command}: unexpected {type(exc).__name__}: {exc} (a kvtier bug: {DEBUG}=1 shows the "
+              f"traceback; please report it)", file=sys.stderr)
+        return 1
 
 
 def interrupted(exc: BaseException) -> bool:
