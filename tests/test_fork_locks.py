@@ -17,7 +17,6 @@ from kvtier.locks import ForkSafeLock
 from kvtier.memory import registration
 from kvtier.runtime import create
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
