@@ -51,7 +51,7 @@ def test_a_fork_child_takes_a_lock_a_parent_thread_held_at_fork(name):
     thread = threading.Thread(target=hold)
     thread.start()
     try:
-        assert held.wait(5)
+        assert held.wait(60)
         pid = os.fork()
         if pid == 0:
             took = lock.acquire(timeout=2)
