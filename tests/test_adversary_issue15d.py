@@ -202,7 +202,7 @@ def test_a_fork_child_can_use_and_close_a_buffer_whose_lock_a_parent_thread_held
             _, status = os.waitpid(pid, 0)
             print(what, "HUNG" if os.WIFSIGNALED(status) else "returned", flush=True)
         release.set()
-        closer.join(10)
+        closer.join(60)
         print("parent closed", buffer.closed, flush=True)
         os._exit(0)
     """)
@@ -626,7 +626,7 @@ def test_ok_threads_viewing_while_one_closes_never_get_a_view_of_a_closed_buffer
                 pass
         stop.set()
         for t in threads:
-            t.join(10)
+            t.join(60)
         assert not any(t.is_alive() for t in threads), "a viewer thread hung"
         assert not dangling, "a view was handed out of a closed buffer"
         if not closed:

@@ -46,7 +46,7 @@ def test_a_fork_child_takes_a_lock_a_parent_thread_held_at_fork(name):
     def hold():
         with lock:
             held.set()
-            done.wait(10)
+            done.wait(60)
 
     thread = threading.Thread(target=hold)
     thread.start()
@@ -59,7 +59,7 @@ def test_a_fork_child_takes_a_lock_a_parent_thread_held_at_fork(name):
         _, status = os.waitpid(pid, 0)
     finally:
         done.set()
-        thread.join(10)
+        thread.join(60)
     assert os.waitstatus_to_exitcode(status) == 0, f"the child could not take the {name} lock"
     assert not lock.locked(), "the parent's lock is released by its holder, as before"
 
@@ -93,7 +93,7 @@ def test_locked_says_whether_any_thread_holds_it():
         seen = []
         thread = threading.Thread(target=lambda: seen.append(lock.locked()))
         thread.start()
-        thread.join(5)
+        thread.join(60)
         assert seen == [True]
     assert not lock.locked()
 
