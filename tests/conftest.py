@@ -1,6 +1,9 @@
 """One suite for every runtime: each test that takes ``runtime`` runs on emulated:split, emulated:unified and, on a
 machine with a usable GPU, the GPU runtime (marked ``gpu``; its id stays ``cuda``): ``cuda``, or the one
-``KVTIER_GPU_RUNTIME`` names (``hip`` in scripts/amd_check.sh)."""
+``KVTIER_GPU_RUNTIME`` names (``hip`` in scripts/amd_check.sh).
+
+A run that leaves kvtier's files behind (temporary directories, shm files) fails and names them; the GPU runs a
+machine without a GPU skips are summed up in one line of ``-ra``."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import RuntimeUnavailable
+from kvtier.memory.shm import DEFAULT_DIR as DEFAULT_SHM_DIR
 from kvtier.memory.shm import DIR_ENV_VAR as SHM_DIR_ENV_VAR
 from kvtier.runtime import Runtime, create, get
 
@@ -23,7 +27,8 @@ NO_GPU = "no usable CUDA GPU"
 
 # -- leftovers: a test run must leave nothing of kvtier's behind ------------------------------------------------------
 # The session gets a temporary directory (and an shm directory) of its own, inherited by every subprocess, so what a
-# run leaves is told apart from what other runs on the same machine make at the same time.
+# run leaves is told apart from what other runs on the same machine make at the same time. In the shared default shm
+# directory, files named after this process (the creator's pid) count too.
 _private: dict[str, str] = {}
 
 
@@ -37,9 +42,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def leftovers() -> list[str]:
     """kvtier's files and directories the tests left in the session's temporary and shm directories."""
-    found = [entry for entry in Path(_private["tmp"]).glob("kvtier-*")]
+    found = list(Path(_private["tmp"]).glob("kvtier-*"))
     shm = Path(_private.get("shm", "/nonexistent"))
-    found += [entry for entry in shm.iterdir()] if shm.is_dir() else []
+    found += list(shm.iterdir()) if shm.is_dir() else []
+    found += Path(DEFAULT_SHM_DIR).glob(f"kvtier-{os.getpid()}-*")
     return sorted(str(entry) for entry in found)
 
 
