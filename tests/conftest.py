@@ -7,6 +7,7 @@ machine without a GPU skips are summed up in one line of ``-ra``."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -52,6 +53,7 @@ def leftovers() -> list[str]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or "tmp" not in _private:
         return
+    gc.collect()                                       # buffers only garbage holds give their files back first
     left = leftovers()
     if left:
         _private["left"] = "\n".join(left[:20] + ([f"… and {len(left) - 20} more"] if len(left) > 20 else []))
