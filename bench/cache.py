@@ -26,8 +26,12 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _options import name_list  # noqa: E402
 
 from kvtier.cache import CacheSettings, KVCache, Namespace, page_keys  # noqa: E402
+from kvtier.cache.settings import IO_BACKENDS  # noqa: E402
 from kvtier.pools import DevicePool, HostPool, KVGeometry  # noqa: E402
 from kvtier.runtime import get as get_runtime  # noqa: E402
 
@@ -234,15 +238,27 @@ def render(console, rows, data) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runtime", default=None)
-    parser.add_argument("--page-sizes", default="1,16,64")
-    parser.add_argument("--lengths", default="1024,8192,32768,131072")
-    parser.add_argument("--conversations", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--runtime", help="runtime of the data-plane rows (default: kvtier's choice); the control "
+                                           "plane always runs on emulated:split")
+    parser.add_argument("--page-sizes", default="1,16,64",
+                        help="tokens per page of the control-plane rows, comma-separated (default: %(default)s)")
+    parser.add_argument("--lengths", default="1024,8192,32768,131072",
+                        help="prompt lengths in tokens of the control-plane rows, comma-separated "
+                             "(default: %(default)s)")
+    parser.add_argument("--conversations", type=int, default=1000,
+                        help="conversations already in the index the control-plane rows match and insert into "
+                             "(default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed repeats, median reported; the data plane runs half as many "
+                             "(default: %(default)s)")
     parser.add_argument("--no-control", action="store_true", help="skip the control-plane rows")
     parser.add_argument("--data", action="store_true", help="data-plane rows (on the runtime; meant for CUDA)")
-    parser.add_argument("--data-tokens", type=int, default=32 * K)
-    parser.add_argument("--pairs", default="kernel/kernel,staged/staged,kernel/staged")
+    parser.add_argument("--data-tokens", type=int, default=32 * K,
+                        help="prefix length of the data-plane rows in tokens (default: %(default)s)")
+    parser.add_argument("--pairs", default="kernel/kernel,staged/staged,kernel/staged",
+                        type=name_list([f"{a}/{b}" for a in IO_BACKENDS for b in IO_BACKENDS], "LOAD/BACKUP pair"),
+                        help="LOAD/BACKUP backend pairs of the data-plane rows, comma-separated "
+                             "(default: %(default)s)")
     parser.add_argument("--json", help="write rows here")
     args = parser.parse_args(argv)
     console = Console()
@@ -253,7 +269,7 @@ def main(argv=None) -> None:
                        [int(x) for x in args.lengths.split(",")], args.conversations, args.repeats, console)
     if args.data:
         runtime = get_runtime(args.runtime)
-        pairs = [tuple(p.split("/")) for p in args.pairs.split(",")]
+        pairs = [tuple(p.split("/")) for p in args.pairs]
         data = data_plane(runtime, args.data_tokens, pairs, max(1, args.repeats // 2), console)
     render(console, rows, data)
     if args.json:

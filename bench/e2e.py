@@ -38,9 +38,47 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from rich.console import Console
-from rich.table import Table
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runtime", help="kvtier runtime (default: cuda when present, else emulated:unified)")
+    parser.add_argument("--lengths", default="1k,4k,16k,32k,64k",
+                        help="prefix lengths in tokens, comma-separated (default: %(default)s)")
+    parser.add_argument("--suffixes", default="64,2k",
+                        help="new tokens after the prefix, comma-separated (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed repeats after one warm-up, median reported (default: %(default)s)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
+    parser.add_argument("--load-backend", default="direct", choices=["direct", "kernel", "staged", "batch"],
+                        help="kvtier's load backend (default: %(default)s)")
+    parser.add_argument("--host-layout", default="layer_first",
+                        choices=["layer_first", "page_first", "page_first_direct", "page_head"],
+                        help="kvtier's host pool layout (default: %(default)s)")
+    parser.add_argument("--load-blocks", type=int, help="SMs for kvtier's kernel loads (default: 2)")
+    parser.add_argument("--no-storage", action="store_true", help="skip the file store row")
+    parser.add_argument("--logits", default="4k",
+                        help="prefix length of the logits check, '' to skip (default: %(default)s)")
+    parser.add_argument("--turns", default="",
+                        help="multi-turn run USERSxTURNS, e.g. 20x8 (default: '', no multi-turn run)")
+    parser.add_argument("--turn-tokens", default="2k",
+                        help="new prompt tokens per turn in the multi-turn run (default: %(default)s)")
+    parser.add_argument("--decode", type=int, default=8,
+                        help="tokens generated per turn in the multi-turn run (default: %(default)s)")
+    parser.add_argument("--turn-device-tokens", default="48k",
+                        help="device pool of the multi-turn run in tokens (default: %(default)s)")
+    parser.add_argument("--trace", default="", help="PREFIX+SUFFIX[,…], e.g. 32k+64: a per-layer timeline of "
+                                                     "one host-tier request, GPU only (default: '', none)")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer toy model (smoke run without a GPU)")
+    parser.add_argument("--json", help="write the results here")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help and bad arguments answer before torch and transformers load (tens of seconds)
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -349,27 +387,8 @@ def show(rows: list[dict], ceiling: float) -> None:
                           f"({r['gbps']:.0f} GB/s read + written)", highlight=False)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runtime", default=None, help="kvtier runtime (default: cuda when present)")
-    parser.add_argument("--lengths", default="1k,4k,16k,32k,64k", help="prefix lengths in tokens")
-    parser.add_argument("--suffixes", default="64,2k", help="new tokens after the prefix")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--load-backend", default="direct", help="kvtier's load backend (direct, kernel, staged)")
-    parser.add_argument("--host-layout", default="layer_first", help="kvtier's host pool layout")
-    parser.add_argument("--load-blocks", type=int, default=None, help="SMs for kvtier's kernel loads (default 2)")
-    parser.add_argument("--no-storage", action="store_true", help="skip the file store row")
-    parser.add_argument("--logits", default="4k", help="prefix length of the logits check ('' to skip)")
-    parser.add_argument("--turns", default="", help="multi-turn run USERSxTURNS, e.g. 20x8 ('' to skip)")
-    parser.add_argument("--turn-tokens", default="2k")
-    parser.add_argument("--decode", type=int, default=8, help="tokens generated per turn in the multi-turn run")
-    parser.add_argument("--turn-device-tokens", default="48k", help="device pool of the multi-turn run")
-    parser.add_argument("--trace", default="", help="PREFIX+SUFFIX[,…], e.g. 32k+64: a per-layer timeline of "
-                                                     "one host-tier request (GPU only)")
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer toy model (smoke run without a GPU)")
-    parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace | None = None) -> None:
+    args = args or parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     runtime = args.runtime or ("cuda" if device == "cuda" else "emulated:unified")
     lengths = [tokens(x) for x in args.lengths.split(",") if x]
@@ -451,4 +470,4 @@ def run_turns(model: Any, clock: Clock, runtime: str, users: int, turns: int, tu
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -189,12 +189,15 @@ def swap_in_latency(runtime, small: bool, steps: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runtime", default=os.environ.get(ENV_VAR) or "cuda")
-    parser.add_argument("--gib", type=float, help="GiB per measurement (default 0.5; tiny on the emulator)")
-    parser.add_argument("--blocks", default="1,2,4")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=50, help="swap-in steps timed per case")
-    parser.add_argument("--json")
+    parser.add_argument("--runtime", default=os.environ.get(ENV_VAR) or "cuda",
+                        help=f"cuda, emulated:split or emulated:unified (default: ${ENV_VAR}, else cuda)")
+    parser.add_argument("--gib", type=float, help="GiB per measurement (default: 0.5; 1/512 on the emulator)")
+    parser.add_argument("--blocks", default="1,2,4",
+                        help="kernel SM budgets, comma-separated (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed repeats, median reported; 1 on the emulator (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=50, help="swap-in steps timed per case (default: %(default)s)")
+    parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     console = Console(width=200)
     runtime = get(args.runtime)

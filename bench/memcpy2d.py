@@ -15,11 +15,10 @@ import functools
 import statistics
 from typing import Any
 
-import torch
-from cuda.bindings import runtime as cudart
-
 
 def check(result: tuple) -> object:
+    from cuda.bindings import runtime as cudart
+
     if result[0] != cudart.cudaError_t.cudaSuccess:
         raise RuntimeError(f"CUDA error {result[0]}")
     return result[1] if len(result) > 1 else None
@@ -27,6 +26,8 @@ def check(result: tuple) -> object:
 
 def timed(fn, repeats: int = 5) -> float:
     """Median seconds of ``fn`` on the current stream (after one warm-up)."""
+    import torch
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for i in range(repeats + 1):
@@ -42,6 +43,8 @@ def timed(fn, repeats: int = 5) -> float:
 def by_layer(device: int, host: int, width: int, pitch: int, pages: int, begin: Any, events: list, stream: int
              ) -> None:
     """One strided copy per layer (layer i of every page), an event after each."""
+    from cuda.bindings import runtime as cudart
+
     begin.record()
     for layer, event in enumerate(events):
         check(cudart.cudaMemcpy2DAsync(device + layer * pages * width, width, host + layer * width, pitch, width,
@@ -51,9 +54,13 @@ def by_layer(device: int, host: int, width: int, pitch: int, pages: int, begin: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--mib", type=int, default=1024,
+                        help="MiB copied per measurement (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=32,
+                        help="layers per page: the strided copies per load (default: %(default)s)")
     args = parser.parse_args()
+    import torch  # after parsing: --help answers without it
+
     total = args.mib << 20
     host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     host.random_(0, 255)

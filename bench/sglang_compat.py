@@ -34,8 +34,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from transfer import GEOMETRIES, bench_runtime, fill  # noqa: E402
 
 from kvtier.cli.doctor_probe import probe_bandwidth  # noqa: E402
-from kvtier.compat import DeviceArray  # noqa: E402
-from kvtier.compat.sglang import kvcacheio  # noqa: E402
 from kvtier.memory import HostBuffer, HostKind  # noqa: E402
 from kvtier.pools import DevicePool, HostPool  # noqa: E402
 from kvtier.transfer import TransferEngine  # noqa: E402
@@ -54,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--stream", choices=["default", "side"], default="default",
                         help="torch stream of the compat calls: the default (legacy) stream, or a stream of their own "
-                             "(SGLang's HiCache loads and backups run on side streams)")
+                             "(SGLang's HiCache loads and backups run on side streams) (default: %(default)s)")
     parser.add_argument("--same-indices", action="store_true",
                         help="give every repeat the same index tensors (default: new ones each repeat, as each "
                              "SGLang request brings its own)")
@@ -73,6 +71,8 @@ class Memory:
     def __init__(self, runtime, name: str, g, pages: int, seed: HostBuffer, stream: str = "default") -> None:
         import torch
 
+        from kvtier.compat import DeviceArray
+
         self.runtime, self.name, self.g, self.cuda = runtime, name, g, runtime.name == "cuda"
         self.stream = torch.cuda.Stream() if self.cuda and stream == "side" else None
         tokens = pages * g.page_size
@@ -89,11 +89,15 @@ class Memory:
     def tensor(self, x):
         import torch
 
+        from kvtier.compat import DeviceArray
+
         return torch.as_tensor(np.ascontiguousarray(x, dtype=np.int64), device="cuda") if self.cuda else \
             DeviceArray.from_tensor(torch.as_tensor(np.ascontiguousarray(x, dtype=np.int64)), runtime=self.runtime)
 
     def table(self, operands):
         import torch
+
+        from kvtier.compat import DeviceArray
 
         raw = torch.tensor([x.data_ptr() for x in operands], dtype=torch.uint64)
         return raw.to("cuda") if self.cuda else DeviceArray.from_tensor(raw, runtime=self.runtime)
@@ -201,6 +205,7 @@ def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_ho
     that gives those calls new index tensors). Each call has the block shape of ``engine`` (the kernel engine it is
     compared with): SGLang's default of 32 warps a block against the engine's 512-thread backup blocks would measure
     the block shape, not the compat layer."""
+    from kvtier.compat.sglang import kvcacheio
 
     g, L, item, ps = mem.g, mem.g.layers, mem.g.row_bytes, mem.g.page_size
     mla = g.tensors == 1

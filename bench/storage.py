@@ -36,16 +36,19 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _options import name_list  # noqa: E402
 
 from kvtier.cache import CacheSettings, KVCache, Namespace, page_keys  # noqa: E402
-from kvtier.pools import DevicePool, HostPool, KVGeometry  # noqa: E402
+from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry  # noqa: E402
 from kvtier.runtime import get as get_runtime  # noqa: E402
 from kvtier.storage import HostPages, open_store  # noqa: E402
 
 SIZES = {
-    "llama3-8b p16": KVGeometry.mha(layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=16),
-    "llama3-8b p64": KVGeometry.mha(layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=64),
-    "deepseek-v3 p64": KVGeometry.mla(layers=61, latent_bytes=1152, page_size=64),
+    "llama3-8b-p16": KVGeometry.mha(layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=16),
+    "llama3-8b-p64": KVGeometry.mha(layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=64),
+    "deepseek-v3-p64": KVGeometry.mla(layers=61, latent_bytes=1152, page_size=64),
 }
 BATCH = 32
 
@@ -200,7 +203,7 @@ def row(store: str, size: str, op: str, state: str, nbytes: int, seconds: float,
 def prefetch_rows(store_kind: str, spec: str, runtime, tokens: int, directory: Path | None,
                   layout: str = "page_first") -> list[dict]:
     """Write a chain through one cache, then time a fresh cache's prefetch of it (warm and, for files, cold)."""
-    geometry = SIZES["llama3-8b p16"]
+    geometry = SIZES["llama3-8b-p16"]
     pages = tokens // geometry.page_size
     namespace = Namespace("bench/prefetch", geometry, "bfloat16", tenant=f"{os.getpid()}-{time.time_ns()}")
     prompt = np.random.default_rng().integers(0, 128256, tokens)
@@ -249,16 +252,20 @@ def prefetch_rows(store_kind: str, spec: str, runtime, tokens: int, directory: P
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stores", default="file,redis")
-    parser.add_argument("--sizes", default=",".join(SIZES))
+    parser.add_argument("--stores", default="file,redis", type=name_list(["file", "redis"], "store"),
+                        help="stores to measure, comma-separated (default: %(default)s)")
+    parser.add_argument("--sizes", default=",".join(SIZES), type=name_list(SIZES, "size"),
+                        help="page sizes to measure, comma-separated (default: %(default)s)")
     parser.add_argument("--redis", help="a Redis URL (default: start a private redis-server)")
     parser.add_argument("--dir", help="directory for the file store (default: a temporary one)")
-    parser.add_argument("--mib", type=int, default=512, help="MiB of pages per row (default 512)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prefetch-tokens", type=int, default=32768, help="0 skips the prefetch rows")
+    parser.add_argument("--mib", type=int, default=512, help="MiB of pages per row (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats, median reported (default: %(default)s)")
+    parser.add_argument("--prefetch-tokens", type=int, default=32768,
+                        help="tokens in the chain the prefetch rows read; 0 skips them (default: %(default)s)")
     parser.add_argument("--host-layouts", default="page_first",
-                        help="host pool layouts the prefetch rows read into, comma-separated")
-    parser.add_argument("--runtime", default=None)
+                        type=name_list([x.value for x in HostLayout], "host layout"),
+                        help="host pool layouts the prefetch rows read into, comma-separated (default: %(default)s)")
+    parser.add_argument("--runtime", help="kvtier runtime of the pools (default: kvtier's choice)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     runtime = get_runtime(args.runtime)
@@ -266,7 +273,7 @@ def main() -> int:
     directory = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-bench-store-"))
     started = None
     specs = {}
-    for kind in args.stores.split(","):
+    for kind in args.stores:
         if kind == "file":
             specs[kind] = f"file:{directory / 'store'}"
         elif kind == "redis":
@@ -278,16 +285,14 @@ def main() -> int:
                     console.print("[yellow]no redis-server installed: skipping the redis rows")
                     continue
                 specs[kind] = started[0]
-        else:
-            raise SystemExit(f"unknown store {kind!r}: file or redis")
     rows, prefetches = [], []
     try:
         for kind, spec in specs.items():
-            for name in args.sizes.split(","):
+            for name in args.sizes:
                 rows += page_rows(kind, spec, name, SIZES[name], runtime, args.mib, args.repeats, directory)
                 console.print(f"{kind} {name}: done")
             if args.prefetch_tokens:
-                for layout in args.host_layouts.split(","):
+                for layout in args.host_layouts:
                     prefetches += prefetch_rows(kind, spec, runtime, args.prefetch_tokens, directory, layout)
     finally:
         if started is not None:

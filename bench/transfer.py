@@ -235,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "8x1024+bulk (WIDTH caps the bytes per access, +cached drops the streaming cache hints, "
                              "+noskip the test for absent units, +bulk copies through the TMA, sm_90+, per-layer "
                              "loads without layer counters; the shipped 8x1024 runs the prebuilt kernels, others "
-                             "JIT)")
+                             "JIT; default: none)")
     parser.add_argument("--blocks", default="1,2,4,8,0", help="kernel SM budgets; 0 = one block per SM "
                                                               "(default: %(default)s)")
     parser.add_argument("--gib", type=float, help="GiB moved per measurement (default: 1; 1/64 on an emulated "

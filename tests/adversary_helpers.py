@@ -99,7 +99,7 @@ def _fork_child(queue, call):
         queue.put(repr(error))
 
 
-def run_in_fork(call, meanwhile=None, timeout=3.0):
+def run_in_fork(call, meanwhile=None, timeout=60.0):
     """(hung, what ``call()`` gave) in a 'fork' child: "ok" for None, else its result or its error's repr.
     ``meanwhile()`` runs in the parent once the child started; a child still alive ``timeout`` seconds later hangs."""
     ctx = multiprocessing.get_context("fork")
@@ -112,7 +112,7 @@ def run_in_fork(call, meanwhile=None, timeout=3.0):
     hung = child.is_alive()
     if hung:
         child.kill()
-        child.join(5)
+        child.join(60)
         return True, None
     return False, queue.get(timeout=5)
 

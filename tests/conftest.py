@@ -1,18 +1,87 @@
 """One suite for every runtime: each test that takes ``runtime`` runs on emulated:split, emulated:unified and, on a
 machine with a usable GPU, the GPU runtime (marked ``gpu``; its id stays ``cuda``): ``cuda``, or the one
-``KVTIER_GPU_RUNTIME`` names (``hip`` in scripts/amd_check.sh)."""
+``KVTIER_GPU_RUNTIME`` names (``hip`` in scripts/amd_check.sh).
+
+A run that leaves kvtier's files behind (temporary directories, shm files) fails and names them; the GPU runs a
+machine without a GPU skips are summed up in one line of ``-ra``."""
 
 from __future__ import annotations
 
+import gc
 import os
+import shutil
+import tempfile
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvtier.errors import RuntimeUnavailable
+from kvtier.memory.shm import DEFAULT_DIR as DEFAULT_SHM_DIR
+from kvtier.memory.shm import DIR_ENV_VAR as SHM_DIR_ENV_VAR
 from kvtier.runtime import Runtime, create, get
 
 RUNTIMES = ["emulated:split", "emulated:unified", pytest.param("cuda", marks=pytest.mark.gpu)]
+NO_GPU = "no usable CUDA GPU"
+
+
+# -- leftovers: a test run must leave nothing of kvtier's behind ------------------------------------------------------
+# The session gets a temporary directory (and an shm directory) of its own, inherited by every subprocess, so what a
+# run leaves is told apart from what other runs on the same machine make at the same time. In the shared default shm
+# directory, files named after this process (the creator's pid) count too.
+_private: dict[str, str] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())   # tmp_path stays where pytest keeps it
+    _private["tmp"] = tempfile.mkdtemp(prefix="kvtier-test-session-")
+    os.environ["TMPDIR"] = tempfile.tempdir = _private["tmp"]
+    if not os.environ.get(SHM_DIR_ENV_VAR):
+        _private["shm"] = os.environ[SHM_DIR_ENV_VAR] = f"/dev/shm/kvtier-test-session-{uuid.uuid4().hex[:12]}"
+
+
+def leftovers() -> list[str]:
+    """kvtier's files and directories the tests left in the session's temporary and shm directories."""
+    found = list(Path(_private["tmp"]).glob("kvtier-*"))
+    shm = Path(_private.get("shm", "/nonexistent"))
+    found += list(shm.iterdir()) if shm.is_dir() else []
+    found += Path(DEFAULT_SHM_DIR).glob(f"kvtier-{os.getpid()}-*")
+    return sorted(str(entry) for entry in found)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or "tmp" not in _private:
+        return
+    gc.collect()                                       # buffers only garbage holds give their files back first
+    left = leftovers()
+    if left:
+        _private["left"] = "\n".join(left[:20] + ([f"… and {len(left) - 20} more"] if len(left) > 20 else []))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _private.get("left"):
+        terminalreporter.section("kvtier files left behind", red=True)
+        terminalreporter.line("the tests left these (a test that makes one must remove it); the run fails:\n"
+                              + _private["left"])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in (_private.pop("tmp", None), _private.pop("shm", None)):
+        if path:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# -- one summary line for the GPU runs a machine without a GPU skips --------------------------------------------------
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[pytest.TestReport]:
+    """Every test that takes ``runtime`` has a ``cuda`` run; without a GPU, ``-ra`` would list each skip on a line of
+    its own. Reported from here instead, they fold into one line; other skips keep their own."""
+    report = yield
+    if report.skipped and isinstance(report.longrepr, tuple) and report.longrepr[2].endswith(NO_GPU):
+        report.longrepr = (__file__, None, f"{NO_GPU} (the gpu-marked runs)")
+    return report
 
 
 def cuda_runtime() -> Runtime | None:
@@ -27,7 +96,7 @@ def runtime(request: pytest.FixtureRequest) -> Runtime:
     if request.param == "cuda":
         rt = cuda_runtime()
         if rt is None:
-            pytest.skip("no usable CUDA GPU")
+            pytest.skip(NO_GPU)
         return rt
     return create(request.param)
 
@@ -37,7 +106,7 @@ def cuda() -> Runtime:
     """The real CUDA runtime, for tests that only mean something there (mark them ``gpu``)."""
     rt = cuda_runtime()
     if rt is None:
-        pytest.skip("no usable CUDA GPU")
+        pytest.skip(NO_GPU)
     return rt
 
 

@@ -72,7 +72,7 @@ def test_closing_a_captured_shape_waits_for_a_load_another_thread_is_queuing():
         def parked(*args, **kwargs):
             if threading.current_thread().name == "loader" and not entered.is_set():
                 entered.set()
-                release.wait(5)
+                release.wait(60)
             return original(*args, **kwargs)
 
         runtime.memcpy_async = parked
@@ -88,16 +88,16 @@ def test_closing_a_captured_shape_waits_for_a_load_another_thread_is_queuing():
         thread = threading.Thread(target=loader, name="loader")
         thread.start()
         try:
-            assert entered.wait(5)
+            assert entered.wait(60)
             closer = threading.Thread(target=shape.close)
             closer.start()
             closer.join(0.5)
             returned_early = not closer.is_alive()
         finally:
             release.set()
-            thread.join(10)
+            thread.join(60)
             runtime.memcpy_async = original
-        closer.join(10)
+        closer.join(60)
         assert "error" not in outcome, f"the load failed under a concurrent close: {outcome['error']!r}"
         assert not returned_early, "close returned while a load was still being queued"
         for tensor in range(G.tensors):

@@ -102,7 +102,7 @@ def test_two_threads_preparing_one_kept_plan_each_launch_their_own_indices(spec)
     io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, []), dev_idx(rt, []), row)   # a plan, nothing prepared
     store, ret = _bind_lines()
     code = Plan.bind.__code__
-    both, a_stored, b_stored = threading.Barrier(2, timeout=5), threading.Event(), threading.Event()
+    both, a_stored, b_stored = threading.Barrier(2, timeout=60), threading.Event(), threading.Event()
 
     def tracer(frame, event, arg):
         if frame.f_code is not code:
@@ -113,11 +113,11 @@ def test_two_threads_preparing_one_kept_plan_each_launch_their_own_indices(spec)
             if event == "line" and frame.f_lineno == store:
                 both.wait()                     # both threads found nothing prepared
                 if me == "B":
-                    a_stored.wait(5)
+                    a_stored.wait(60)
             elif event == "line" and frame.f_lineno == ret:
                 if me == "A":
                     a_stored.set()
-                    b_stored.wait(5)
+                    b_stored.wait(60)
                 else:
                     b_stored.set()
             return local

@@ -187,7 +187,7 @@ def _pause_build(code, paused: threading.Event, resume: threading.Event):
             if event == "return" and not done:
                 done.append(True)
                 paused.set()
-                resume.wait(10)
+                resume.wait(60)
             return local
         return local
     return tracer
@@ -230,7 +230,7 @@ def test_direct_plans_kept_after_a_registration_change_are_those_of_the_new_regi
             sys.settrace(None)
     thread = threading.Thread(target=first, daemon=True)
     thread.start()
-    assert paused.wait(10)
+    assert paused.wait(60)
     try:
         rt.host_unregister(address)                         # the same memory, now two registrations meeting at
         rt.host_register(address, 4 * row)                  # token 4: a copy over tokens 2..5 must be cut there
@@ -239,7 +239,7 @@ def test_direct_plans_kept_after_a_registration_change_are_those_of_the_new_regi
         rt.synchronize(0)
     finally:
         resume.set()
-        thread.join(10)
+        thread.join(60)
     poison(dst)
     io.transfer_kv_direct([src], [dst], si, di, 1)          # same tensors, same indices, no registration change
     want = torch.full((n, row), POISON, dtype=torch.uint8)

@@ -636,7 +636,7 @@ def test_ok_an_engine_closed_from_another_thread_mid_transfer_closes_after_it_la
         def hooked(*args, **kwargs):
             if threading.current_thread() is loader and not inside.is_set():
                 inside.set()
-                assert go.wait(10)
+                assert go.wait(60)
             return queue(*args, **kwargs)
 
         monkeypatch.setattr(rt, "memcpy_run_sets_async", hooked)
@@ -665,13 +665,13 @@ def test_ok_an_engine_closed_from_another_thread_mid_transfer_closes_after_it_la
 
         loader = threading.Thread(target=load)
         loader.start()
-        assert inside.wait(10)
+        assert inside.wait(60)
         closer = threading.Thread(target=close)
         closer.start()
-        assert closing.wait(10)
+        assert closing.wait(60)
         go.set()
-        loader.join(10)
-        closer.join(10)
+        loader.join(60)
+        closer.join(60)
         assert not loader.is_alive() and not closer.is_alive()
         assert "load" not in out and "close" not in out, out
         assert engine.closed and out["transfer"].done()

@@ -223,7 +223,7 @@ def test_a_release_kept_by_another_thread_meanwhile_is_not_dropped(monkeypatch):
     monkeypatch.setattr(base, "_KEPT_RELEASES", Stored(base._KEPT_RELEASES))
     try:
         Runtime.after_device_work(first, lambda: ran.append("first"))
-        other.join(10)
+        other.join(60)
         assert started, "the hook never ran"
         second.capturing = False
         Runtime.after_device_work(second, lambda: ran.append("later"))

@@ -209,7 +209,7 @@ def test_ok_mla_and_kv_lists_layer_ids_and_page_sizes_over_one_tensor_set_land_t
 def _paused_in(function, text, body):
     """Run ``body()`` in a thread stopped at the line of ``function`` holding ``text`` until ``resume`` is set."""
     paused, resume, errors = threading.Event(), threading.Event(), []
-    tracer, done = at_line(function, text, lambda: (paused.set(), resume.wait(10)))
+    tracer, done = at_line(function, text, lambda: (paused.set(), resume.wait(60)))
 
     def run():
         try:
@@ -218,7 +218,7 @@ def _paused_in(function, text, body):
             errors.append(error)
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    assert paused.wait(10), "the paused thread never reached its line"
+    assert paused.wait(60), "the paused thread never reached its line"
     return thread, resume, errors
 
 
@@ -264,7 +264,7 @@ def test_ok_another_threads_requests_meanwhile_leave_a_paused_calls_plan_and_ind
         call(b_si, b_di)
     finally:
         resume.set()
-        thread.join(10)
+        thread.join(60)
     assert not thread.is_alive() and not errors, errors
     rt.synchronize(0)
     want = [torch.full((pages * page, d), POISON, dtype=torch.uint8) for _ in range(2)]

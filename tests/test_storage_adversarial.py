@@ -97,7 +97,7 @@ def test_a_directory_or_fifo_at_a_page_path_is_a_miss_not_an_error_or_a_hang(tmp
     done = []
     reader = threading.Thread(target=lambda: done.append(read_pages(store, keys)[0]), daemon=True)
     reader.start()
-    reader.join(5)
+    reader.join(60)                                 # a hang is for good: the bound only has to end the test
     assert done == [1], "a FIFO at a page path hung the read"
 
 
@@ -130,14 +130,15 @@ def test_a_frozen_cluster_node_costs_one_timeout_not_a_retry_loop():
     frozen = cluster.servers[1].process
     try:
         ns = namespace()
-        store = open_store(cluster.url, ns, retry_interval=0, timeout=0.5, connect_timeout=0.5)
+        timeout = 1.0                               # long against a loaded machine's delays; a retry loop is 4+
+        store = open_store(cluster.url, ns, retry_interval=0, timeout=timeout, connect_timeout=timeout)
         keys = page_keys(ns, np.arange(30 * GEOMETRY.page_size))
         assert store.set(keys, [[p] for p in random_pages(30)]) == 30
         frozen.send_signal(19)                      # SIGSTOP
         for call in (lambda: store.exists(keys), lambda: read_pages(store, keys), lambda: store.exists(keys)):
             start = time.monotonic()
             call()
-            assert time.monotonic() - start < 2.0
+            assert time.monotonic() - start < 4 * timeout
         assert store.stats()["errors.exists"] >= 1
         frozen.send_signal(18)                      # SIGCONT: the store finds the cluster again
         deadline = time.monotonic() + 20

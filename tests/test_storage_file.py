@@ -60,7 +60,7 @@ def test_a_writer_killed_mid_page_leaves_the_old_page_or_a_miss(tmp_path, kill, 
     new = random_pages(1)[0]
     script = CHILD.format(tests=os.path.dirname(__file__), tenant=ns.tenant, root=str(tmp_path),
                           payload=new.tobytes().hex(), kill=kill)
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
     assert child.returncode == -9, child.stderr.decode()
     assert list(tmp_path.glob("*/*/.*.tmp")), "the killed writer left its temporary file"
     count, out = read_pages(FileStore(tmp_path, ns), keys)    # a new store sweeps the dead writer's temporaries
@@ -94,7 +94,7 @@ def test_two_processes_share_a_directory_and_namespaces_stay_apart(tmp_path):
     payload = random_pages(1)[0]
     script = CHILD.format(tests=os.path.dirname(__file__), tenant=ns.tenant, root=str(tmp_path),
                           payload=payload.tobytes().hex(), kill="no")
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
     keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
     store = FileStore(tmp_path, ns)
     count, out = read_pages(store, keys[1:])

@@ -4,6 +4,8 @@ exactly the bytes inserted for it, and the index and page accounting hold after 
 
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -124,11 +126,15 @@ class StorageMachine(CacheMachine):
         self.flaky[-1].down = down
 
     def teardown(self):
-        if hasattr(self, "flaky") and self.flaky:
-            self.flaky[-1].down = False
-        super().teardown()
-        for store in getattr(self, "stores", []):
-            store.close()
+        try:
+            if hasattr(self, "flaky") and self.flaky:
+                self.flaky[-1].down = False
+            super().teardown()
+            for store in getattr(self, "stores", []):
+                store.close()
+        finally:
+            if hasattr(self, "directory"):
+                shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def machine(runtime_name: str, policy: str, store_kind: str) -> type[StorageMachine]:
@@ -144,3 +150,19 @@ def test_cache_with_storage_against_the_reference(runtime_name, policy, store_ki
     test.settings = settings(max_examples=30, stateful_step_count=30, deadline=None,
                              suppress_health_check=list(HealthCheck))
     test().runTest()
+
+
+def test_every_example_removes_its_store_directory(monkeypatch):
+    """Each example makes a directory for its file store; a run of hundreds of examples must not leave them."""
+    made, mkdtemp = [], tempfile.mkdtemp
+
+    def recording(*args, **kwargs):
+        made.append(mkdtemp(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", recording)
+    test = machine("emulated:split", "write_back", "file").TestCase
+    test.settings = settings(max_examples=3, stateful_step_count=5, deadline=None,
+                             suppress_health_check=list(HealthCheck))
+    test().runTest()
+    assert made and [path for path in made if os.path.exists(path)] == []

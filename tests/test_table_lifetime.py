@@ -74,7 +74,7 @@ def test_two_threads_building_one_table_at_once_launch_over_live_tables(spec):
     build = _line(operands.pointer_table, "= build_pointer_table(")
     sides, ret = _line(Plan.bind, "sides = ["), _line(Plan.bind, "return prepared")
     table_code, bind_code = operands.pointer_table.__code__, Plan.bind.__code__
-    missed = threading.Barrier(2, timeout=5)
+    missed = threading.Barrier(2, timeout=60)
     a_built, a_assigned, b_stored = threading.Event(), threading.Event(), threading.Event()
     b_calls = [0]
 
@@ -87,7 +87,7 @@ def test_two_threads_building_one_table_at_once_launch_over_live_tables(spec):
             if code is table_code and event == "line" and frame.f_lineno == build:
                 missed.wait()                       # both looked these entries up and found no table
                 if me == "B":
-                    a_built.wait(5)                 # B stores its table after A's
+                    a_built.wait(60)                 # B stores its table after A's
                     a_built.clear()
             elif code is table_code and event == "return":
                 if me == "A":
@@ -95,12 +95,12 @@ def test_two_threads_building_one_table_at_once_launch_over_live_tables(spec):
                 else:
                     b_calls[0] += 1
                     if b_calls[0] == 2:
-                        a_assigned.wait(5)          # B gives the plan its tables after A
+                        a_assigned.wait(60)          # B gives the plan its tables after A
             elif code is bind_code and event == "line" and frame.f_lineno == sides and me == "A":
                 a_assigned.set()
             elif code is bind_code and event == "line" and frame.f_lineno == ret:
                 if me == "A":
-                    b_stored.wait(5)                # A launches once B stored its preparation
+                    b_stored.wait(60)                # A launches once B stored its preparation
                 else:
                     b_stored.set()
             return local

@@ -236,7 +236,10 @@ class HostBuffer:
         return HostRegion(self, *self.check_span(offset, nbytes, "region"))
 
     def as_tensor(self, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
-        """A flat CPU tensor over the buffer's bytes; it keeps the buffer from closing while it lives."""
+        """A flat CPU tensor over the buffer's bytes; it keeps the buffer from closing while it lives.
+
+        A closed buffer is refused before torch is imported: a fork child's first torch import takes seconds."""
+        self._check_open()
         import torch
 
         dtype = dtype or torch.uint8
