@@ -85,7 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from kvtier.cache import CacheSettings  # noqa: E402
-from kvtier.integrations.transformers import KVTierGeneration  # noqa: E402
+from kvtier.integrations.transformers import KVTierGeneration, cache_keyword  # noqa: E402
 
 console = Console(width=150)
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -133,7 +133,7 @@ class Clock:
 
 def first_token(model: Any, ids: Any, past: Any) -> int:
     with torch.no_grad():
-        logits = model(ids, past_key_values=past, logits_to_keep=1).logits
+        logits = model(ids, **{cache_keyword(model): past}, logits_to_keep=1).logits
     return int(logits[0, -1].argmax().item())
 
 
@@ -314,7 +314,7 @@ def logits_check(model: Any, generation: KVTierGeneration, length: int, device: 
 
     def logits() -> Any:
         with generation.request(ids) as request, torch.no_grad():
-            return model(ids[:, request.cached_tokens:], past_key_values=request.cache,
+            return model(ids[:, request.cached_tokens:], **{cache_keyword(model): request.cache},
                          logits_to_keep=1).logits[0, -1].float()
     on_device = logits()
     cache.drain()
@@ -348,13 +348,13 @@ def multi_turn(model: Any, generation: KVTierGeneration, clock: Clock, users: in
             with generation.request(ids) as request:
                 past = request.cache
                 with torch.no_grad():
-                    out = model(ids[:, request.cached_tokens:], past_key_values=past, logits_to_keep=1)
+                    out = model(ids[:, request.cached_tokens:], **{cache_keyword(model): past}, logits_to_keep=1)
                     token = out.logits[:, -1:].argmax(-1)
                     token.item()
                     ttfts.append((time.perf_counter() - begin) * 1e3)
                     generated = [token]
                     for _ in range(decode - 1):
-                        token = model(token, past_key_values=past, logits_to_keep=1).logits[:, -1:].argmax(-1)
+                        token = model(token, **{cache_keyword(model): past}, logits_to_keep=1).logits[:, -1:].argmax(-1)
                         generated.append(token)
                 sequence = torch.cat([ids, *generated], dim=1)
                 request.finish(sequence)
