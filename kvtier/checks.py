@@ -31,18 +31,18 @@ def integer(value: Any, name: str, *, low: int | None = None, high: int | None =
     return value
 
 
-def positive_number(value: Any, name: str, *, zero: bool = False) -> float:
+def positive_number(value: Any, name: str, *, zero: bool = False, unit: str = "") -> float:
     """``value`` as a finite float > 0 (>= 0 with ``zero``): any real number type, never bool or a string, never an
-    integer too large for a float."""
-    what = "finite and >= 0" if zero else "finite and positive"
+    integer too large for a float. The error reads ``name=value: a finite number [of unit] > 0``."""
+    what = f"a finite number{f' of {unit}' if unit else ''} {'>=' if zero else '>'} 0"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise InvalidArgument(f"{name} must be a number, got {type(value).__name__} {value!r:.60}")
+        raise InvalidArgument(f"{name}={value!r:.60}: {what}, not a {type(value).__name__}")
     try:
         number = float(value)
     except OverflowError:
-        raise InvalidArgument(f"{name} must be {what}, got an integer too large for a float") from None
+        raise InvalidArgument(f"{name}={value!r:.30}...: {what}, not an integer too large for a float") from None
     if not math.isfinite(number) or number < 0 or (number == 0 and not zero):
-        raise InvalidArgument(f"{name} must be {what}, got {value!r}")
+        raise InvalidArgument(f"{name}={value!r}: {what}")
     return number
 
 

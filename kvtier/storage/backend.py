@@ -137,7 +137,7 @@ class StorageBackend:
 
         if namespace is not None and not isinstance(namespace, Namespace):
             raise InvalidArgument(f"namespace={namespace!r:.60}: a kvtier.cache.Namespace, or None for operators")
-        retry_interval = positive_number(retry_interval, "retry_interval (seconds)", zero=True)
+        retry_interval = positive_number(retry_interval, "retry_interval", zero=True, unit="seconds")
         if type(batch_pages) is not int or batch_pages < 1:
             raise InvalidArgument(f"batch_pages={batch_pages!r}: an int >= 1")
         self._namespace = namespace

@@ -57,7 +57,7 @@ class RedisStore(StorageBackend):
                                             ("connect_timeout", connect_timeout, "socket_connect_timeout", 2.0)):
             if value is not None and query in connection:
                 raise InvalidArgument(f"{name}={value!r} and the URL's {query}: give it once")
-            connection.setdefault(query, default if value is None else positive_number(value, f"{name} (seconds)"))
+            connection.setdefault(query, default if value is None else positive_number(value, name, unit="seconds"))
         self.cluster, self.url, self.where = target.cluster, target.url, target.where
         self.prefix, self.ttl = prefix, ttl
         self._options = connection
