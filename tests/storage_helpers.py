@@ -185,25 +185,26 @@ class Hooked(MemoryStore):
         return super()._set(keys, pages)
 
 
-def hooked_stores(**options):
-    """A factory of Hooked stores sharing one dict (a restart, a second cache), and the list of stores it made."""
+def stores_of(kind=None, **options):
+    """A factory of stores of ``kind`` (default MemoryStore) sharing one dict of pages (a restart, a second cache),
+    and the list of stores it made (close them after the caches)."""
+    kind = kind or MemoryStore
     shared, stores = SharedPages(), []
 
     def storage(ns):
-        stores.append(Hooked(ns, shared=shared, **options))
+        stores.append(kind(ns, shared=shared, **options))
         return stores[-1]
 
     return storage, stores
+
+
+def hooked_stores(**options):
+    """Hooked stores (reads and writes slowed or broken on demand) sharing one dict, and the list of them."""
+    return stores_of(Hooked, **options)
 
 
 def memory_stores():
-    shared, stores = SharedPages(), []
-
-    def storage(ns):
-        stores.append(MemoryStore(ns, shared=shared))
-        return stores[-1]
-
-    return storage, stores
+    return stores_of()
 
 
 def warm(runtime, storage, prompts, **settings):

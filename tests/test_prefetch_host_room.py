@@ -6,21 +6,14 @@ from __future__ import annotations
 import pytest
 
 from cache_helpers import P, close_all, load_and_check, prompt, serve
-from kvtier.storage import MemoryStore, SharedPages
-from storage_helpers import second, warm
+from storage_helpers import second, stores_of, warm
 
 
 @pytest.fixture
 def stored(rt):
     """A 40-page prompt a first cache wrote through to a shared store, and a second cache with 24 host pages over it
     (yields the prompt, the cache and its model)."""
-    shared = SharedPages()
-    stores: list[MemoryStore] = []
-
-    def storage(ns):
-        stores.append(MemoryStore(ns, shared=shared))
-        return stores[-1]
-
+    storage, stores = stores_of()
     tokens = prompt(40 * P)
     salt = warm(rt, storage, [tokens])
     cache, model, dev, host = second(rt, storage, salt, host_pages=24, storage_write=False)

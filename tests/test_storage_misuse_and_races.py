@@ -16,7 +16,7 @@ from kvtier.cli import main
 from kvtier.errors import BufferClosed, InvalidArgument
 from kvtier.storage import MemoryStore, SharedPages, StorageError, open_store
 from kvtier.storage.backend import PartialWrite
-from storage_helpers import Hooked, namespace, second, warm
+from storage_helpers import Hooked, namespace, second, stores_of, warm
 
 
 def documented(stats):
@@ -165,13 +165,7 @@ def test_stale_temporaries_of_a_dead_writer_are_swept_and_a_live_ones_kept(tmp_p
 
 # -- prefetch into a host tier too small for it --------------------------------------------------------------------
 def test_a_prefetch_whose_last_batch_only_partly_fits_commits_exactly_what_fits(rt):
-    shared = SharedPages()
-    stores: list = []
-
-    def storage(ns):
-        stores.append(MemoryStore(ns, shared=shared))
-        return stores[-1]
-
+    storage, stores = stores_of()
     tokens = prompt(40 * P)
     salt = warm(rt, storage, [tokens])
     cache, model, dev, host = second(rt, storage, salt, host_pages=20, storage_write=False, storage_batch_pages=8)
@@ -196,13 +190,7 @@ def test_a_prefetch_whose_last_batch_only_partly_fits_commits_exactly_what_fits(
 def test_a_prefetch_past_a_host_prefix_commits_what_fits_behind_it(rt):
     """The prompt's first 8 pages are already on the host (locked by a request); 32 more are stored; 12 free host
     pages: the 12 pages right after the host prefix are committed and correct."""
-    shared = SharedPages()
-    stores: list = []
-
-    def storage(ns):
-        stores.append(MemoryStore(ns, shared=shared))
-        return stores[-1]
-
+    storage, stores = stores_of()
     tokens = prompt(40 * P)
     salt = warm(rt, storage, [tokens])
     cache, model, dev, host = second(rt, storage, salt, host_pages=20, storage_write=False)
@@ -229,8 +217,6 @@ def test_a_prefetch_past_a_host_prefix_commits_what_fits_behind_it(rt):
 
 # -- a host pool closed under storage I/O --------------------------------------------------------------------------
 def test_a_host_pool_closed_while_a_write_through_is_in_flight_stores_the_right_bytes(rt):
-    shared = SharedPages()
-    stores: list = []
     started = threading.Event()
 
     class Slow(Hooked):
@@ -238,9 +224,7 @@ def test_a_host_pool_closed_while_a_write_through_is_in_flight_stores_the_right_
             started.set()
             return super()._set(keys, pages)
 
-    def storage(ns):
-        stores.append(Slow(ns, shared=shared))
-        return stores[-1]
+    storage, stores = stores_of(Slow)
 
     cache, model, dev, host = build(rt, device_pages=32, host_pages=64, storage=storage)
     stores[0].delay = 0.3
@@ -274,8 +258,6 @@ def test_a_host_pool_closed_while_a_write_through_is_in_flight_stores_the_right_
 
 
 def test_a_host_pool_closed_while_a_prefetch_reads_into_it(rt):
-    shared = SharedPages()
-    stores: list = []
     reading = threading.Event()
 
     class Slow(Hooked):
@@ -283,9 +265,7 @@ def test_a_host_pool_closed_while_a_prefetch_reads_into_it(rt):
             reading.set()
             yield from super()._get(keys, pages)
 
-    def storage(ns):
-        stores.append(Slow(ns, shared=shared))
-        return stores[-1]
+    storage, stores = stores_of(Slow)
 
     tokens = prompt(16 * P)
     salt = warm(rt, storage, [tokens])
