@@ -18,6 +18,7 @@ import numpy as np
 
 from kvtier.cache import CacheSettings
 from kvtier.errors import InvalidArgument
+from kvtier.memory.budget import available_host_bytes
 from kvtier.pools import KVGeometry
 from kvtier.pools.state import StateGeometry
 
@@ -139,13 +140,9 @@ def causes(args: argparse.Namespace, part: str) -> str:
 
 def available_memory() -> int:
     """Bytes this machine can give without swapping (MemAvailable), else its free pages, else the cap."""
-    try:
-        with open("/proc/meminfo") as file:
-            for line in file:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = available_host_bytes()
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
