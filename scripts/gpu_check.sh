@@ -14,6 +14,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDON
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
 status=0
 want() { [[ " $PHASES " == *" $1 "* ]]; }
+# Dependencies the machine's image lacks (redis-py, seen 2026-12-05), from wheels carried in .wheels
+# (scripts/device_wheels.sh); already installed ones are kept.
+if [ -d .wheels ]; then
+    python3 -m pip install -q --no-index --find-links .wheels redis hiredis xxhash prometheus-client rich         > "$OUT/wheels.txt" 2>&1 || status=1
+fi
 # Reserve 1 GiB of huge pages on the throwaway VM (host setting, not the card's) so hugetlb is tested, not skipped.
 if [ "$(cat /proc/sys/vm/nr_hugepages 2>/dev/null)" = 0 ] && [ -w /proc/sys/vm/nr_hugepages ]; then
     echo 512 > /proc/sys/vm/nr_hugepages || true
