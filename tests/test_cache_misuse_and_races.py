@@ -96,55 +96,47 @@ def test_the_device_pool_closed_while_an_allocation_waits_names_the_pool(rt, mon
 
 
 # -- arguments checked before any work -----------------------------------------------------------------------------
-def test_free_with_a_bad_after_records_no_event_and_keeps_the_pages(rt, monkeypatch):
-    cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
-    try:
-        mine = cache.allocate(2)
-        made = counting_events(monkeypatch, rt)
-        with pytest.raises(KvtierError):
-            cache.free(mine, after=[rt.current_stream(0), "not a stream"])
-        assert made == [], "a refused free recorded an event on the caller's stream"
-        assert cache.device.free_pages == 6
-        cache.free(mine)
-        cache.check()
-    finally:
-        close_all(cache, dev, host)
+def refusal_free(cache, model, rt):
+    mine = cache.allocate(2)
+    return (lambda after: cache.free(mine, after=after)), lambda: cache.free(mine)
 
 
-def test_insert_with_a_bad_after_records_no_event_and_changes_nothing(rt, monkeypatch):
-    cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
-    try:
-        tokens = prompt(2 * P)
-        mine = cache.allocate(2)
-        model.write(tokens, mine)
-        before = (cache.device.free_pages, cache.index.nodes, dict(cache.stats()))
-        made = counting_events(monkeypatch, rt)
-        with pytest.raises(KvtierError):
-            cache.insert(tokens, mine, after=[rt.current_stream(0), object()])
-        assert made == [], "a refused insert recorded an event on the caller's stream"
-        assert (cache.device.free_pages, cache.index.nodes, dict(cache.stats())) == before
-        cache.insert(tokens, mine)
-        cache.check()
-    finally:
-        close_all(cache, dev, host)
+def refusal_insert(cache, model, rt):
+    tokens = prompt(2 * P)
+    mine = cache.allocate(2)
+    model.write(tokens, mine)
+    return (lambda after: cache.insert(tokens, mine, after=after)), lambda: cache.insert(tokens, mine)
 
 
-def test_load_back_with_a_bad_after_records_no_event_and_changes_nothing(rt, monkeypatch):
-    cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
-    try:
-        tokens = prompt(4 * P)
-        serve(cache, model, tokens)
-        cache.drain()
-        cache.evict(device_pages=8)
-        match = cache.match_prefix(tokens, lock=True)
-        before = (cache.device.free_pages, cache.index.nodes, dict(cache.stats()))
-        made = counting_events(monkeypatch, rt)
-        with pytest.raises(KvtierError):
-            cache.load_back(match, after=[rt.current_stream(0), 5], force=True)
-        assert made == [], "a refused load_back recorded an event on the caller's stream"
-        assert (cache.device.free_pages, cache.index.nodes, dict(cache.stats())) == before
+def refusal_load_back(cache, model, rt):
+    tokens = prompt(4 * P)
+    serve(cache, model, tokens)
+    cache.drain()
+    cache.evict(device_pages=8)
+    match = cache.match_prefix(tokens, lock=True)
+
+    def then():
         cache.unlock(match)
         load_and_check(cache, model, tokens)
+
+    return (lambda after: cache.load_back(match, after=after, force=True)), then
+
+
+@pytest.mark.parametrize("setup, bad", [(refusal_free, "not a stream"), (refusal_insert, object()),
+                                        (refusal_load_back, 5)], ids=["free", "insert", "load_back"])
+def test_a_call_with_a_bad_after_records_no_event_and_changes_nothing(rt, monkeypatch, setup, bad):
+    """A bad item late in an ``after`` list is refused before any event is recorded for the good ones before it;
+    the same call with no bad item then works."""
+    cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
+    try:
+        call, then = setup(cache, model, rt)
+        before = (cache.device.free_pages, cache.index.nodes, dict(cache.stats()))
+        made = counting_events(monkeypatch, rt)
+        with pytest.raises(KvtierError):
+            call([rt.current_stream(0), bad])
+        assert made == [], "a refused call recorded an event on the caller's stream"
+        assert (cache.device.free_pages, cache.index.nodes, dict(cache.stats())) == before
+        then()
         cache.check()
     finally:
         close_all(cache, dev, host)
