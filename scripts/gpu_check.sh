@@ -34,18 +34,18 @@ if want tests; then
         || status=1
 fi
 if want jit; then
-    KVTIER_KERNELS=jit python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_transfer.py tests/test_kernels.py \
-        tests/test_layer_signals.py 2>&1 \
+    KVTIER_KERNELS=jit python3 -m pytest -q -p no:cacheprovider -m gpu tests/transfer/test_round_trips.py tests/kernels/test_build_and_launch.py \
+        tests/transfer/test_layer_signals.py 2>&1 \
         | tee "$OUT/pytest-jit.log" || status=1
 fi
 if want sanitizer; then
     # --show-backtrace device: a host backtrace makes compute-sanitizer keep the Python frame that queued each
     # launch (and every tensor in it) for the life of the process, so a HostBuffer's views never die in the tests.
     KVTIER_KERNELS=aot compute-sanitizer --tool memcheck --report-api-errors no --show-backtrace device --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider \
-        -m gpu tests/test_transfer.py tests/test_kernels.py -k "cuda and (kernel and fp8 or odd_shapes)" 2>&1 \
+        -m gpu tests/transfer/test_round_trips.py tests/kernels/test_build_and_launch.py -k "cuda and (kernel and fp8 or odd_shapes)" 2>&1 \
         | tail -40 | tee "$OUT/sanitizer.log" || status=1
     KVTIER_KERNELS=aot compute-sanitizer --tool memcheck --report-api-errors no --show-backtrace device --error-exitcode 99 python3 -m pytest -q \
-        -p no:cacheprovider -m gpu tests/test_families.py tests/test_hisparse.py tests/test_layer_signals.py tests/test_sglang_compat.py -k cuda 2>&1 | tail -15 \
+        -p no:cacheprovider -m gpu tests/pools/test_families.py tests/transfer/test_hisparse.py tests/transfer/test_layer_signals.py tests/compat/test_kvcacheio.py -k cuda 2>&1 | tail -15 \
         | tee -a "$OUT/sanitizer.log" || status=1
 fi
 if want spans; then

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.runtimes import cuda_runtime
 
-from kvtier.errors import RuntimeUnavailable
 from kvtier.memory.shm import DEFAULT_DIR as DEFAULT_SHM_DIR
 from kvtier.memory.shm import DIR_ENV_VAR as SHM_DIR_ENV_VAR
-from kvtier.runtime import Runtime, create, get
+from kvtier.runtime import Runtime, create
 
 RUNTIMES = ["emulated:split", "emulated:unified", pytest.param("cuda", marks=pytest.mark.gpu)]
 NO_GPU = "no usable CUDA GPU"
@@ -84,13 +84,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     return report
 
 
-def cuda_runtime() -> Runtime | None:
-    try:
-        return get(os.environ.get("KVTIER_GPU_RUNTIME") or "cuda")
-    except RuntimeUnavailable:
-        return None
-
-
 @pytest.fixture(params=RUNTIMES)
 def runtime(request: pytest.FixtureRequest) -> Runtime:
     if request.param == "cuda":
@@ -114,7 +107,7 @@ def cuda() -> Runtime:
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple:
     """(a CudaRuntime whose driver is a ``cuda_fakes.FakeCudart``, a non-default stream of it, the fake): CUDA's copy
     paths on a machine without a GPU."""
-    import cuda_fakes
+    import helpers.cuda_fakes as cuda_fakes
 
     import kvtier.runtime.cuda as cuda_module
 
@@ -140,13 +133,9 @@ def two_devices(runtime: Runtime) -> Runtime:
     return runtime
 
 
-def is_split(runtime: Runtime) -> bool:
-    return not runtime.device_attributes(0).can_use_host_pointer_for_registered_mem
-
-
 def _redis(variable: str, start: str) -> Iterator[str]:
     """CI's server (``variable`` names its URL) or one started from ``storage_helpers.<start>`` for the session."""
-    import storage_helpers
+    import helpers.storage as storage_helpers
 
     storage_helpers.need_server()
     if os.environ.get(variable):

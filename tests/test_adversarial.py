@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.pools import fill_device, poison_device, read_device
 
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, WrongRuntime
 from kvtier.memory import DeviceBuffer, HostBuffer, get_device_accessible_ptr
 from kvtier.pools import DevicePool, HostPool, KVGeometry, PageSlotAllocator
 from kvtier.runtime import create
 from kvtier.transfer import TransferEngine
-from pool_helpers import fill_device, poison_device, read_device
 
 G = KVGeometry.mha(2, kv_heads=2, head_dim=32, itemsize=2, page_size=4)
 

@@ -12,10 +12,10 @@ import threading
 
 import numpy as np
 import pytest
-from test_hisparse import host_offset, setup
-from test_hybrid_cache import Hybrid, prompt
+from helpers.cache import TINY, prompt
+from helpers.hisparse import host_offset, setup
+from helpers.hybrid import Hybrid
 
-from cache_helpers import TINY
 from kvtier.cache import CacheSettings, KVCache, Namespace, OutOfPages
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError
 from kvtier.pools import DevicePool, HostPool
@@ -443,7 +443,7 @@ def test_hotbuffer_refuses_device_rows_another_request_holds(runtime):
         out = s.hb.swap_in(0, [1], np.array([[0, 1, 2, 3]], np.int32), [4])  # request 1: all resident
         s.hb.synchronize()
         rows = np.frombuffer(out.download(0, 4 * 8), np.int64)
-        from pool_helpers import read_device
+        from helpers.pools import read_device
         now = read_device(s.dev, 0, 0)
         served = [t for t in range(4) if not np.array_equal(now[rows[t]], before[t])]
         assert not served, f"request 1 was served other bytes for tokens {served}: its rows were request 0's"
@@ -461,7 +461,7 @@ def test_hotbuffer_backup_newest_refuses_a_request_named_twice(runtime):
             s.hb.backup_newest([0, 0], [9, 10]).wait()
         except KvtierError:
             return                                          # refused: fine
-        from pool_helpers import host_bytes
+        from helpers.pools import host_bytes
         after = host_bytes(s.host)
         clobbered = [o for o in offsets if not np.array_equal(after[o:o + s.g.row_bytes],
                                                               s.host_data[o:o + s.g.row_bytes])]
@@ -529,7 +529,7 @@ def test_hotbuffer_bad_inputs_are_refused(runtime):
 def test_family_backup_with_more_entries_than_the_device_pool_and_odd_calls(runtime):
     """Sources may repeat on a backup, so a backup may name far more units than the index ring was sized for
     (two transfers of the whole device pool): the bytes still land. Empty and layer-subset calls behave."""
-    from test_families import STATES, DeviceImage, fill_host, host_bytes, state_backup_expected, state_pools
+    from helpers.families import STATES, DeviceImage, fill_host, host_bytes, state_backup_expected, state_pools
 
     g = STATES["fp32"](2)
     with state_pools(runtime, g, slots=2, host_slots=300) as (dev, host, engine, model):

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers.pools import engine_on, fill_host, launch_names
 
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.kernels import KernelLauncher
@@ -21,7 +22,6 @@ from kvtier.pools import DevicePool, HostPool, KVGeometry
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.hisparse import HotBuffer
-from pool_helpers import engine_on, fill_host, launch_names
 
 G = KVGeometry.mha(3, kv_heads=2, head_dim=16, itemsize=2, page_size=4)
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from test_hybrid_cache import Hybrid, P, prompt
+from helpers.cache import P, prompt
+from helpers.hybrid import Hybrid
+from helpers.pools import engine_on, fill_host, poison_device, read_device
 
 from kvtier.cache import OutOfPages
 from kvtier.pools import KVGeometry
 from kvtier.runtime import create
 from kvtier.runtime.emulated import EmulatedRuntime
-from pool_helpers import engine_on, fill_host, poison_device, read_device
 
 G = KVGeometry.mha(2, kv_heads=2, head_dim=32, itemsize=2, page_size=4)
 

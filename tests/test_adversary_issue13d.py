@@ -7,15 +7,15 @@ import threading
 
 import numpy as np
 import pytest
+from helpers.cache import build, close_all, serve
+from helpers.pools import engine_on, fill_device, fill_host
 
-from cache_helpers import build, close_all, serve
 from kvtier.address import CpuAddress
 from kvtier.errors import InvalidArgument
 from kvtier.pools import KVGeometry
 from kvtier.pools.state import StateDevicePool, StateGeometry, StateHostPool
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer.family import FamilyEngine
-from pool_helpers import engine_on, fill_device, fill_host
 
 G = KVGeometry.mha(3, kv_heads=2, head_dim=32, itemsize=2, page_size=4)
 MODES = ["split", "unified"]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_hip import TARGETS, fake_library
+from helpers.hip_fakes import TARGETS, fake_library
 
 from kvtier.address import CpuAddress, DeviceAddress
 from kvtier.errors import KernelBuildError, KvtierError, RuntimeUnavailable

@@ -10,7 +10,7 @@ import gc
 
 import pytest
 import torch
-from compat_helpers import Operands
+from helpers.compat import Operands
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio

@@ -11,8 +11,8 @@ import gc
 
 import pytest
 import torch
-from compat_helpers import all_poison
-from compat_helpers import byte_operands as Mem
+from helpers.compat import all_poison
+from helpers.compat import byte_operands as Mem
 
 import kvtier.compat.operands as operands
 from kvtier.compat.sglang import kvcacheio

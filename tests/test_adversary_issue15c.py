@@ -16,8 +16,8 @@ import weakref
 
 import pytest
 import torch
-from compat_helpers import Engine, all_poison, buffer_with_closing_cleanup, index_overwrite
-from compat_helpers import byte_operands as Mem
+from helpers.compat import Engine, all_poison, buffer_with_closing_cleanup, index_overwrite
+from helpers.compat import byte_operands as Mem
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio

@@ -18,9 +18,9 @@ import secrets
 import numpy as np
 import pytest
 import torch
-from compat_helpers import all_poison
-from compat_helpers import byte_operands as Mem
-from cuda_fakes import MAX_PITCH, FakeCudart, fake_runtime
+from helpers.compat import all_poison
+from helpers.compat import byte_operands as Mem
+from helpers.cuda_fakes import MAX_PITCH, FakeCudart, fake_runtime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

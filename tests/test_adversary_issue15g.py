@@ -13,8 +13,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from adversary_helpers import MODES, POISON, cpu, device, pin_idx, poison, rnd
-from compat_helpers import two_traced_mla_loads
+from helpers.compat import two_traced_mla_loads
+from helpers.operands import MODES, POISON, cpu, device, pin_idx, poison, rnd
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio as io

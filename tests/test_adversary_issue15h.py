@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from adversary_helpers import (
+from helpers.operands import (
     MODES,
     POISON,
     collect_inside_first_kernel,

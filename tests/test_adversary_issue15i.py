@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from adversary_helpers import (
+from helpers.operands import (
     MODES,
     POISON,
     all_poison,
@@ -37,6 +37,7 @@ from adversary_helpers import (
     run_in_fork,
     traced,
 )
+from helpers.pools import fill_host, poison_device, read_device
 
 import kvtier
 from kvtier.compat import DeviceArray
@@ -48,7 +49,6 @@ from kvtier.memory import HostBuffer, HostKind
 from kvtier.pools import DevicePool, HostPool, KVGeometry
 from kvtier.runtime import create, emulated
 from kvtier.transfer import TransferEngine
-from pool_helpers import fill_host, poison_device, read_device
 
 _keep: list = []
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from adversary_helpers import (
+from helpers.operands import (
     MODES,
     POISON,
     at_line,
@@ -236,7 +236,7 @@ class LegacyFake:
     cudaEventDisableTiming = 2  # noqa: N815
 
     def __init__(self):
-        import cuda_fakes
+        import helpers.cuda_fakes as cuda_fakes
 
         self.base = cuda_fakes.FakeCudart()
         self._handles = itertools.count(0x7000)
@@ -294,7 +294,7 @@ def test_ok_legacy_stream_detour_with_mixed_directions_overlapping_sources_and_e
     copies of all sets) goes to the side stream after it waits for the fork, and the legacy stream waits for the
     join recorded after the batch. A second call below the detour threshold stays on the legacy stream, unbatched.
     Every byte lands."""
-    import cuda_fakes
+    import helpers.cuda_fakes as cuda_fakes
 
     import kvtier.runtime.cuda as cuda_module
 

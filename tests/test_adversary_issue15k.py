@@ -18,7 +18,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from adversary_helpers import MODES, POISON, cpu, dev_idx, device, no_automatic_collection, pin_idx, poison, rnd
+from helpers.operands import MODES, POISON, cpu, dev_idx, device, no_automatic_collection, pin_idx, poison, rnd
 
 from kvtier.compat.sglang import direct as direct_module
 from kvtier.compat.sglang import kvcacheio as io

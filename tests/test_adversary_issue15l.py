@@ -21,7 +21,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from adversary_helpers import MODES, POISON, cpu, dev_idx, device, pin_idx, poison
+from helpers.operands import MODES, POISON, cpu, dev_idx, device, pin_idx, poison
+from helpers.pools import fill_device, fill_host, host_bytes, poison_device, read_device
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio as io
@@ -32,7 +33,6 @@ from kvtier.runtime import create
 from kvtier.runtime import get as get_runtime
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.job import PoolUser
-from pool_helpers import fill_device, fill_host, host_bytes, poison_device, read_device
 
 _keep: list = []
 

@@ -15,13 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, RuntimeCallError
-from kvtier.pools import DevicePool
-from kvtier.runtime import create
-from kvtier.runtime.base import Runtime
-from kvtier.transfer import TransferEngine
-from pool_helpers import (
+from helpers.pools import (
     at_first_event,
     fill_device,
     fill_host,
@@ -32,6 +26,12 @@ from pool_helpers import (
     read_device,
     small_engine,
 )
+
+from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, RuntimeCallError
+from kvtier.pools import DevicePool
+from kvtier.runtime import create
+from kvtier.runtime.base import Runtime
+from kvtier.transfer import TransferEngine
 
 POISON = 0xEE
 PAGES = np.arange(6)

@@ -17,12 +17,7 @@ import threading
 
 import numpy as np
 import pytest
-
-from kvtier.errors import BufferClosed, KvtierError, RuntimeCallError
-from kvtier.memory.host_buffer import HostBuffer
-from kvtier.runtime import base, create
-from kvtier.runtime.base import Runtime
-from pool_helpers import (
+from helpers.pools import (
     at_first_event,
     fill_host,
     host_page,
@@ -31,6 +26,11 @@ from pool_helpers import (
     read_device,
     small_engine,
 )
+
+from kvtier.errors import BufferClosed, KvtierError, RuntimeCallError
+from kvtier.memory.host_buffer import HostBuffer
+from kvtier.runtime import base, create
+from kvtier.runtime.base import Runtime
 
 POISON = 0xEE
 PAGES = np.arange(6)

@@ -21,7 +21,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from adversary_helpers import MODES, POISON, at_line, cpu, device, poison, rnd, traced
+from helpers.operands import MODES, POISON, at_line, cpu, device, poison, rnd, traced
 
 from kvtier.compat.operands import TABLES_KEPT
 from kvtier.compat.sglang import direct

@@ -6,8 +6,8 @@ import threading
 
 import numpy as np
 import pytest
+from helpers.cache import TINY, AsyncKVModel, build, close_all, serve
 
-from cache_helpers import TINY, AsyncKVModel, build, close_all, serve
 from kvtier.cache import CacheSettings, KVCache, Namespace, RateTable
 from kvtier.cli import main
 from kvtier.errors import InvalidArgument

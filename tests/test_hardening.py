@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.device_kernels import TOUCH
+from helpers.pools import engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
+from helpers.runtimes import is_split
 
-from conftest import is_split
-from device_kernels import TOUCH
 from kvtier.errors import IllegalAddress, InvalidArgument, KvtierError, MisalignedAddress, RegistrationError
 from kvtier.memory import DeviceBuffer, HostBuffer, get_device_accessible_ptr, tensor_extent
 from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry, build_pointer_table
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer import BACKENDS, TransferEngine
-from pool_helpers import engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
 
 G = KVGeometry.mha(2, kv_heads=2, head_dim=32, itemsize=2, page_size=16)
 LAYOUTS = [layout.value for layout in HostLayout]

@@ -9,15 +9,15 @@ import time
 
 import numpy as np
 import pytest
+from helpers.cache import build, close_all, serve
+from helpers.storage import GEOMETRY, RedisClusterServers, namespace, random_pages, read_pages
 
-from cache_helpers import build, close_all, serve
 from kvtier.cache import page_keys
 from kvtier.cli import main
 from kvtier.errors import InvalidArgument
 from kvtier.runtime import create
 from kvtier.storage import FileStore, MemoryStore, SharedPages, StorageError, open_store
 from kvtier.storage import file as file_module
-from storage_helpers import GEOMETRY, RedisClusterServers, namespace, random_pages, read_pages
 
 PAGE = GEOMETRY.bytes_per_page
 
@@ -219,7 +219,7 @@ def test_reads_stay_up_while_writes_fail(tmp_path):
 # -- second review ---------------------------------------------------------------------------------------------------
 
 def test_a_full_redis_refusing_writes_still_serves_reads():
-    from storage_helpers import RedisServer
+    from helpers.storage import RedisServer
 
     server = RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
     try:

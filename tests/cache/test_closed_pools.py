@@ -1,0 +1,58 @@
+"""A cache whose caller closed one of its pools refuses every call, naming the pool: it never hands out a page
+number in freed device memory, nor reports a host hit in a freed buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers.cache import P, build, prompt, serve
+
+from kvtier.errors import BufferClosed
+
+
+@pytest.mark.parametrize("closed", ["device", "host"])
+def test_every_call_after_a_pool_closed_raises_buffer_closed_naming_it(rt, closed):
+    cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
+    tokens = prompt(4 * P)
+    serve(cache, model, tokens)
+    cache.drain()
+    held = cache.match_prefix(tokens, lock=True)
+    mine = cache.allocate(2)
+    (dev if closed == "device" else host).close()
+    calls = {
+        "match_prefix": lambda: cache.match_prefix(tokens),
+        "allocate": lambda: cache.allocate(1),
+        "free": lambda: cache.free(mine),
+        "insert": lambda: cache.insert(prompt(2 * P), mine),
+        "load_back": lambda: cache.load_back(held),
+        "lock": lambda: cache.lock(cache.match_prefix(tokens)),
+        "unlock": lambda: cache.unlock(held),
+        "backup": lambda: cache.backup(held),
+        "page_keys": lambda: cache.page_keys(held),
+        "prefetch": lambda: cache.prefetch(tokens),
+        "evict": lambda: cache.evict(device_pages=1, host_pages=1),
+        "drain": cache.drain,
+    }
+    for name, call in calls.items():
+        with pytest.raises(BufferClosed, match=f"{closed} pool") as raised:
+            call()
+        assert "close the cache before its pools" in str(raised.value), name
+    cache.close()                                   # still closes, and gives every page back
+    assert cache.device.free_pages == cache.device.pages and cache.host.free_pages == cache.host.pages
+    host.close()
+    dev.close()
+
+
+def test_a_pool_closed_between_calls_of_one_request_stops_the_request(rt):
+    cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
+    tokens = prompt(4 * P)
+    match = cache.match_prefix(tokens, lock=True)
+    pages = cache.allocate(4)
+    model.write(tokens, pages)
+    host.close()
+    with pytest.raises(BufferClosed, match="host pool"):
+        cache.insert(tokens, np.asarray(pages))
+    with pytest.raises(BufferClosed, match="host pool"):
+        cache.unlock(match)
+    cache.close()
+    dev.close()

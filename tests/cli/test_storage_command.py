@@ -1,0 +1,120 @@
+"""``kvtier demo --storage`` (a second run is served from storage) and ``kvtier storage ls/stats/clear``; a bad spec
+is one line on stderr and exit code 2 from the real command, and makes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.paths import ROOT
+from helpers.storage import GEOMETRY, namespace
+
+from kvtier.cache import page_keys
+from kvtier.cli import main
+from kvtier.storage import open_store
+
+DEMO = ["--runtime", "emulated:split", "demo", "--users", "3", "--turns", "2", "--system-tokens", "256",
+        "--user-tokens", "64", "--reply-tokens", "32", "--json"]
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+def test_a_second_demo_run_is_served_from_storage(kind, tmp_path, capsys, request):
+    spec = f"file:{tmp_path / 'store'}" if kind == "file" else request.getfixturevalue("redis_url")
+    seed = str(np.random.default_rng().integers(1 << 30))     # fresh tokens: nothing of an earlier test hits
+    first_code = main([*DEMO, "--seed", seed, "--storage", spec])
+    first = json.loads(capsys.readouterr().out)
+    second_code = main([*DEMO, "--seed", seed, "--storage", spec])
+    second = json.loads(capsys.readouterr().out)
+    assert first_code == second_code == 0
+    assert first["storage_pages_written"] > 0 and first["mismatched_pages"] == second["mismatched_pages"] == 0
+    assert second["storage_pages_read"] > 0 and second["storage_hit_rate"] > 0.2
+    assert second["prefill_tokens"] < first["prefill_tokens"] / 2, (first, second)
+    assert second["pages_checked"] == second["pages_loaded"] > 0          # what came from storage was checked
+    if kind == "redis":
+        assert main(["storage", "clear", spec, "--all"]) == 0
+
+
+def test_demo_with_a_store_that_is_down_still_serves(capsys):
+    code = main([*DEMO, "--storage", "redis://127.0.0.1:1/0"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["mismatched_pages"] == 0 and report["storage_errors"] >= 1
+    assert report["storage_pages_read"] == 0 and report["prefill_saved_tokens"] > 0
+
+
+@pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster"])
+def test_operators_list_total_and_clear(kind, tmp_path, capsys, request):
+    spec = {"file": f"file:{tmp_path}", "redis": None, "redis-cluster": None}[kind] or \
+        request.getfixturevalue("redis_url" if kind == "redis" else "redis_cluster_url")
+    ns = namespace(model="operators/test")
+    with open_store(spec, ns) as store:
+        keys = page_keys(ns, np.arange(7 * GEOMETRY.page_size))
+        store.set(keys, [[np.random.default_rng().integers(1, 256, GEOMETRY.bytes_per_page, dtype=np.uint8)]
+                         for _ in keys])
+    assert main(["storage", "ls", spec, "--json"]) == 0
+    rows = {r["namespace"]: r for r in json.loads(capsys.readouterr().out)}
+    mine = rows[store.namespace_id]
+    assert mine["model"] == "operators/test" and mine["pages"] == 7 and mine["tenant"] == ns.tenant
+    assert main(["storage", "ls", spec]) == 0
+    assert store.namespace_id in capsys.readouterr().out
+    assert main(["storage", "ls", spec, "--namespace", store.namespace_id]) == 0
+    assert sorted(line.split()[0] for line in capsys.readouterr().out.splitlines()) == sorted(k.hex() for k in keys)
+    assert main(["storage", "stats", spec, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pages"] >= 7
+    assert main(["storage", "clear", spec, "--namespace", store.namespace_id]) == 0
+    assert "removed 7 pages" in capsys.readouterr().out
+    assert main(["storage", "clear", spec, "--namespace", "nothex"]) == 2
+    assert "16 lowercase hex digits" in capsys.readouterr().err
+
+
+def kvtier(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The real ``kvtier`` command, as a user starts it, in ``cwd``."""
+    return subprocess.run([sys.executable, "-m", "kvtier", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def refused_in_one_line(done: subprocess.CompletedProcess[str], command: str, words: str) -> None:
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.startswith(f"kvtier {command}: ") and words in done.stderr, done.stderr
+
+
+SMALL_DEMO = ["--runtime", "emulated:split", "demo", "--users", "1", "--turns", "1", "--system-tokens", "64",
+              "--user-tokens", "16", "--reply-tokens", "16"]
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("file:/proc/nope", "file store /proc/nope: cannot make /proc/nope: No such file or directory"),
+    ("bogus:x", "storage spec 'bogus:x': unknown scheme 'bogus'"),
+    ("store", "storage spec 'store' has no scheme: for a directory write file:store"),
+    ("redis://127.0.0.1:1/notanumber", "the path '/notanumber' must be a database number"),
+])
+def test_demo_with_a_bad_storage_spec_is_one_line_and_makes_nothing(tmp_path, spec, words):
+    refused_in_one_line(kvtier(*SMALL_DEMO, "--storage", spec, cwd=tmp_path), "demo", words)
+    assert list(tmp_path.iterdir()) == [], "a refused spec made something"
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("bogus:x", "unknown scheme 'bogus'"),
+    ("/tmp/kvtier-store", "has no scheme: for a directory write file:/tmp/kvtier-store"),
+    ("unix://", "unix:// needs the socket's path"),
+    ("redis+cluster://127.0.0.1:1/3", "a cluster URL takes no path"),
+    ("redis://127.0.0.1:1/0?socket_timeout=soon", "socket_timeout='soon': expected a finite number of seconds"),
+    ("rediss://127.0.0.1:1/0?ssl_ca_certs=/nonexistent.pem", "ssl_ca_certs='/nonexistent.pem': expected no such"),
+    ("file:{tmp}/a-file", "file store {tmp}/a-file: not a directory"),
+])
+def test_storage_ls_with_a_bad_spec_is_one_line_and_makes_nothing(tmp_path, spec, words):
+    (tmp_path / "a-file").write_text("x")
+    spec, words = spec.format(tmp=tmp_path), words.format(tmp=tmp_path)
+    refused_in_one_line(kvtier("storage", "ls", spec, cwd=tmp_path), "storage", words)
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
+def test_an_unreachable_store_with_a_password_is_reported_without_it(capsys):
+    assert main(["storage", "stats", "redis://kv:s3cret@127.0.0.1:1/0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier storage: redis://kv:***@127.0.0.1:1/0: ConnectionError") and "s3cret" not in err

@@ -1,0 +1,126 @@
+"""HostBuffer kinds, torch views, lifetime rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers.device_kernels import random_bytes
+
+from kvtier.errors import BufferClosed, BufferInUse, HugePagesUnavailable, KvtierError
+from kvtier.memory import HostBuffer, HostKind, get_device_accessible_ptr
+
+
+@pytest.mark.parametrize("kind", [HostKind.PINNED, HostKind.REGISTERED, HostKind.SHM, HostKind.PAGEABLE])
+def test_every_kind_holds_its_bytes(runtime, kind):
+    n = 3 * 4096 + 512
+    data = random_bytes(n)
+    with HostBuffer.allocate(n, kind, runtime=runtime) as buf:
+        tensor = buf.as_tensor()
+        assert tensor.numel() == n and tensor.data_ptr() == buf.cpu_address.value
+        tensor.numpy()[:] = data
+        np.testing.assert_array_equal(buf.as_tensor().numpy(), data)
+        assert buf.device_accessible == (kind is not HostKind.PAGEABLE)
+        if runtime.name == "cuda":
+            assert tensor.is_pinned() == buf.device_accessible
+        del tensor
+
+
+def test_registered_buffers_record_their_chunks(runtime):
+    with HostBuffer.allocate(1 << 20, runtime=runtime, register_chunk_bytes=256 << 10) as buf:
+        assert [size for _, size in buf.chunks] == [256 << 10] * 4
+        assert [start - buf.cpu_address for start, _ in buf.chunks] == [0, 256 << 10, 512 << 10, 768 << 10]
+        assert buf.register_seconds >= 0
+    assert all(runtime.host_range(start.value) is None for start, _ in buf.chunks)
+
+
+def test_typed_views(runtime):
+    import torch
+
+    with HostBuffer.allocate(4096, runtime=runtime) as buf:
+        halves = buf.as_tensor(torch.bfloat16)
+        assert halves.numel() == 2048 and halves.dtype == torch.bfloat16
+        del halves
+    with HostBuffer.allocate(4098, runtime=runtime) as odd, pytest.raises(KvtierError, match="whole number"):
+        odd.as_tensor(torch.float32)
+
+
+def test_close_refuses_while_views_live_and_is_idempotent(runtime):
+    buf = HostBuffer.allocate(1 << 16, runtime=runtime)
+    view = buf.as_tensor()[100:200]
+    with pytest.raises(BufferInUse, match="1 tensor view"):
+        buf.close()
+    assert not buf.closed and runtime.host_range(buf.cpu_address.value) is not None
+    view.fill_(7)
+    del view
+    start = buf.cpu_address.value
+    buf.close()
+    buf.close()
+    assert buf.closed and runtime.host_range(start) is None
+    with pytest.raises(BufferClosed):
+        _ = buf.cpu_address
+    with pytest.raises(BufferClosed):
+        get_device_accessible_ptr(buf, 0)
+
+
+def test_close_collects_views_that_only_a_reference_cycle_holds(runtime):
+    """A view caught in a traceback's frames (``pytest.raises``, ``except ... as e``) is garbage, not a user: close
+    must not be refused until the collector happens to run."""
+    import gc
+
+    buf = HostBuffer.allocate(1 << 16, runtime=runtime)
+    gc.disable()
+    try:
+        cycle: list = [buf.as_tensor()[10:20]]
+        cycle.append(cycle)
+        del cycle
+        assert buf.live_views() == 1
+        buf.close()
+    finally:
+        gc.enable()
+    assert buf.closed
+
+
+def test_collected_buffer_unregisters(runtime):
+    buf = HostBuffer.allocate(1 << 16, runtime=runtime)
+    start = buf.cpu_address.value
+    del buf
+    import gc
+
+    gc.collect()
+    assert runtime.host_range(start) is None
+
+
+def test_hugetlb_works_or_names_the_sysctl(runtime):
+    try:
+        buf = HostBuffer.allocate(2 << 20, HostKind.HUGETLB, runtime=runtime)
+    except HugePagesUnavailable as exc:
+        assert "vm.nr_hugepages" in str(exc)
+        return
+    with buf:
+        data = random_bytes(2 << 20)
+        view = buf.as_tensor().numpy()
+        view[:] = data
+        assert get_device_accessible_ptr(buf, 0).device == 0
+        np.testing.assert_array_equal(view, data)
+        del view
+
+
+def test_bad_sizes_and_names(runtime):
+    for size in (0, -1, 1.5, True):
+        with pytest.raises(KvtierError):
+            HostBuffer.allocate(size, runtime=runtime)
+    with pytest.raises(KvtierError, match="only shm"):
+        HostBuffer.allocate(4096, HostKind.REGISTERED, runtime=runtime, name="x")
+    with pytest.raises(KvtierError, match="letters"):
+        HostBuffer.allocate(4096, HostKind.SHM, runtime=runtime, name="../etc/passwd")
+    with pytest.raises(ValueError):
+        HostBuffer.allocate(4096, "file", runtime=runtime)
+
+
+def test_region_bounds(runtime):
+    with HostBuffer.allocate(8192, runtime=runtime) as buf:
+        assert buf.region(4096, 4096).cpu_address == buf.cpu_address + 4096
+        with pytest.raises(KvtierError):
+            buf.region(4096, 4097)
+        with pytest.raises(KvtierError):
+            get_device_accessible_ptr(buf.region(8192, 1), 0)

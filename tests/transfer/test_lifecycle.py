@@ -1,0 +1,190 @@
+"""Pools, engines and captured graphs have a lifecycle: closing waits for the transfers that use the memory, and every
+use after close raises at the call, before anything is queued or allocated."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+from helpers.pools import engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
+
+from kvtier.errors import BufferClosed, BufferInUse, KvtierError
+from kvtier.memory import DeviceBuffer, HostBuffer
+from kvtier.pools import DevicePool, HostPool, KVGeometry
+from kvtier.runtime.emulated import EmulatedRuntime
+from kvtier.transfer import BACKENDS, TransferEngine
+
+G = KVGeometry.mha(2, kv_heads=2, head_dim=32, itemsize=2, page_size=16)
+
+
+def test_an_engine_over_a_closed_pool_is_refused(runtime):
+    dev = DevicePool.allocate(G, 4, 0, runtime=runtime)
+    host = HostPool.allocate(G, "page_first", pages=4, runtime=runtime)
+    dev.close()
+    with pytest.raises(BufferClosed):
+        TransferEngine(dev, host)
+    host.close()
+    with pytest.raises(BufferClosed):
+        TransferEngine(DevicePool.allocate(G, 4, 0, runtime=runtime), host)
+
+
+@pytest.mark.parametrize("which", ["device", "host"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_an_engine_refuses_work_once_a_pool_is_closed(runtime, backend, which):
+    """Unified aliases once let the kernel backend write into a buffer that reused the closed pool's address."""
+    with engine_on(runtime, G, "layer_first", backend=backend) as (dev, host, engine):
+        engine.backup([0], [1]).wait()
+        (dev if which == "device" else host).close()
+        allocations = len(runtime._device_allocs) if hasattr(runtime, "_device_allocs") else None
+        for call in (lambda: engine.backup([0], [1]), lambda: engine.load([1], [0])):
+            with pytest.raises(BufferClosed, match="closed"):
+                call()
+        if allocations is not None:
+            assert len(runtime._device_allocs) == allocations
+
+
+def _lazy() -> EmulatedRuntime:
+    """Queued work runs only when waited for: a transfer is certainly still in flight when close() is called."""
+    return EmulatedRuntime("split", schedule="lazy")
+
+
+@pytest.mark.parametrize("direction", ["backup", "load"])
+@pytest.mark.parametrize("which", ["device", "host"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_closing_a_pool_waits_for_transfers_in_flight(backend, which, direction):
+    """It used to crash the process (SIGSEGV: direct, batch, staged) or lose the transfer (kernel)."""
+    runtime = _lazy()
+    with engine_on(runtime, G, "page_first_direct", device_pages=6, host_pages=6, backend=backend,
+                   staging_bytes=2 * G.bytes_per_page) as (dev, host, engine):
+        data, snapshot = fill_device(dev), fill_host(host)
+        backup = direction == "backup"
+        transfer = engine.backup([5, 0, 3], [1, 2, 4]) if backup else engine.load([1, 2, 4], [5, 0, 3])
+        pending = sum(len(s.pending) for s in runtime.scheduler.streams(0))
+        assert pending, "the lazy schedule should leave the transfer queued"
+        kept = read_device(dev, 0, 1) if which == "host" else host_bytes(host)
+        (dev if which == "device" else host).close()
+        assert transfer.done()
+        if direction == "backup" and which == "device":
+            after = host_bytes(host)
+            for page, slot in ((5, 1), (0, 2), (3, 4)):
+                start = slot * host.strides.page + host.strides.layer
+                np.testing.assert_array_equal(after[start:start + G.page_bytes], data[(0, 1)][page])
+        if direction == "load" and which == "host":
+            for page, slot in ((5, 1), (0, 2), (3, 4)):
+                start = slot * host.strides.page + host.strides.layer
+                got = read_device(dev, 0, 1)[page]
+                np.testing.assert_array_equal(got, snapshot[start:start + G.page_bytes])
+        assert kept is not None
+
+
+def test_use_after_engine_close_raises_and_allocates_nothing(runtime):
+    with engine_on(runtime, G, "page_first", engine=False) as (dev, host, _):
+        engine = TransferEngine(dev, host)
+        engine.close()
+        engine.close()
+        allocations = len(runtime._device_allocs) if hasattr(runtime, "_device_allocs") else None
+        ranges = len(runtime._host)
+        for call in (lambda: engine.backup([0], [1]), lambda: engine.load([1], [0]),
+                     lambda: engine.capture_load([1], [0], layer=0)):
+            with pytest.raises(BufferClosed, match="TransferEngine is closed"):
+                call()
+        assert len(runtime._host) == ranges
+        if allocations is not None:
+            assert len(runtime._device_allocs) == allocations
+        engine.synchronize()
+
+
+def test_captured_load_after_engine_close_refuses_to_replay(runtime):
+    with engine_on(runtime, G, "page_first_direct", engine=False) as (dev, host, _):
+        engine = TransferEngine(dev, host)
+        captured = engine.capture_load([1, 2], [0, 3], layer=1)
+        captured.replay()
+        captured.close()
+        captured.close()
+        with pytest.raises(BufferClosed):
+            captured.replay()
+        second = engine.capture_load([2], [1], layer=0)
+        engine.close()
+        with pytest.raises(BufferClosed):
+            second.replay()
+
+
+def test_replay_then_close_drains_first(runtime):
+    """close() right after replay() used to free the ring before the stream drained (IllegalAddress)."""
+    with engine_on(runtime, G, "page_first_direct") as (dev, host, engine):
+        snapshot = fill_host(host)
+        poison_device(dev)
+        captured = engine.capture_load([3], [2], layer=1)
+        captured.replay()
+        captured.close()
+        start = 3 * host.strides.page + host.strides.layer
+        np.testing.assert_array_equal(read_device(dev, 0, 1)[2], snapshot[start:start + G.page_bytes])
+
+
+def test_device_pool_close_is_idempotent_and_releases_owned_memory(runtime):
+    dev = DevicePool.allocate(G, 4, 0, runtime=runtime)
+    addresses = dev.layer_device_addresses(0)
+    dev.close()
+    dev.close()
+    assert dev.closed
+    with pytest.raises(BufferClosed):
+        dev.layer_device_addresses(0)
+    with DeviceBuffer(G.page_bytes * 4, 0, runtime=runtime) as other:
+        assert other.address.device == addresses[0].device
+
+
+def test_buffer_in_use_never_hides_the_body_exception(runtime):
+    with pytest.raises(ZeroDivisionError):
+        with HostBuffer.allocate(4096, runtime=runtime) as buf:
+            view = buf.as_tensor()
+            raise ZeroDivisionError("the body's own error")
+    del view
+    buf.close()
+    assert buf.closed
+    with pytest.raises(BufferInUse), HostBuffer.allocate(4096, runtime=runtime) as other:
+        kept = other.as_tensor()
+    del kept
+    other.close()
+
+
+def test_errors_are_kvtier_errors(runtime):
+    with engine_on(runtime, G, "page_first") as (dev, host, engine):
+        with pytest.raises(KvtierError):
+            engine.backup([0, 1], [1])
+
+
+@pytest.mark.gpu
+def test_device_pool_keeps_engine_tensors_alive(cuda):
+    """from_tensors used to keep only addresses: dropped tensors went back to torch's caching allocator, whose next
+    tensors got the same memory while kvtier still wrote there."""
+    import torch
+
+    pages = 8
+    tensors = [[torch.ones(pages * G.page_size, G.row_bytes // 2, dtype=torch.bfloat16, device="cuda:0")
+                for _ in range(G.layers)] for _ in range(G.tensors)]
+    pool = DevicePool.from_tensors(G, tensors, runtime=cuda)
+    addresses = {a.value for t in range(G.tensors) for a in pool.layer_device_addresses(t)}
+    del tensors
+    gc.collect()
+    newcomers = [torch.empty(pages * G.page_size, G.row_bytes // 2, dtype=torch.bfloat16, device="cuda:0")
+                 for _ in range(2 * G.tensors * G.layers)]
+    assert not addresses & {t.data_ptr() for t in newcomers}
+    pool.close()
+
+
+def test_closing_a_device_buffer_under_a_pool_closes_the_pool_for_engines(runtime):
+    """Buffers handed to a pool by their owner may be closed behind its back: the engine waits, then refuses."""
+    buffers = [[DeviceBuffer(4 * G.page_bytes, 0, runtime=runtime) for _ in range(G.layers)] for _ in range(G.tensors)]
+    dev = DevicePool(G, 4, 0, runtime, buffers)
+    with engine_on(runtime, G, "page_first", engine=False) as (_, host, _unused):
+        engine = TransferEngine(dev, host)
+        pending = engine.backup([0, 1], [2, 3])
+        buffers[1][0].close()
+        assert pending.done()
+        with pytest.raises(BufferClosed):
+            engine.load([2], [1])
+        engine.close()
+    for row in buffers:
+        for buffer in row:
+            buffer.close()
