@@ -33,7 +33,6 @@ import numpy as np
 from kvtier.cache.allocator import PageAllocator, distinct
 from kvtier.cache.controller import Controller
 from kvtier.cache.index import Match, Node, RadixIndex
-from kvtier.cache.keys import Namespace, token_array
 from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.operation import BACKUP, LOAD, LoadBack, Operation
 from kvtier.cache.rates import H200_TABLE, RateTable
@@ -43,6 +42,7 @@ from kvtier.cache.storage_tier import Prefetch, StorageTier
 from kvtier.cache.tiers import CALLER, FREE, HELD, TREE, MustWait, Tiers
 from kvtier.checks import index_array, integer, positive_number
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
+from kvtier.keys import Namespace, token_array
 from kvtier.pools import DevicePool, HostPool, payload_order
 from kvtier.pools.state import StateDevicePool, StateHostPool
 from kvtier.storage import StorageBackend
@@ -278,7 +278,7 @@ class KVCache:
         match.locked, match._lock_token = True, token
 
     def page_keys(self, match: Match | Node) -> list[bytes]:
-        """The storage keys of every page of the matched prefix (SHA-256 chain, see :mod:`kvtier.cache.keys`)."""
+        """The storage keys of every page of the matched prefix (SHA-256 chain, see :mod:`kvtier.keys`)."""
         with self._lock:
             self._check_open()
             node = self._own(match)

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.cache.keys import chain_keys
 from kvtier.errors import InvalidArgument, KvtierError
+from kvtier.keys import chain_keys
 
 EMPTY = np.zeros(0, dtype=np.int64)
 NO_TOKENS = np.zeros(0, dtype=np.uint32)

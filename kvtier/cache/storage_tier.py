@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from kvtier.cache.index import Node
-from kvtier.cache.keys import chain_keys
 from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.settings import CacheSettings, PrefetchPolicy
 from kvtier.errors import InvalidArgument
+from kvtier.keys import chain_keys
 from kvtier.storage.views import HostPages
 
 if TYPE_CHECKING:

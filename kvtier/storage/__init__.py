@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.errors import InvalidArgument
+from kvtier.keys import Namespace
 from kvtier.storage.backend import Entry, StorageBackend, StorageError, StorageStats
 from kvtier.storage.file import FileStore
 from kvtier.storage.format import HEADER_BYTES, PageFormat, PageRejected, describe_header
@@ -21,9 +22,6 @@ from kvtier.storage.redis_store import RedisStore
 from kvtier.storage.redis_url import SCHEMES as REDIS_SCHEMES
 from kvtier.storage.redis_url import shown
 from kvtier.storage.views import HostPages, PageIO
-
-if TYPE_CHECKING:
-    from kvtier.cache.keys import Namespace
 
 SPEC_HELP = ("file:PATH, redis://[user:pass@]host:port[/db][?option=value…], rediss://…, unix:///path.sock, "
              "redis+cluster://host:port, or memory:")

@@ -1,6 +1,6 @@
 """The storage backend interface, and the rules every backend shares: verify on read, degrade never fail.
 
-A backend stores whole pages of one namespace under their page keys (the SHA-256 chain of :mod:`kvtier.cache.keys`).
+A backend stores whole pages of one namespace under their page keys (the SHA-256 chain of :mod:`kvtier.keys`).
 Callers hand it CPU-domain buffers (views of host pages, numpy arrays, CPU tensors): it never sees a device address.
 
 - ``exists(keys)`` → how many leading keys are stored (the stored prefix of a chain).
@@ -25,17 +25,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvtier.checks import positive_number
 from kvtier.errors import InvalidArgument, KvtierError
+from kvtier.keys import Namespace
 from kvtier.pools.geometry import HostLayout
 from kvtier.storage.format import HEADER_BYTES, PageFormat, PageRejected
-
-if TYPE_CHECKING:
-    from kvtier.cache.keys import Namespace
 
 Pieces = Sequence[Any]
 KEY_BYTES = 32
@@ -133,7 +131,6 @@ class StorageBackend:
         ``io_threads``: threads that read, write and verify the pages of a batch side by side (default: up to 4).
         ``layout``: the host layout of the pages given to ``get``/``set`` (it orders their bytes; a cache refuses a
         store opened for another order than its host pool's)."""
-        from kvtier.cache.keys import Namespace
 
         if namespace is not None and not isinstance(namespace, Namespace):
             raise InvalidArgument(f"namespace={namespace!r:.60}: a kvtier.cache.Namespace, or None for operators")

@@ -31,15 +31,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.errors import InvalidArgument
+from kvtier.keys import Namespace
 from kvtier.storage.backend import Entry, PartialWrite, StorageBackend, StorageError
 from kvtier.storage.format import HEADER_BYTES, PageRejected
 from kvtier.storage.temporaries import sweep_temporaries, write_file, writing
-
-if TYPE_CHECKING:
-    from kvtier.cache.keys import Namespace
 
 SUFFIX = ".kvp"
 PAYLOAD_OFFSET = 4096

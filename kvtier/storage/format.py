@@ -21,15 +21,13 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import xxhash
 
 from kvtier.errors import InvalidArgument
+from kvtier.keys import Namespace
 from kvtier.pools.geometry import HostLayout, KVGeometry, PoolKind, payload_order, valid_payload_order
-
-if TYPE_CHECKING:
-    from kvtier.cache.keys import Namespace
 
 MAGIC = b"KVTP"
 VERSION = 2

@@ -10,14 +10,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.errors import InvalidArgument
+from kvtier.keys import Namespace
 from kvtier.storage.backend import Entry, StorageBackend
 from kvtier.storage.format import PageRejected
-
-if TYPE_CHECKING:
-    from kvtier.cache.keys import Namespace
 
 
 class SharedPages:

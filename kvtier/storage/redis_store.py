@@ -20,18 +20,17 @@ import contextlib
 import json
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import AskError, ResponseError, TryAgainError
 
 from kvtier.checks import positive_number
 from kvtier.errors import InvalidArgument
+from kvtier.keys import Namespace
 from kvtier.storage.backend import Entry, StorageBackend, StorageError, scatter
 from kvtier.storage.format import PageRejected
 from kvtier.storage.redis_url import parse_redis_url
 
-if TYPE_CHECKING:
-    from kvtier.cache.keys import Namespace
 
 class RedisStore(StorageBackend):
     kind = "redis"
