@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from helpers.paths import ROOT
 
 PACKAGE = ROOT / "kvtier"

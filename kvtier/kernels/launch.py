@@ -58,11 +58,12 @@ class ChunkSide:
     units_per_page: int = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChunkCopy:
     """One launch: for each tensor, layer in [layer_begin, +n_layers), unit i, piece p: copy chunk_bytes src → dst.
 
-    Both tables hold ``table_layers`` per-layer addresses for each of ``n_tensors`` tensors, tensor-major."""
+    Both tables hold ``table_layers`` per-layer addresses for each of ``n_tensors`` tensors, tensor-major. Fields are
+    keyword-only: fifteen positional integers are too easy to swap."""
 
     src: ChunkSide
     dst: ChunkSide

@@ -136,8 +136,10 @@ class FamilyEngine(PoolUser):
                 order_after(self.runtime, target, [ring.stream])
                 try:
                     for part, device_side, _ in self._parts(unit):
-                        call = ChunkCopy(device_side, device_side, indices[0], indices[1], self.index_bytes, src.size,
-                                         0, len(part.layers), part.pieces, part.chunk_bytes, 1, len(part.layers))
+                        call = ChunkCopy(src=device_side, dst=device_side, src_index=indices[0], dst_index=indices[1],
+                                         index_bytes=self.index_bytes, n_units=src.size, layer_begin=0,
+                                         n_layers=len(part.layers), n_pieces=part.pieces, chunk_bytes=part.chunk_bytes,
+                                         n_tensors=1, table_layers=len(part.layers))
                         self.launcher.copy_chunks(call, device=self.device, stream=target,
                                                   max_blocks=self.max_blocks, threads=self.threads)
                 finally:
@@ -267,9 +269,10 @@ class FamilyEngine(PoolUser):
             block = self._blocks[part.name]
             where = {layer: i for i, layer in enumerate(part.layers)}
             spans = layer_spans([where[layer] for layer in layers if layer in where], False)
-            call = ChunkCopy(host_side, device_side, indices[0], indices[1], self.index_bytes, count, 0,
-                             len(part.layers), part.pieces, part.chunk_bytes, 1, len(part.layers),
-                             layer_done=signals.block(block))
+            call = ChunkCopy(src=host_side, dst=device_side, src_index=indices[0], dst_index=indices[1],
+                             index_bytes=self.index_bytes, n_units=count, layer_begin=0, n_layers=len(part.layers),
+                             n_pieces=part.pieces, chunk_bytes=part.chunk_bytes, n_tensors=1,
+                             table_layers=len(part.layers), layer_done=signals.block(block))
             launch = self.launcher.prepare(call, spans, device=self.device, max_blocks=self.max_blocks,
                                            threads=self.threads)
             for begin, n in spans:
@@ -292,8 +295,9 @@ class FamilyEngine(PoolUser):
             where = {layer: i for i, layer in enumerate(part.layers)}
             spans = layer_spans([where[layer] for layer in layers if layer in where], per_layer)
             src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
-            call = ChunkCopy(src, dst, indices[0], indices[1], self.index_bytes, count, 0, len(part.layers),
-                             part.pieces, part.chunk_bytes, 1, len(part.layers))
+            call = ChunkCopy(src=src, dst=dst, src_index=indices[0], dst_index=indices[1], index_bytes=self.index_bytes,
+                             n_units=count, layer_begin=0, n_layers=len(part.layers), n_pieces=part.pieces,
+                             chunk_bytes=part.chunk_bytes, n_tensors=1, table_layers=len(part.layers))
             launch = self.launcher.prepare(call, spans, device=self.device, max_blocks=self.max_blocks,
                                            threads=self.backup_threads if direction == D2H else self.threads)
             launches.append((launch, where, dict(spans)))

@@ -268,8 +268,9 @@ class HotBuffer(PoolUser):
                                                 host.astype(np.int64)])
             try:
                 g = self.geometry
-                call = ChunkCopy(self.device_side, self.host_side, indices[0], indices[1], 8, reqs.size, 0, g.layers,
-                                 1, g.row_bytes, g.tensors, g.layers)
+                call = ChunkCopy(src=self.device_side, dst=self.host_side, src_index=indices[0], dst_index=indices[1],
+                                 index_bytes=8, n_units=reqs.size, layer_begin=0, n_layers=g.layers, n_pieces=1,
+                                 chunk_bytes=g.row_bytes, n_tensors=g.tensors, table_layers=g.layers)
                 self.launcher.copy_chunks(call, device=self.device, stream=self.d2h)
             finally:
                 self._ring.fence(lease)

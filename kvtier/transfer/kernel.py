@@ -38,9 +38,10 @@ def launch_copy(context: Context, direction: str, indices: list[Any], units: int
     plan, g = context.plan, context.geometry
     device_side, host_side = plan.device_side(device_table), plan.host_side(host_table)
     src, dst = (device_side, host_side) if direction == D2H else (host_side, device_side)
-    call = ChunkCopy(src, dst, indices[0], indices[1], context.index_bytes, units, 0, g.layers, plan.pieces,
-                     plan.chunk_bytes, g.tensors, g.layers, plan.unit_major and layer_done is None, layer_group,
-                     layer_done)
+    call = ChunkCopy(src=src, dst=dst, src_index=indices[0], dst_index=indices[1], index_bytes=context.index_bytes,
+                     n_units=units, layer_begin=0, n_layers=g.layers, n_pieces=plan.pieces,
+                     chunk_bytes=plan.chunk_bytes, n_tensors=g.tensors, table_layers=g.layers,
+                     unit_major=plan.unit_major and layer_done is None, layer_group=layer_group, layer_done=layer_done)
     return context.launcher.copy_layer_spans(call, spans, device=context.device, stream=stream,
                                              max_blocks=blocks or context.max_blocks,
                                              threads=threads or context.threads,

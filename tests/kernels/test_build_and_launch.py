@@ -130,8 +130,8 @@ def test_reference_kernel_copies_through_the_device_map(split):
     index = DeviceBuffer(16, 0, runtime=split)
     index.upload(np.array([3, 1], np.int64))
     stream = split.create_stream(0)
-    call = ChunkCopy(ChunkSide(tables[0], 1024, 0), ChunkSide(tables[1], 1024, 0), index, index, 8, 2, 0, 1, 1,
-                     1024)
+    call = ChunkCopy(src=ChunkSide(tables[0], 1024, 0), dst=ChunkSide(tables[1], 1024, 0), src_index=index,
+                     dst_index=index, index_bytes=8, n_units=2, layer_begin=0, n_layers=1, n_pieces=1, chunk_bytes=1024)
     KernelLauncher(split).copy_chunks(call, device=0, stream=stream)
     stream.synchronize()
     out = np.frombuffer(dst.download(), np.uint8).reshape(4, 1024)
@@ -207,8 +207,9 @@ def test_kernel_copies_every_chunk_of_odd_shapes(runtime, shape, unit_major, lay
         buffer = DeviceBuffer(units * index_bytes, 0, runtime=runtime)
         buffer.upload(chosen.astype(dtype))
         indices.append(buffer)
-    call = ChunkCopy(src, dst, indices[0], indices[1], index_bytes, units, first, layers, pieces, chunk, tensors,
-                     table_layers, unit_major, layer_group)
+    call = ChunkCopy(src=src, dst=dst, src_index=indices[0], dst_index=indices[1], index_bytes=index_bytes,
+                     n_units=units, layer_begin=first, n_layers=layers, n_pieces=pieces, chunk_bytes=chunk,
+                     n_tensors=tensors, table_layers=table_layers, unit_major=unit_major, layer_group=layer_group)
     stream = runtime.create_stream(0)
     launcher = KernelLauncher(runtime, max_width=max_width, bulk=bulk, skip_absent=skip_absent)
     prepared = launcher.copy_chunks(call, device=0, stream=stream)

@@ -50,7 +50,8 @@ def test_device_1_memory_for_device_0_is_refused_without_a_fault(two_devices):
             get_device_accessible_ptr(dev1, 0)
         index = DeviceBuffer(8, 0, runtime=rt)
         index.upload(np.zeros(1, np.int64))
-        call = ChunkCopy(ChunkSide(dev1, 0, 0), ChunkSide(dev0, 0, 0), index, index, 8, 1, 0, 1, 1, 4096)
+        call = ChunkCopy(src=ChunkSide(dev1, 0, 0), dst=ChunkSide(dev0, 0, 0), src_index=index, dst_index=index,
+                         index_bytes=8, n_units=1, layer_begin=0, n_layers=1, n_pieces=1, chunk_bytes=4096)
         stream = rt.create_stream(0)
         with pytest.raises(WrongDeviceError):
             KernelLauncher(rt).copy_chunks(call, device=0, stream=stream)

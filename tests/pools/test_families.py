@@ -541,20 +541,23 @@ def test_split_kernel_handed_cpu_addresses_faults(split):
     engine.rings["h2d"].fence(lease)
     # a raw integer never reaches a kernel
     raw = ChunkSide(host.buffer.cpu_address.value, host_side.page_stride, 0, host_side.piece_stride)
+    shape = {"index_bytes": 8, "n_units": 1, "layer_begin": 0, "n_layers": 2, "n_pieces": 1,
+             "chunk_bytes": part.chunk_bytes, "n_tensors": 1, "table_layers": 2}
     with pytest.raises(AddressDomainError):
-        launcher.copy_chunks(ChunkCopy(raw, device_side, src_index, dst_index, 8, 1, 0, 2, 1, part.chunk_bytes,
-                                       1, 2), device=0, stream=stream)
+        launcher.copy_chunks(ChunkCopy(src=raw, dst=device_side, src_index=src_index, dst_index=dst_index, **shape),
+                             device=0, stream=stream)
     with pytest.raises(AddressDomainError):
-        launcher.copy_chunks(ChunkCopy(host_side, device_side, src_index.value, dst_index, 8, 1, 0, 2, 1,
-                                       part.chunk_bytes, 1, 2), device=0, stream=stream)
+        launcher.copy_chunks(ChunkCopy(src=host_side, dst=device_side, src_index=src_index.value, dst_index=dst_index,
+                                       **shape), device=0, stream=stream)
     engine.synchronize()
     stream.synchronize()
     # a table of CPU addresses passed off as device addresses: the device faults
     cpu = host.buffer.cpu_address.value
     bad = build_pointer_table(split, 0, [DeviceAddress(cpu + o, 0) for o in host.cpu_offsets(part)[0]])
     bad_side = ChunkSide(bad, host_side.page_stride, host_side.unit_stride, host_side.piece_stride)
-    launcher.copy_chunks(ChunkCopy(bad_side, device_side, src_index, dst_index, 8, 1, 0, 2, 1, part.chunk_bytes,
-                                   1, 2), device=0, stream=stream)
+    launcher.copy_chunks(ChunkCopy(src=bad_side, dst=device_side, src_index=src_index, dst_index=dst_index,
+                                   index_bytes=8, n_units=1, layer_begin=0, n_layers=2, n_pieces=1,
+                                   chunk_bytes=part.chunk_bytes, n_tensors=1, table_layers=2), device=0, stream=stream)
     with pytest.raises(IllegalAddress, match="not mapped"):
         stream.synchronize()
     with pytest.raises(IllegalAddress, match="poisoned"):

@@ -46,8 +46,9 @@ def test_a_prepared_copy_keeps_its_tables_after_every_other_owner_drops_them(spe
     src, dst = device(rt, (n, row)), device(rt, (n, row), data=False)
     si, di = dev_idx(rt, [3, 0, 9]), dev_idx(rt, [1, 15, 4])
     tables = [build_pointer_table(rt, 0, [x.address]) for x in (src, dst)]
-    copy = ChunkCopy(ChunkSide(tables[0], row, 0), ChunkSide(tables[1], row, 0), si.address, di.address, 8, 3, 0, 1, 1,
-                     row)
+    copy = ChunkCopy(src=ChunkSide(tables[0], row, 0), dst=ChunkSide(tables[1], row, 0), src_index=si.address,
+                     dst_index=di.address, index_bytes=8, n_units=3, layer_begin=0, n_layers=1, n_pieces=1,
+                     chunk_bytes=row)
     prepared = KernelLauncher(rt).prepare(copy, [(0, 1)], device=0)
     del tables, copy
     gc.collect()

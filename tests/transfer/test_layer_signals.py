@@ -237,8 +237,9 @@ def test_each_layer_counter_grows_by_the_layers_chunk_count(runtime, shape, abse
     counters = DeviceBuffer(8 * table_layers, 0, runtime=runtime)
     counters.upload(start)
     sides = [ChunkSide(t, 0, unit_bytes, chunk, 1 << 20) for t in tables]
-    call = ChunkCopy(sides[0], sides[1], index_buffers[0], index_buffers[1], 8, units, first, layers, pieces, chunk,
-                     tensors, table_layers, layer_done=counters)
+    call = ChunkCopy(src=sides[0], dst=sides[1], src_index=index_buffers[0], dst_index=index_buffers[1], index_bytes=8,
+                     n_units=units, layer_begin=first, n_layers=layers, n_pieces=pieces, chunk_bytes=chunk,
+                     n_tensors=tensors, table_layers=table_layers, layer_done=counters)
     stream = runtime.create_stream(0)
     prepared = KernelLauncher(runtime).copy_chunks(call, device=0, stream=stream)
     stream.synchronize()

@@ -151,8 +151,9 @@ def test_kernel_handed_cpu_addresses_faults(split):
     wrong = [DeviceAddress(c.value, 0) for t in range(g.tensors) for c in host.layer_cpu_addresses(t)]
     bad_table = build_pointer_table(split, 0, wrong)
     (src_index, dst_index), _ = backend.rings["h2d"].upload([np.array([1]), np.array([2])])
-    call = ChunkCopy(engine.plan.host_side(bad_table), engine.plan.device_side(backend.device_table), src_index,
-                     dst_index, 8, 1, 0, 1, 1, g.page_bytes, g.tensors, g.layers)
+    call = ChunkCopy(src=engine.plan.host_side(bad_table), dst=engine.plan.device_side(backend.device_table),
+                     src_index=src_index, dst_index=dst_index, index_bytes=8, n_units=1, layer_begin=0, n_layers=1,
+                     n_pieces=1, chunk_bytes=g.page_bytes, n_tensors=g.tensors, table_layers=g.layers)
     KernelLauncher(split).copy_chunks(call, device=0, stream=engine.streams["h2d"])
     with pytest.raises(IllegalAddress, match="not mapped"):
         engine.streams["h2d"].synchronize()

@@ -195,8 +195,10 @@ class Plan:
         tables = self.tables or [pointer_table(call, [entry.address for entry in e]) for e in self.entries]
         self.tables = tables
         sides = [ChunkSide(table, *strides) for table, strides in zip(tables, self.strides, strict=True)]
-        copy = ChunkCopy(sides[0], sides[1], indices[0], indices[1], index_bytes, n_units, 0, n_layers, pieces,
-                         chunk_bytes, self.n_tensors, n_layers, unit_major=unit_major)
+        copy = ChunkCopy(src=sides[0], dst=sides[1], src_index=indices[0], dst_index=indices[1],
+                         index_bytes=index_bytes, n_units=n_units, layer_begin=0, n_layers=n_layers, n_pieces=pieces,
+                         chunk_bytes=chunk_bytes, n_tensors=self.n_tensors, table_layers=n_layers,
+                         unit_major=unit_major)
         prepared = call.launcher.prepare(copy, [(0, n_layers)], device=call.device, max_blocks=block_quota,
                                          threads=warps * 32)
         self.prepared = prepared    # another thread may store its own meanwhile: launch this one
