@@ -9,17 +9,11 @@ import threading
 
 import numpy as np
 import pytest
-from helpers.cache import TINY, build, close_all, serve
+from helpers.cache import TINY, P, build, close_all, prompt, serve
 
 from kvtier.cache import CacheSettings, KVCache, Namespace, OutOfPages, PageAllocator
 from kvtier.errors import BufferClosed, InvalidArgument
 from kvtier.runtime import create
-
-P = TINY.page_size
-
-
-def prompt(n, rng=None):
-    return (rng or np.random.default_rng()).integers(0, 128256, n)
 
 
 @pytest.fixture
