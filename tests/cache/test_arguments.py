@@ -1,5 +1,5 @@
 """Bad arguments are refused with InvalidArgument before the cache does any work: no event recorded on the caller's
-stream, no page, lock or count changed."""
+stream, no page, lock or count changed. Settings and namespace fields are checked when they are made."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import math
 
 import numpy as np
 import pytest
-from helpers.cache import P, build, close_all, prompt, serve
+from helpers.cache import TINY, P, build, close_all, prompt, serve
 
+from kvtier.cache import CacheSettings, Namespace
 from kvtier.errors import InvalidArgument
+from kvtier.runtime import create
 
 
 @pytest.fixture
@@ -59,3 +61,53 @@ def test_refused_calls_record_no_event_and_change_nothing(made, monkeypatch):
     assert after == before
     cache.free(mine)
     cache.check()
+
+
+@pytest.mark.parametrize("after", ["garbage", 123, object()])
+def test_a_bad_after_is_refused_at_the_call(after):
+    cache, model, dev, host = build(create("emulated:split"))
+    tokens = prompt(4 * P)
+    pages = cache.allocate(4)
+    model.write(tokens, pages)
+    with pytest.raises((InvalidArgument, TypeError)):
+        cache.insert(tokens, pages, after=after)
+    assert cache.index.device_tokens == 0
+    cache.insert(tokens, pages)
+    match = cache.match_prefix(tokens, lock=True)
+    with pytest.raises((InvalidArgument, TypeError)):
+        cache.backup(match, after=after)
+    cache.unlock(match)
+    close_all(cache, dev, host)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0])
+def test_record_prefill_refuses_non_finite_or_non_positive_reports(bad):
+    cache, _, dev, host = build(create("emulated:split"))
+    cache.record_prefill(1000, 0.1)
+    with pytest.raises(InvalidArgument):
+        cache.record_prefill(1000, bad)
+    assert cache.stats()["prefill_tokens_per_s"] == pytest.approx(10000)
+    close_all(cache, dev, host)
+
+
+@pytest.mark.parametrize("field", [{"hicache_size": float("nan")}, {"hicache_size": float("inf")},
+                                   {"hicache_ratio": float("inf")}, {"prefill_tokens_per_s": float("nan")}])
+def test_settings_refuse_non_finite_numbers(field):
+    with pytest.raises(InvalidArgument):
+        CacheSettings(**field)
+
+
+def test_namespace_fields_are_typed():
+    for bad in ({"tp_rank": True, "tp_size": 2}, {"tp_size": 2.0}, {"tenant": 5}, {"adapter": object()}):
+        with pytest.raises(InvalidArgument):
+            Namespace("m", TINY, "bfloat16", **bad)
+
+
+def test_a_refused_evict_evicts_nothing():
+    cache, model, dev, host = build(create("emulated:split"))
+    serve(cache, model, prompt(4 * P))
+    for bad in (-1, "2", 1.5):
+        with pytest.raises(InvalidArgument):
+            cache.evict(device_pages=4, host_pages=bad)
+    assert cache.index.device_tokens == 4 * P
+    close_all(cache, dev, host)

@@ -1,5 +1,6 @@
 """The cache on every runtime: write policies, eviction order, load-back bytes and layers, decisions, bad input,
-metrics, threads and close with work in flight."""
+metrics, threads, a failed load-back undone, page arrays never shared with the caller, and close with work in flight
+or queued (a second close waits for the first)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,11 @@ import threading
 
 import numpy as np
 import pytest
-from helpers.cache import TINY, build, close_all, serve
+from helpers.cache import TINY, P, build, close_all, prompt, serve
 
 from kvtier.cache import CacheSettings, KVCache, Namespace, OutOfPages, PageAllocator
 from kvtier.errors import BufferClosed, InvalidArgument
 from kvtier.runtime import create
-
-P = TINY.page_size
-
-
-def prompt(n, rng=None):
-    return (rng or np.random.default_rng()).integers(0, 128256, n)
 
 
 @pytest.fixture
@@ -498,3 +493,132 @@ def test_copy_engine_loads_take_runs_of_device_pages_and_serve_right_bytes(made)
         match, served = serve(cache, model, tokens)        # checks the loaded bytes
         assert served == len(tokens) // P
     cache.check()
+
+
+def test_an_impossible_allocation_evicts_nothing():
+    cache, model, dev, host = build(create("emulated:split"))
+    serve(cache, model, prompt(10 * P))
+    before = cache.index.device_tokens
+    with pytest.raises(Exception, match="cannot allocate 17"):
+        cache.allocate(17)
+    assert cache.index.device_tokens == before
+    close_all(cache, dev, host)
+
+
+def test_a_refused_insert_does_not_split_the_tree():
+    cache, model, dev, host = build(create("emulated:split"))
+    tokens = prompt(4 * P)
+    serve(cache, model, tokens)
+    nodes = cache.index.nodes
+    other = np.concatenate([tokens[:2 * P], prompt(2 * P)])
+    with pytest.raises(InvalidArgument, match="not allocated"):
+        cache.insert(other, np.concatenate([cache.match_prefix(tokens).device_pages[:2], [15, 14]]))
+    assert cache.index.nodes == nodes
+    close_all(cache, dev, host)
+
+
+def test_a_failed_load_back_is_undone_and_nothing_it_touched_is_served(monkeypatch):
+    """A load whose transfer fails (a device fault) is completed as failed: the loaded nodes lose their device pages
+    (and any device pages inserted below them), the error is counted, the locks stay balanced, a retry is right."""
+    from kvtier.cache import Operation
+    from kvtier.errors import RuntimeCallError
+
+    cache, model, dev, host = build(create("emulated:split"))
+    tokens = prompt(6 * P)
+    serve(cache, model, tokens)
+    cache.drain()
+    cache.evict(device_pages=16)
+    real_wait = Operation.wait
+
+    def failing_wait(op):
+        real_wait(op)
+        if op.kind == "load":
+            raise RuntimeCallError("cudaEventSynchronize", "cudaErrorIllegalAddress")
+
+    monkeypatch.setattr(Operation, "wait", failing_wait)
+    match = cache.match_prefix(tokens, lock=True)
+    assert cache.load_back(match) is not None
+    cache.drain()
+    monkeypatch.setattr(Operation, "wait", real_wait)
+    assert cache.stats()["errors.load"] == 1
+    cache.check()
+    again = cache.match_prefix(tokens)
+    assert (again.device_tokens, again.host_tokens) == (0, 6 * P)
+    cache.unlock(match)
+    assert serve(cache, model, tokens)[1] == 6            # the retry loads and checks every byte
+    close_all(cache, dev, host)
+
+
+def test_free_copies_the_callers_page_array():
+    cache, model, dev, host = build(create("emulated:split"))
+    pages = cache.allocate(4)
+    cache.free(pages)
+    pages[:] = 7                                       # the caller reuses its array
+    again = cache.allocate(4)
+    assert sorted(again.tolist()) == [0, 1, 2, 3]
+    cache.free(again)
+    close_all(cache, dev, host)                        # raised "pages leaked" before the fix
+
+
+def test_returned_arrays_do_not_alias_the_cache_s_own():
+    cache, model, dev, host = build(create("emulated:split"))
+    tokens = prompt(4 * P)
+    serve(cache, model, tokens)
+    dup = cache.allocate(4)
+    model.write(tokens, dup)
+    inserted = cache.insert(tokens, dup)
+    inserted.freed[:] = cache.match_prefix(tokens).device_pages
+    cache.check()
+    cache.free(cache.allocate(12))
+    cache.drain()
+    cache.evict(device_pages=16)
+    match = cache.match_prefix(tokens, lock=True)
+    load = cache.load_back(match)
+    load.wait()
+    load.device_pages[:] = load.device_pages[::-1].copy()
+    assert not model.mismatches(tokens, cache.match_prefix(tokens).device_pages)
+    cache.unlock(match)
+    cache.check()
+    close_all(cache, dev, host)
+
+
+def test_close_without_cancel_waits_for_backups_not_yet_started():
+    cache, model, dev, host = build(create("emulated:split:2:lazy"), device_pages=32, host_pages=64)
+    prompts = [prompt(6 * P) for _ in range(4)]
+    for tokens in prompts:
+        serve(cache, model, tokens)                     # four write-through backups asked for
+    cache.close(cancel=False)
+    assert cache.stats()["pages.backup"] == 24
+    assert "skipped.cancelled_at_close" not in cache.stats()
+    host.close()
+    dev.close()
+
+
+def test_a_second_close_returns_only_once_the_cache_is_closed(monkeypatch):
+    import time
+
+    from kvtier.cache import Operation
+
+    cache, model, dev, host = build(create("emulated:split:1:lazy"))
+    real_wait = Operation.wait
+
+    def slow_wait(op):
+        time.sleep(0.5)
+        real_wait(op)
+
+    tokens = prompt(4 * P)
+    pages = cache.allocate(4)
+    model.write(tokens, pages)
+    monkeypatch.setattr(Operation, "wait", slow_wait)
+    cache.insert(tokens, pages)
+    first = threading.Thread(target=cache.close)
+    first.start()
+    time.sleep(0.1)
+    cache.close()
+    assert cache.closed and cache.device.free_pages == cache.device.pages
+    first.join()
+    registry = cache.metrics.registry
+    assert registry.get_sample_value("kvtier_cache_tokens", {"tier": "device"}) == 0
+    assert registry.get_sample_value("kvtier_cache_free_pages", {"tier": "device"}) == cache.device.pages
+    host.close()
+    dev.close()

@@ -11,6 +11,7 @@ from helpers.cache import P, build, close_all, prompt, serve
 
 from kvtier.cache import OutOfPages
 from kvtier.errors import InvalidArgument
+from kvtier.runtime import create
 
 
 @pytest.fixture
@@ -84,3 +85,19 @@ def test_a_match_built_by_hand_is_refused(made):
         cache.unlock(forged)
     cache.unlock(real)
     assert np.all([n.lock == 0 for n in real.last_node.path() if n.parent is not None])
+
+
+def test_an_extra_unlock_of_a_match_is_refused_while_another_request_holds_the_path():
+    cache, model, dev, host = build(create("emulated:split"))
+    shared = prompt(2 * P)
+    longer = np.concatenate([shared, prompt(2 * P)])
+    serve(cache, model, longer)
+    a = cache.match_prefix(shared, lock=True)
+    b = cache.match_prefix(longer, lock=True)
+    cache.unlock(a)
+    with pytest.raises(InvalidArgument, match="not locked"):
+        cache.unlock(a)
+    cache.check()
+    cache.unlock(b)
+    cache.check()
+    close_all(cache, dev, host)

@@ -22,8 +22,10 @@ from helpers.cache import (
     serve,
 )
 
+from kvtier.cache import CacheSettings, KVCache
 from kvtier.cache.operation import BACKUP, LOAD
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, RuntimeCallError
+from kvtier.runtime import create
 
 
 # -- closed pools ------------------------------------------------------------------------------------------------
@@ -518,3 +520,33 @@ def test_record_prefill_refuses_numbers_whose_rate_is_not_a_finite_positive_numb
         assert cache.stats()["prefill_tokens_per_s"] is None
     finally:
         close_all(cache, dev, host)
+
+
+def test_a_match_of_another_cache_is_refused():
+    runtime = create("emulated:split")
+    a, model_a, dev_a, host_a = build(runtime)
+    b, model_b, dev_b, host_b = build(runtime)
+    tokens = prompt(8 * P)
+    serve(a, model_a, tokens)
+    a.drain()
+    a.evict(device_pages=16)
+    match = a.match_prefix(tokens, lock=True)
+    for call in (lambda: b.load_back(match), lambda: b.lock(match), lambda: b.unlock(match),
+                 lambda: b.backup(match), lambda: b.page_keys(match)):
+        with pytest.raises(InvalidArgument, match="not in this cache"):
+            call()
+    a.unlock(match)
+    a.check()
+    b.check()
+    close_all(a, dev_a, host_a)
+    close_all(b, dev_b, host_b)
+
+
+def test_one_cache_per_pool():
+    runtime = create("emulated:split")
+    cache, model, dev, host = build(runtime)
+    with pytest.raises(InvalidArgument, match="one cache per pool"):
+        KVCache(dev, host, model.namespace, CacheSettings(calibrate=False))
+    cache.close()
+    again = KVCache(dev, host, model.namespace, CacheSettings(calibrate=False))    # free once the first is closed
+    close_all(again, dev, host)

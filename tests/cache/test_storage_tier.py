@@ -1,6 +1,7 @@
-"""The cache with a storage tier: write-through from host backups, prefetch into the host tier (committed as it
-lands, cut at the first bad page), policies, the recompute decision, degrade-never-fail, sharing between caches
-and processes. Every served page is checked byte for byte against the stand-in model."""
+"""The cache with a storage tier: write-through from host backups (a node is marked stored only once its pages
+reached storage), prefetch into the host tier (committed as it lands, cut at the first bad page), policies, the
+recompute decision, degrade-never-fail, sharing between caches and processes. Every served page is checked byte for
+byte against the stand-in model."""
 
 from __future__ import annotations
 
@@ -367,5 +368,36 @@ def test_kv_model_salt_is_what_makes_the_checks_real(runtime):
         cache.prefetch(p).settle("wait_complete")
         with pytest.raises(AssertionError, match="load-back served wrong KV"):
             serve(cache, model, p)
+    finally:
+        close_all(cache, dev, host)
+
+
+def test_only_nodes_whose_pages_reached_storage_are_marked_stored():
+    class FailSecondBatch(MemoryStore):
+        calls = 0
+
+        def _set(self, keys, pages):
+            FailSecondBatch.calls += 1
+            if FailSecondBatch.calls == 2:
+                raise ConnectionError("store went away after the first batch")
+            return super()._set(keys, pages)
+
+    shared = SharedPages()
+    cache, model, dev, host = build(create("emulated:split"), device_pages=4, host_pages=32,
+                                    storage=lambda ns: FailSecondBatch(ns, shared=shared, batch_pages=2,
+                                                                       retry_interval=0),
+                                    write_policy="write_back")
+    try:
+        a, b, c, y = (np.full(4, v) for v in (1, 2, 3, 9))
+        prompts = [np.concatenate([a, b]), np.concatenate([a, c]), y]
+        for p in prompts:
+            serve(cache, model, p)
+        cache.evict(device_pages=4)                 # one backup of several branches, written in two batches
+        cache.drain()
+        for p in [a, *prompts]:
+            node = cache.match_prefix(p).last_node
+            keys = page_keys(cache.namespace, p)
+            in_storage = cache.storage.exists(keys) == len(keys)
+            assert node.stored == in_storage, (p, node.stored, in_storage)
     finally:
         close_all(cache, dev, host)

@@ -74,3 +74,12 @@ def test_a_broken_rate_table_is_refused(tmp_path):
     path.write_text('{"rows": [{"load": "kernel"}]}')
     with pytest.raises(InvalidArgument, match="rate table"):
         RateTable.load(path)
+
+
+def test_a_rate_table_with_bad_fields_is_refused(tmp_path, capsys):
+    path = tmp_path / "rates.json"
+    path.write_text('{"rows": [{"load": "kernel", "backup": "kernel", "load_gbps": "fast", "backup_gbps": 48}]}')
+    with pytest.raises(InvalidArgument, match="bad row"):
+        RateTable.load(path)
+    assert main(["--runtime", "emulated:split", "demo", "--hicache-rate-table", str(path)]) == 2
+    assert "rate table" in capsys.readouterr().err

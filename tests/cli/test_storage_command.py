@@ -118,3 +118,9 @@ def test_an_unreachable_store_with_a_password_is_reported_without_it(capsys):
     assert main(["storage", "stats", "redis://kv:s3cret@127.0.0.1:1/0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtier storage: redis://kv:***@127.0.0.1:1/0: ConnectionError") and "s3cret" not in err
+
+
+def test_an_unreachable_store_is_one_line_from_the_cli(capsys):
+    assert main(["storage", "stats", "redis://127.0.0.1:1/0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier storage: redis://127.0.0.1:1/0: ConnectionError") and "Traceback" not in err

@@ -28,6 +28,8 @@ from kvtier.storage import MemoryStore, SharedPages
 SERVER = shutil.which("redis-server") or shutil.which("valkey-server")
 CLI = shutil.which("redis-cli") or shutil.which("valkey-cli")
 GEOMETRY = KVGeometry.mha(layers=2, kv_heads=1, head_dim=32, itemsize=2, page_size=4)
+PAGE = GEOMETRY.bytes_per_page
+"""Bytes of one stored page of GEOMETRY (every tensor and layer)."""
 
 
 def namespace(geometry: KVGeometry = GEOMETRY, **fields) -> Namespace:

@@ -1,4 +1,6 @@
-"""Kernel build, loader choice and the launch boundary's refusals (no GPU needed)."""
+"""Kernel build, loader choice (one loaded program per device) and the launch boundary's refusals; the reference
+kernel takes its access width from the table entries and faults on a misaligned vector access as a GPU does (no GPU
+needed)."""
 
 from __future__ import annotations
 
@@ -8,13 +10,16 @@ import shutil
 
 import numpy as np
 import pytest
+from helpers.pools import SMALL_MHA, engine_on
 
-from kvtier.errors import AddressDomainError, KernelBuildError, KvtierError
+from kvtier.errors import AddressDomainError, KernelBuildError, KvtierError, MisalignedAddress
 from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
 from kvtier.kernels.build import FATBIN_NAME, MANIFEST_NAME, build_aot
 from kvtier.kernels.loader import kernel_image
 from kvtier.kernels.source import Specialization
 from kvtier.memory import DeviceBuffer
+from kvtier.pools import build_pointer_table
+from kvtier.transfer import TransferEngine
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
@@ -245,3 +250,51 @@ def test_large_single_piece_chunks_are_cut_into_pieces_of_at_most_4_kib(split):
     assert (cut.src.page_stride, cut.src.unit_stride) == (18432 * 4, 18432)
     assert _call(split, chunk_bytes=4096).in_pieces().n_pieces == 1
     assert _call(split, chunk_bytes=8192, n_pieces=2).in_pieces().n_pieces == 2
+
+
+def test_the_reference_kernel_faults_on_a_misaligned_vector_access(split):
+    """A GPU dies with cudaErrorMisalignedAddress; the emulator must fault too, not copy."""
+    from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
+
+    src, dst, table, index = (DeviceBuffer(n, 0, runtime=split) for n in (4096, 4096, 16, 16))
+    table.upload(np.array([src.address.value + 8, dst.address.value], np.uint64))
+    index.upload(np.zeros(2, np.int64))
+    stream = split.create_stream(0)
+    call = ChunkCopy(ChunkSide(table.region(0, 8), 1024, 0), ChunkSide(table.region(8, 8), 1024, 0), index, index,
+                     8, 1, 0, 1, 1, 1024)
+    KernelLauncher(split).copy_chunks(call, device=0, stream=stream)
+    with pytest.raises(MisalignedAddress, match="misaligned"):
+        stream.synchronize()
+
+
+def test_table_entries_decide_the_access_width_at_the_boundary(split):
+    """A base 8 bytes off a 16-byte boundary is copied with 8-byte accesses (a 16-byte access there faults the
+    emulated device as it would a GPU), and every byte lands."""
+    from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
+
+    with DeviceBuffer(4096, 0, runtime=split) as memory, DeviceBuffer(4096, 0, runtime=split) as out, \
+            DeviceBuffer(16, 0, runtime=split) as index:
+        data = np.random.default_rng().integers(1, 256, 4096, dtype=np.uint8)
+        memory.upload(data)
+        out.upload(np.full(4096, 0xEE, np.uint8))
+        index.upload(np.array([0, 0], np.int64))
+        table = build_pointer_table(split, 0, [memory.region(8, 1024)])
+        good = build_pointer_table(split, 0, [out.region(0, 1024)])
+        call = ChunkCopy(ChunkSide(table, 1024, 0), ChunkSide(good, 1024, 0), index, index, 8, 1, 0, 1, 1, 1024)
+        stream = split.create_stream(0)
+        KernelLauncher(split).copy_chunks(call, device=0, stream=stream)
+        stream.synchronize()
+        got = np.frombuffer(out.download(), np.uint8)
+        np.testing.assert_array_equal(got[:1024], data[8:1032])
+        assert (got[1024:] == 0xEE).all()
+
+
+def test_engines_share_one_loaded_program_per_device(runtime):
+    with engine_on(runtime, SMALL_MHA, "page_first", engine=False) as (dev, host, _):
+        before = len(runtime._programs)
+        engines = [TransferEngine(dev, host) for _ in range(3)]
+        for engine in engines:
+            engine.backup([0], [1]).wait()
+        assert len(runtime._programs) <= before + 1
+        for engine in engines:
+            engine.close()

@@ -1,4 +1,4 @@
-"""HostBuffer kinds, torch views, lifetime rules."""
+"""HostBuffer kinds, torch views, lifetime rules; offsets that are not integers are refused."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from helpers.device_kernels import random_bytes
 
-from kvtier.errors import BufferClosed, BufferInUse, HugePagesUnavailable, KvtierError
-from kvtier.memory import HostBuffer, HostKind, get_device_accessible_ptr
+from kvtier.errors import BufferClosed, BufferInUse, HugePagesUnavailable, InvalidArgument, KvtierError
+from kvtier.memory import DeviceBuffer, HostBuffer, HostKind, get_device_accessible_ptr
 
 
 @pytest.mark.parametrize("kind", [HostKind.PINNED, HostKind.REGISTERED, HostKind.SHM, HostKind.PAGEABLE])
@@ -124,3 +124,14 @@ def test_region_bounds(runtime):
             buf.region(4096, 4097)
         with pytest.raises(KvtierError):
             get_device_accessible_ptr(buf.region(8192, 1), 0)
+
+
+def test_bools_and_floats_are_not_offsets(runtime):
+    with HostBuffer.allocate(8192, runtime=runtime) as buf, DeviceBuffer(4096, 0, runtime=runtime) as dev:
+        for offset in (True, 1.0, "16"):
+            with pytest.raises(InvalidArgument, match="offset must be an integer"):
+                buf.region(offset, 16)
+            with pytest.raises(InvalidArgument, match="offset must be an integer"):
+                dev.upload(b"\x01" * 16, offset)
+        with pytest.raises(KvtierError):
+            buf.cpu_address + True

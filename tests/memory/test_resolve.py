@@ -1,4 +1,5 @@
-"""get_device_accessible_ptr: the target device's address, the caller's device untouched, bad memory refused."""
+"""get_device_accessible_ptr: the target device's address, the caller's device untouched, bad memory refused; a
+strided tensor is measured by its whole extent, not by numel * itemsize."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import torch
 from helpers.runtimes import is_split
 
 from kvtier.errors import AddressDomainError, InvalidDevice, NotDeviceAccessible, RegistrationError, WrongDeviceError
-from kvtier.memory import CpuAddress, DeviceAddress, DeviceBuffer, HostBuffer, HostKind, get_device_accessible_ptr
+from kvtier.memory import (
+    CpuAddress,
+    DeviceAddress,
+    DeviceBuffer,
+    HostBuffer,
+    HostKind,
+    get_device_accessible_ptr,
+    tensor_extent,
+)
 
 
 def _bytes_at(address, nbytes):
@@ -139,3 +148,38 @@ def test_torch_tensors_on_cuda(cuda):
     pinned = torch.empty(4096, dtype=torch.uint8).pin_memory()
     alias = get_device_accessible_ptr(pinned[64:], 0, runtime=runtime)
     assert alias.value == runtime.host_get_device_pointer(pinned.data_ptr() + 64, 0)
+
+
+def test_tensor_extent_follows_strides():
+    base = torch.zeros(4, 1024, dtype=torch.int32)
+    assert tensor_extent(base) == (0, 4 * 1024 * 4)
+    assert tensor_extent(base[:, :4]) == (0, 3 * 4096 + 16)
+    assert tensor_extent(base.t()) == (0, 4 * 1024 * 4)
+    assert tensor_extent(base[0:1, 0:1].expand(8, 8)) == (0, 4)
+    assert tensor_extent(base[:0]) == (0, 0)
+
+
+def test_strided_rows_across_a_registration_chunk(runtime):
+    """Rows 4096 bytes apart, 16 bytes each: the old numel*itemsize measure saw 32 bytes inside chunk 0."""
+    with HostBuffer.allocate(8192, runtime=runtime, granularity=4096, register_chunk_bytes=4096) as buf:
+        rows = buf.as_tensor().view(2, 4096)[:, :16]
+        if is_split(runtime):
+            with pytest.raises(RegistrationError, match="not contiguous"):
+                get_device_accessible_ptr(rows, 0, runtime=runtime)
+        else:
+            assert get_device_accessible_ptr(rows, 0, runtime=runtime) == get_device_accessible_ptr(buf, 0)
+        del rows
+
+
+def test_strided_view_past_the_buffer_end_is_refused(runtime):
+    """Two 16-byte rows 8 KiB apart from the start of an 8 KiB buffer: 32 bytes by numel, 8208 by extent."""
+    import ctypes
+
+    with HostBuffer.allocate(8192, runtime=runtime) as buf:
+        wider = torch.frombuffer((ctypes.c_uint8 * 16384).from_address(buf.cpu_address.value), dtype=torch.uint8)
+        past = wider.view(2, 8192)[:, :16]
+        with pytest.raises(RegistrationError, match="runs past"):
+            get_device_accessible_ptr(past, 0, runtime=runtime)
+        inside = wider.view(4, 4096)[:2, :16]
+        assert get_device_accessible_ptr(inside, 0, runtime=runtime) == get_device_accessible_ptr(buf, 0)
+        del wider, past, inside

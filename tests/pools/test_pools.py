@@ -1,4 +1,4 @@
-"""Pool geometry, layouts, slots, budget and page metadata."""
+"""Pool geometry, layouts, slots, budget and page metadata; misaligned layer bases and unknown layouts refused."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers.pools import SMALL_MHA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.errors import KvtierError
-from kvtier.pools import HostLayout, HostPool, KVGeometry, PageSlotAllocator, SlotError, host_strides
+from kvtier.errors import InvalidArgument, KvtierError, MisalignedAddress
+from kvtier.memory import DeviceBuffer
+from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry, PageSlotAllocator, SlotError, host_strides
 
 
 @pytest.mark.parametrize("row", [64, 576, 656, 1152, 2048])
@@ -152,3 +154,15 @@ def test_payload_order_codes_are_equal_exactly_when_byte_orders_are():
             assert (payload_order(geometry, a) == payload_order(geometry, b)) == same, (geometry, a, b)
     llama99 = KVGeometry.mha(layers=99, kv_heads=4, head_dim=32, itemsize=2, page_size=16)
     assert payload_order(llama99, "layer_first") != payload_order(llama99, "page_head")
+
+
+def test_misaligned_layer_bases_are_refused_at_the_pool(runtime):
+    with DeviceBuffer(4 * SMALL_MHA.page_bytes + 64, 0, runtime=runtime) as memory:
+        shifted = [[memory.region(8, 4 * SMALL_MHA.page_bytes)] * SMALL_MHA.layers for _ in range(SMALL_MHA.tensors)]
+        with pytest.raises(MisalignedAddress, match="not 16-byte aligned"):
+            DevicePool(SMALL_MHA, 4, 0, runtime, shifted)
+
+
+def test_unknown_layout_lists_the_choices(runtime):
+    with pytest.raises(InvalidArgument, match="'layer_first', 'page_first', 'page_first_direct', 'page_head'"):
+        HostPool.allocate(SMALL_MHA, "page-first", pages=2, runtime=runtime)

@@ -1,4 +1,5 @@
-"""Runtime contracts every backend keeps: devices, copies, streams and events, registration bookkeeping."""
+"""Runtime contracts every backend keeps: devices, copies (typed addresses only), streams and events, registration
+bookkeeping."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import contextlib
 
 import numpy as np
 import pytest
-from helpers.device_kernels import random_bytes
+from helpers.device_kernels import TOUCH, random_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -353,3 +354,15 @@ def test_runs_between_typed_bases_scatter_and_gather(runtime, batched):
                 runtime.memcpy_runs_async(dev.address, args["dst_offsets"], host.cpu_address, args["src_offsets"],
                                           args["sizes"], stream=stream)
         stream.close()
+
+
+def test_raw_integers_are_refused_by_the_copy_and_launch_apis(split):
+    from kvtier.errors import AddressDomainError
+
+    with DeviceBuffer(64, 0, runtime=split) as dev:
+        with pytest.raises(AddressDomainError, match="CpuAddress or DeviceAddress"):
+            split.memcpy(dev.address, dev.address.value, 64)
+        stream = split.create_stream(0)
+        with pytest.raises(AddressDomainError, match="raw integers"):
+                    split.launch(split.load_program(TOUCH, 0), "touch", grid=1, block=32, stream=stream,
+                         args=[dev.address.value, 16])

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from helpers.storage import GEOMETRY, namespace, random_pages
+from helpers.storage import GEOMETRY, PAGE, namespace, random_pages, read_pages
 
 from kvtier.cache import page_keys
 from kvtier.errors import InvalidArgument
@@ -23,10 +23,6 @@ from kvtier.storage import (
     describe_header,
     open_store,
 )
-
-PAGE = GEOMETRY.bytes_per_page
-
-
 
 
 def poisoned(count: int) -> list[np.ndarray]:
@@ -243,3 +239,20 @@ def test_pages_of_another_payload_order_are_a_layout_miss_and_left_alone(store_s
         assert np.array_equal(out[0], data[0]) and np.array_equal(out[1], data[1])
     with reader("layer_first") as first, reader("page_first_direct") as second:
         assert first.format.order == second.format.order != PageFormat.of(ns, "page_first").order
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_read_only_buffer_to_read_into_is_refused_and_changes_nothing(kind, tmp_path):
+    ns = namespace()
+    store = MemoryStore(ns) if kind == "memory" else FileStore(tmp_path, ns)
+    keys = page_keys(ns, np.arange(2 * GEOMETRY.page_size))
+    store.set(keys, [[p] for p in random_pages(2)])
+    frozen = np.zeros(PAGE, np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(InvalidArgument, match="read-only"):
+        store.get(keys[:1], [[frozen]])
+    with pytest.raises(InvalidArgument, match="read-only"):
+        store.get(keys[:1], [[bytes(PAGE)]])
+    assert store.up and "errors.get" not in store.stats() and read_pages(store, keys)[0] == 2
+    with pytest.raises(InvalidArgument, match="not a buffer"):
+        store.set(keys[:1], [[object()]])

@@ -1,12 +1,17 @@
-"""The file store's own promises: atomic pages under SIGKILL, a size bound with LRU eviction, sharing a directory
-between processes, fsync policies."""
+"""The file store's own promises: atomic pages under SIGKILL, a size bound with LRU eviction (processes sharing a
+bounded directory converge on it), sharing a directory between processes, fsync policies, I/O threads of its own in a
+fork child. Damage from outside (a removed namespace directory, a directory or FIFO at a page path, a page cut inside
+its header, a file where a page directory should be) is a miss or a counted failure, and failing writes never take
+reads down."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -15,11 +20,7 @@ from helpers.storage import GEOMETRY, namespace, random_pages, read_pages
 
 from kvtier.cache import page_keys
 from kvtier.storage import FileStore
-
-PAGE = GEOMETRY.bytes_per_page
-
-
-
+from kvtier.storage import file as file_module
 
 CHILD = textwrap.dedent("""
     import os, signal, sys
@@ -194,3 +195,103 @@ def test_a_page_this_store_would_not_read_is_replaced_by_the_next_write(tmp_path
     assert store.get(keys, [[out]]) == 1 and np.array_equal(out, new)
     assert store.set(keys, [[random_pages(1)[0]]]) == 1 and store.stats()["set.already_stored"] == 1
     store.close()
+
+
+def test_processes_sharing_a_bounded_directory_converge_on_the_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(file_module, "RESCAN_SECONDS", 0.0)
+    ns = namespace()
+    stored = FileStore(tmp_path, ns).stored_bytes
+    bound = 20 * stored
+    one, two = FileStore(tmp_path, ns, max_bytes=bound), FileStore(tmp_path, ns, max_bytes=bound)
+    keys = page_keys(ns, np.arange(60 * GEOMETRY.page_size))
+    pages = random_pages(60)
+    for i in range(0, 60, 2):                      # the two "processes" take turns
+        one.set(keys[i:i + 1], [[pages[i]]])
+        two.set(keys[i + 1:i + 2], [[pages[i + 1]]])
+    on_disk = sum(p.stat().st_size for p in tmp_path.glob("*/*/*.kvp"))
+    assert on_disk <= bound, f"{on_disk / bound:.0%} of the bound"
+
+
+def test_a_removed_namespace_directory_is_made_again(tmp_path):
+    ns = namespace()
+    store = FileStore(tmp_path, ns, retry_interval=0)
+    keys = page_keys(ns, np.arange(4 * GEOMETRY.page_size))
+    pages = random_pages(4)
+    assert store.set(keys[:2], [[p] for p in pages[:2]]) == 2
+    shutil.rmtree(store.directory)                  # an operator's rm -rf, a tmp cleaner
+    first = store.set(keys[2:], [[p] for p in pages[2:]])       # may fail part-way: counted, directory re-made
+    assert store.set(keys[2:], [[p] for p in pages[2:]]) == 2
+    assert first == 2 or store.stats()["errors.set"] == 1
+    assert read_pages(store, keys[2:])[0] == 2 and (store.directory / "namespace.json").exists()
+
+
+def test_a_directory_or_fifo_at_a_page_path_is_a_miss_not_an_error_or_a_hang(tmp_path):
+    ns = namespace()
+    store = FileStore(tmp_path, ns)
+    keys = page_keys(ns, np.arange(3 * GEOMETRY.page_size))
+    store.set(keys, [[p] for p in random_pages(3)])
+    store.path(keys[1]).unlink()
+    store.path(keys[1]).mkdir()
+    assert read_pages(store, keys)[0] == 1
+    assert store.stats()["miss.corrupt"] == 1 and store.up
+    shutil.rmtree(store.path(keys[1]))
+    os.mkfifo(store.path(keys[1]))
+    done = []
+    reader = threading.Thread(target=lambda: done.append(read_pages(store, keys)[0]), daemon=True)
+    reader.start()
+    reader.join(60)                                 # a hang is for good: the bound only has to end the test
+    assert done == [1], "a FIFO at a page path hung the read"
+
+
+def test_a_write_that_fails_part_way_counts_what_it_stored(tmp_path):
+    ns = namespace()
+    store = FileStore(tmp_path, ns, retry_interval=0)
+    keys = page_keys(ns, np.arange(6 * GEOMETRY.page_size))
+    blocked = store.path(keys[3]).parent
+    if any(store.path(k).parent == blocked for k in keys[:3]):
+        pytest.skip("this draw put an earlier page in the blocked directory")
+    blocked.parent.mkdir(parents=True, exist_ok=True)
+    blocked.write_text("not a directory")
+    assert store.set(keys, [[p] for p in random_pages(6)]) == 3
+    assert store.exists(keys) == 3
+
+
+def test_reads_stay_up_while_writes_fail(tmp_path):
+    ns = namespace()
+    store = FileStore(tmp_path, ns, retry_interval=60)
+    keys = page_keys(ns, np.arange(4 * GEOMETRY.page_size))
+    store.set(keys[:2], [[p] for p in random_pages(2)])
+    blocked = store.path(keys[2]).parent
+    if blocked.exists():
+        pytest.skip("this draw shares a directory with the stored pages")
+    blocked.write_text("full disk, say")
+    assert store.set(keys[2:3], [[random_pages(1)[0]]]) == 0
+    assert read_pages(store, keys[:2])[0] == 2, "a failing write path does not take reads down"
+    assert not store.up
+
+
+def test_a_store_works_in_a_fork_child_after_its_threads_ran(tmp_path):
+    ns = namespace()
+    store = FileStore(tmp_path, ns, io_threads=4)
+    keys = page_keys(ns, np.arange(8 * GEOMETRY.page_size))
+    pages = random_pages(8)
+    store.set(keys, [[p] for p in pages])
+    assert read_pages(store, keys)[0] == 8             # the pool exists now
+    pid = os.fork()
+    if pid == 0:                                       # the child: its pool's threads do not exist
+        import signal
+
+        signal.alarm(20)
+        count, out = read_pages(store, keys)
+        os._exit(0 if count == 8 and all(np.array_equal(a, b) for a, b in zip(out, pages, strict=True)) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_a_page_file_cut_inside_its_header_block_is_short(tmp_path):
+    ns = namespace()
+    store = FileStore(tmp_path, ns)
+    keys = page_keys(ns, np.arange(GEOMETRY.page_size))
+    store.set(keys, [[random_pages(1)[0]]])
+    os.truncate(store.path(keys[0]), 1000)
+    assert read_pages(store, keys)[0] == 0 and store.stats()["miss.short"] == 1

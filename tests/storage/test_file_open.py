@@ -251,3 +251,10 @@ def test_a_store_opened_while_another_thread_writes_the_record_leaves_that_write
     monkeypatch.setattr(file_module, "write_file", write_then_let_another_open)
     first = FileStore(tmp_path, ns)
     assert len(others) == 1 and (first.directory / "namespace.json").is_file() and leftovers(tmp_path) == []
+
+
+def test_a_file_where_the_store_directory_should_be_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StorageError, match=f"file store {blocker}: cannot make {blocker}/.*: Not a directory"):
+        FileStore(blocker, namespace())

@@ -1,21 +1,24 @@
 """The storage tier misused and raced: malformed specs at open and through the CLI, prefetches into a host tier too
-small for them, a host pool closed under storage I/O, closes from two threads with writes queued, failed writes."""
+small for them, a host pool closed under storage I/O, closes from two threads with writes queued, failed writes, a
+close during a read (no thread writes into the caller's buffers after it returns), an older success finishing after a
+newer failure (the store stays down)."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
 from helpers.cache import BOUND, P, build, close_all, joined, load_and_check, prompt, run, serve
-from helpers.storage import Hooked, namespace, second, stores_of, warm
+from helpers.storage import GEOMETRY, PAGE, Hooked, namespace, random_pages, read_pages, second, stores_of, warm
 
 from kvtier.cache import page_keys
 from kvtier.cache.metrics import REASONS
 from kvtier.cli import main
 from kvtier.errors import BufferClosed, InvalidArgument
-from kvtier.storage import MemoryStore, SharedPages, StorageError, open_store
+from kvtier.storage import FileStore, MemoryStore, SharedPages, StorageError, open_store
 from kvtier.storage.backend import PartialWrite
 
 
@@ -439,3 +442,64 @@ def test_a_store_closed_under_the_writer_counts_each_page_once(rt):
         cache.close()
         host.close()
         dev.close()
+
+
+def test_close_during_a_get_never_leaves_a_thread_writing_into_the_callers_buffers(tmp_path):
+    class Slow(FileStore):
+        def _read_page(self, key, pieces):
+            time.sleep(0.2)
+            return super()._read_page(key, pieces)
+
+    class ClosingPool:
+        """Submits two pages, then the store is closed (another thread) before the third is submitted."""
+
+        def __init__(self, pool):
+            self.pool, self.calls = pool, 0
+
+        def submit(self, *args):
+            self.calls += 1
+            if self.calls == 3:
+                store._closed = True
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            return self.pool.submit(*args)
+
+        def shutdown(self, wait=True):
+            self.pool.shutdown(wait=wait)
+
+    ns = namespace()
+    store = Slow(tmp_path, ns, io_threads=2)
+    keys = page_keys(ns, np.arange(8 * GEOMETRY.page_size))
+    store.set(keys, [[p] for p in random_pages(8)])
+    store._pool = ClosingPool(store._pool)
+    out = [np.zeros(PAGE, np.uint8) for _ in keys]
+    try:
+        store.get(keys, [[o] for o in out])
+    except Exception as exc:  # noqa: BLE001 - a StorageError naming the close is fine
+        assert "closed" in str(exc)
+    left = [o.copy() for o in out]
+    time.sleep(0.5)
+    assert all(np.array_equal(a, b) for a, b in zip(left, out, strict=True)), "written after get returned"
+    assert "errors.get" not in store.stats(), "a close is not a store failure"
+    store._pool.shutdown()
+
+
+def test_an_older_success_does_not_undo_a_newer_failure():
+    class Flaky(MemoryStore):
+        def _get(self, keys, pages):
+            if threading.current_thread().name == "slow":
+                time.sleep(0.3)
+                yield from super()._get(keys, pages)
+            else:
+                raise ConnectionError("down")
+
+    ns = namespace()
+    store = Flaky(ns, retry_interval=30)
+    keys = page_keys(ns, np.arange(GEOMETRY.page_size))
+    store.set(keys, [[random_pages(1)[0]]])
+    slow = threading.Thread(target=lambda: read_pages(store, keys), name="slow")
+    slow.start()
+    time.sleep(0.1)
+    assert read_pages(store, keys)[0] == 0             # fails while the slow call is in flight
+    slow.join()
+    assert not store.up and "reconnects" not in store.stats()
+    assert read_pages(store, keys)[0] == 0 and store.stats()["miss.down"] == 1   # still backing off

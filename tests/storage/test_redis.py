@@ -1,11 +1,14 @@
 """Redis-specific promises on real servers: a server stopped mid-run is misses and counts, never an exception,
-and hits again once it is back; a cluster spreads pages over its nodes; ACL users and passwords in the URL."""
+and hits again once it is back; a cluster spreads pages over its nodes; ACL users and passwords in the URL. A key of
+the wrong type is one miss, a frozen cluster node costs one timeout, a full server refusing writes still serves
+reads, and cluster redirections are failures, not misses."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -16,10 +19,6 @@ from helpers.storage import CLI, GEOMETRY, RedisClusterServers, RedisServer, nam
 from kvtier.cache import page_keys
 from kvtier.cli import main
 from kvtier.storage import RedisStore, open_store
-
-PAGE = GEOMETRY.bytes_per_page
-
-
 
 
 @pytest.fixture
@@ -245,3 +244,88 @@ def test_a_cluster_node_restarted_empty_gets_the_namespace_record_back():
         store.close()
     finally:
         cluster.close()
+
+
+def test_a_redis_key_of_the_wrong_type_is_one_miss_and_the_store_stays_up(redis_url):
+    ns = namespace()
+    with open_store(redis_url, ns) as store:
+        keys = page_keys(ns, np.arange(4 * GEOMETRY.page_size))
+        store.set(keys, [[p] for p in random_pages(4)])
+        store.client().delete(store.key(keys[2]))
+        store.client().rpush(store.key(keys[2]), b"not a page")
+        assert read_pages(store, keys)[0] == 2
+        stats = store.stats()
+        assert stats["miss.corrupt"] == 1 and stats.get("errors.get", 0) == 0 and stats["up"]
+        assert read_pages(store, keys[:2])[0] == 2 and store.set(keys[2:3], [[random_pages(1)[0]]]) == 1
+        assert read_pages(store, keys)[0] == 4, "the bad key was removed and rewritten"
+
+
+def test_a_frozen_cluster_node_costs_one_timeout_not_a_retry_loop():
+    cluster = RedisClusterServers()
+    frozen = cluster.servers[1].process
+    try:
+        ns = namespace()
+        timeout = 1.0                               # long against a loaded machine's delays; a retry loop is 4+
+        store = open_store(cluster.url, ns, retry_interval=0, timeout=timeout, connect_timeout=timeout)
+        keys = page_keys(ns, np.arange(30 * GEOMETRY.page_size))
+        assert store.set(keys, [[p] for p in random_pages(30)]) == 30
+        frozen.send_signal(19)                      # SIGSTOP
+        for call in (lambda: store.exists(keys), lambda: read_pages(store, keys), lambda: store.exists(keys)):
+            start = time.monotonic()
+            call()
+            assert time.monotonic() - start < 4 * timeout
+        assert store.stats()["errors.exists"] >= 1
+        frozen.send_signal(18)                      # SIGCONT: the store finds the cluster again
+        deadline = time.monotonic() + 20
+        while store.exists(keys) != 30 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert store.exists(keys) == 30
+        store.close()
+    finally:
+        frozen.send_signal(18)
+        cluster.close()
+
+
+def test_a_full_redis_refusing_writes_still_serves_reads():
+    from helpers.storage import RedisServer
+
+    server = RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    try:
+        ns = namespace()
+        store = open_store(server.url, ns, retry_interval=0)
+        keys = page_keys(ns, np.arange(4000 * GEOMETRY.page_size))
+        assert store.set(keys[:4], [[p] for p in random_pages(4)]) == 4
+        for start in range(4, 4000, 200):          # fill it until SET is refused (OOM)
+            if store.set(keys[start:start + 200], [[p] for p in random_pages(200)]) < 200:
+                break
+        short: list[int] = []
+
+        def reader():
+            for _ in range(100):
+                count = read_pages(store, keys[:4])[0]
+                if count != 4:
+                    short.append(count)
+
+        readers = [threading.Thread(target=reader) for _ in range(3)]
+        for thread in readers:
+            thread.start()
+        while any(thread.is_alive() for thread in readers):   # writes keep failing meanwhile
+            store.set(keys[3990:3992], [[p] for p in random_pages(2)])
+        for thread in readers:
+            thread.join()
+        assert store.stats()["errors.set"] >= 1
+        assert not short, f"{len(short)} reads cut short while writes failed"
+        store.close()
+    finally:
+        server.close()
+
+
+def test_cluster_redirections_are_failures_and_wrongtype_is_a_miss():
+    from redis.exceptions import AskError, ClusterDownError, MovedError, NoPermissionError, ResponseError, TryAgainError
+
+    from kvtier.storage.redis_store import _wrong_value
+
+    assert _wrong_value(ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"))
+    for error in (MovedError("3999 127.0.0.1:6381"), AskError("3999 127.0.0.1:6381"), ClusterDownError("down"),
+                  TryAgainError("again"), NoPermissionError("no"), ResponseError("ERR something")):
+        assert not _wrong_value(error), error

@@ -299,3 +299,20 @@ def test_a_unix_socket_with_a_db_and_a_password_in_the_query(tmp_path):
 
 def _escaped(words: str) -> str:
     return re.escape(words)
+
+
+@pytest.mark.parametrize("spec, options, words", [
+    ("redis://127.0.0.1:abc/0", {}, "Port could not be cast"),
+    ("redis://127.0.0.1:99999/0", {}, "out of range"),
+    ("redis:///0", {}, "names no host"),
+    ("redis://127.0.0.1:6379/0", {"timeout": -1}, "timeout=-1"),
+    ("redis://127.0.0.1:6379/0", {"timeout": float("nan")}, "timeout=nan"),
+    ("redis://127.0.0.1:6379/0", {"connect_timeout": "soon"}, "connect_timeout='soon'"),
+    ("redis://127.0.0.1:6379/0", {"retry_interval": "1"}, "retry_interval='1'"),
+    ("redis://127.0.0.1:6379/0", {"batch_pages": float("nan")}, "batch_pages=nan"),
+    ("memory:foo", {}, "memory: takes nothing"),
+    ("memory:", {"max_bytes": -5}, "max_bytes=-5"),
+])
+def test_bad_urls_and_options_are_refused_when_the_store_opens(spec, options, words):
+    with pytest.raises(InvalidArgument, match=words.replace("(", r"\(")):
+        open_store(spec, namespace(), **options)

@@ -1,5 +1,6 @@
 """Pools, engines and captured graphs have a lifecycle: closing waits for the transfers that use the memory, and every
-use after close raises at the call, before anything is queued or allocated."""
+use after close raises at the call, before anything is queued or allocated. A device fault is sticky: every later
+transfer on the device raises."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import gc
 
 import numpy as np
 import pytest
+from helpers.device_kernels import TOUCH
 from helpers.pools import engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
 
-from kvtier.errors import BufferClosed, BufferInUse, KvtierError
+from kvtier.errors import BufferClosed, BufferInUse, IllegalAddress, KvtierError
 from kvtier.memory import DeviceBuffer, HostBuffer
 from kvtier.pools import DevicePool, HostPool, KVGeometry
 from kvtier.runtime.emulated import EmulatedRuntime
@@ -188,3 +190,23 @@ def test_closing_a_device_buffer_under_a_pool_closes_the_pool_for_engines(runtim
     for row in buffers:
         for buffer in row:
             buffer.close()
+
+
+def test_a_fault_poisons_later_transfers_on_the_device():
+    runtime = EmulatedRuntime("split", schedule="lazy")
+    dev = DevicePool.allocate(G, 4, 0, runtime=runtime)
+    host = HostPool.allocate(G, "page_first", pages=4, runtime=runtime)
+    engine = TransferEngine(dev, host, backend="kernel")
+    from kvtier.memory import DeviceAddress
+    from kvtier.runtime import i64
+    runtime.launch(runtime.load_program(TOUCH, 0), "touch", grid=1, block=32, stream=engine.streams["h2d"],
+                   args=[DeviceAddress(host.buffer.cpu_address.value, 0), i64(16)])
+    behind = engine.load([0], [1])
+    with pytest.raises(IllegalAddress, match="not mapped"):
+        behind.wait()
+    for call in (behind.done, behind.wait, lambda: engine.backup([0], [1])):
+        with pytest.raises(IllegalAddress, match="poisoned"):
+            call()
+    with pytest.raises(IllegalAddress):
+        engine.close()
+    host.close(), dev.close()
