@@ -260,8 +260,9 @@ def test_the_reference_kernel_faults_on_a_misaligned_vector_access(split):
     table.upload(np.array([src.address.value + 8, dst.address.value], np.uint64))
     index.upload(np.zeros(2, np.int64))
     stream = split.create_stream(0)
-    call = ChunkCopy(ChunkSide(table.region(0, 8), 1024, 0), ChunkSide(table.region(8, 8), 1024, 0), index, index,
-                     8, 1, 0, 1, 1, 1024)
+    call = ChunkCopy(src=ChunkSide(table.region(0, 8), 1024, 0), dst=ChunkSide(table.region(8, 8), 1024, 0),
+                     src_index=index, dst_index=index, index_bytes=8, n_units=1, layer_begin=0, n_layers=1, n_pieces=1,
+                     chunk_bytes=1024)
     KernelLauncher(split).copy_chunks(call, device=0, stream=stream)
     with pytest.raises(MisalignedAddress, match="misaligned"):
         stream.synchronize()
@@ -280,7 +281,8 @@ def test_table_entries_decide_the_access_width_at_the_boundary(split):
         index.upload(np.array([0, 0], np.int64))
         table = build_pointer_table(split, 0, [memory.region(8, 1024)])
         good = build_pointer_table(split, 0, [out.region(0, 1024)])
-        call = ChunkCopy(ChunkSide(table, 1024, 0), ChunkSide(good, 1024, 0), index, index, 8, 1, 0, 1, 1, 1024)
+        call = ChunkCopy(src=ChunkSide(table, 1024, 0), dst=ChunkSide(good, 1024, 0), src_index=index, dst_index=index,
+                         index_bytes=8, n_units=1, layer_begin=0, n_layers=1, n_pieces=1, chunk_bytes=1024)
         stream = split.create_stream(0)
         KernelLauncher(split).copy_chunks(call, device=0, stream=stream)
         stream.synchronize()
