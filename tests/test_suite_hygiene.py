@@ -4,7 +4,9 @@ is a small pytest run in a subprocess with this suite's conftest."""
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,3 +67,24 @@ def test_a_clean_run_passes_and_sums_up_the_gpu_skips_in_one_line(tmp_path):
     gpu = [line for line in done.stdout.splitlines() if "no usable CUDA GPU" in line]
     assert len(gpu) == 1 and "[3]" in gpu[0], done.stdout
     assert any("needs something else" in line for line in done.stdout.splitlines()), done.stdout
+
+
+def module_helpers(path: Path) -> set[str]:
+    """The functions and classes a test module defines at its top level, tests themselves aside (fixtures count)."""
+    tree = ast.parse(path.read_text())
+    return {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and not node.name.startswith(("test_", "Test"))}
+
+
+def test_every_helper_is_defined_once():
+    """A helper two test files need lives in tests/helpers/, defined once: copies drift apart."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        for name in module_helpers(path):
+            where.setdefault(name, []).append(str(path.relative_to(TESTS)))
+    assert {name: files for name, files in where.items() if len(files) > 1} == {}
+
+
+def test_no_test_file_is_named_after_an_issue_or_a_review_round():
+    names = [str(path.relative_to(TESTS)) for path in TESTS.rglob("test_*.py")]
+    assert [name for name in names if re.search(r"issue|adversar|round|hardening|regression", name)] == []

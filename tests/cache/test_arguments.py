@@ -1,5 +1,5 @@
 """Bad arguments are refused with InvalidArgument before the cache does any work: no event recorded on the caller's
-stream, no page, lock or count changed. Settings and namespace fields are checked when they are made."""
+stream, no page, lock or count changed. Settings and namespace fields are checked when they are small_cache."""
 
 from __future__ import annotations
 
@@ -14,30 +14,23 @@ from kvtier.errors import InvalidArgument
 from kvtier.runtime import create
 
 
-@pytest.fixture
-def made(rt):
-    cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
-    yield cache, model, rt
-    close_all(cache, dev, host)
-
-
 @pytest.mark.parametrize("tokens, seconds", [("100", 1), (100, "1"), (True, 1), (100, None), (math.nan, 1),
                                              (100, math.inf), (0, 1), (100, -1), ([100], 1)])
-def test_record_prefill_refuses_what_is_not_a_finite_positive_number(made, tokens, seconds):
-    cache, _, _ = made
+def test_record_prefill_refuses_what_is_not_a_finite_positive_number(small_cache, tokens, seconds):
+    cache, _, _ = small_cache
     with pytest.raises(InvalidArgument, match="record_prefill"):
         cache.record_prefill(tokens, seconds)
     assert cache.stats()["prefill_tokens_per_s"] is None
 
 
-def test_record_prefill_takes_numpy_numbers(made):
-    cache, _, _ = made
+def test_record_prefill_takes_numpy_numbers(small_cache):
+    cache, _, _ = small_cache
     cache.record_prefill(np.int64(1000), np.float32(0.5))
     assert cache.stats()["prefill_tokens_per_s"] == pytest.approx(2000)
 
 
-def test_refused_calls_record_no_event_and_change_nothing(made, monkeypatch):
-    cache, model, rt = made
+def test_refused_calls_record_no_event_and_change_nothing(small_cache, monkeypatch):
+    cache, model, rt = small_cache
     tokens = prompt(4 * P)
     serve(cache, model, tokens)
     cache.drain()

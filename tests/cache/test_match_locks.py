@@ -14,15 +14,8 @@ from kvtier.errors import InvalidArgument
 from kvtier.runtime import create
 
 
-@pytest.fixture
-def made(rt):
-    cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
-    yield cache, model
-    close_all(cache, dev, host)
-
-
-def test_unlocking_a_node_after_the_match_cannot_release_another_requests_lock(made):
-    cache, model = made
+def test_unlocking_a_node_after_the_match_cannot_release_another_requests_lock(small_cache):
+    cache, model, _ = small_cache
     tokens = prompt(8 * P)
     serve(cache, model, tokens)                     # the whole device pool, no host copy yet
     mine = cache.match_prefix(tokens, lock=True)
@@ -41,8 +34,8 @@ def test_unlocking_a_node_after_the_match_cannot_release_another_requests_lock(m
     cache.check()
 
 
-def test_a_copy_of_a_locked_match_cannot_unlock_it_a_second_time(made):
-    cache, model = made
+def test_a_copy_of_a_locked_match_cannot_unlock_it_a_second_time(small_cache):
+    cache, model, _ = small_cache
     tokens = prompt(8 * P)
     serve(cache, model, tokens)
     mine = cache.match_prefix(tokens, lock=True)
@@ -57,8 +50,8 @@ def test_a_copy_of_a_locked_match_cannot_unlock_it_a_second_time(made):
     cache.check()
 
 
-def test_lock_takes_only_a_match_and_locks_it_once(made):
-    cache, model = made
+def test_lock_takes_only_a_match_and_locks_it_once(small_cache):
+    cache, model, _ = small_cache
     tokens = prompt(4 * P)
     serve(cache, model, tokens)
     match = cache.match_prefix(tokens)
@@ -74,8 +67,8 @@ def test_lock_takes_only_a_match_and_locks_it_once(made):
     cache.check()
 
 
-def test_a_match_built_by_hand_is_refused(made):
-    cache, model = made
+def test_a_match_built_by_hand_is_refused(small_cache):
+    cache, model, _ = small_cache
     tokens = prompt(4 * P)
     serve(cache, model, tokens)
     real = cache.match_prefix(tokens, lock=True)

@@ -18,9 +18,10 @@ from helpers.cache import (
     joined,
     load_and_check,
     prompt,
-    run,
     serve,
+    spawn,
 )
+from helpers.hybrid import Hybrid
 
 from kvtier.cache import CacheSettings, KVCache
 from kvtier.cache.operation import BACKUP, LOAD
@@ -55,10 +56,10 @@ def test_a_cache_closed_while_an_allocation_waits_for_a_write_back_backup(rt, mo
     held = HeldOps(monkeypatch)
     victim = prompt(8 * P)
     serve(cache, model, victim)
-    allocator, got = run("allocator", lambda: cache.allocate(4))
+    allocator, got = spawn("allocator", lambda: cache.allocate(4))
     try:
         held.until_waiting("allocator")
-        closer, closed = run("closer", cache.close)
+        closer, closed = spawn("closer", cache.close)
         held.release()
         joined(closer)
         joined(allocator)
@@ -77,10 +78,10 @@ def test_the_device_pool_closed_while_an_allocation_waits_names_the_pool(rt, mon
     cache, model, dev, host = build(rt, device_pages=8, host_pages=32, write_policy="write_back")
     held = HeldOps(monkeypatch)
     serve(cache, model, prompt(8 * P))
-    allocator, got = run("allocator", lambda: cache.allocate(4))
+    allocator, got = spawn("allocator", lambda: cache.allocate(4))
     try:
         held.until_waiting("allocator")
-        closer, _ = run("closer", dev.close)
+        closer, _ = spawn("closer", dev.close)
         held.release()
         joined(closer)
         joined(allocator)
@@ -263,8 +264,8 @@ def test_two_allocations_waiting_for_write_back_backups_get_distinct_pages(rt, m
     first, second = prompt(4 * P), prompt(4 * P)
     serve(cache, model, first)
     serve(cache, model, second)
-    one, got1 = run("allocator-1", lambda: cache.allocate(4))
-    two, got2 = run("allocator-2", lambda: cache.allocate(4))
+    one, got1 = spawn("allocator-1", lambda: cache.allocate(4))
+    two, got2 = spawn("allocator-2", lambda: cache.allocate(4))
     try:
         held.until_waiting("allocator-1")
         held.until_waiting("allocator-2")
@@ -297,7 +298,7 @@ def test_an_interrupt_during_the_wait_leaves_the_cache_whole(rt, monkeypatch):
     held = HeldOps(monkeypatch, then=interrupt)
     victim = prompt(8 * P)
     serve(cache, model, victim)
-    allocator, got = run("allocator", lambda: cache.allocate(4))
+    allocator, got = spawn("allocator", lambda: cache.allocate(4))
     try:
         held.until_waiting("allocator")
         held.release()
@@ -327,10 +328,10 @@ def test_a_failed_write_back_backup_lets_the_allocation_go_on_and_serves_nothing
     held = HeldOps(monkeypatch, then=fault)
     victim = prompt(8 * P)
     serve(cache, model, victim)
-    allocator, got = run("allocator", lambda: cache.allocate(4))
+    allocator, got = spawn("allocator", lambda: cache.allocate(4))
     try:
         held.until_waiting("allocator")
-        lookup, looked = run("looker", lambda: cache.match_prefix(victim).cached_tokens)
+        lookup, looked = spawn("looker", lambda: cache.match_prefix(victim).cached_tokens)
         joined(lookup)
         assert looked == [("ok", 8 * P)]
         held.release()
@@ -364,11 +365,11 @@ def test_close_from_two_threads_while_a_load_back_waits_for_device_room(rt, monk
     held = HeldOps(monkeypatch)
     match = cache.match_prefix(tokens, lock=True)
     assert match.host_tokens == 4 * P
-    loader, loaded = run("loader", lambda: cache.load_back(match, force=True))
+    loader, loaded = spawn("loader", lambda: cache.load_back(match, force=True))
     try:
         held.until_waiting("loader")
-        c1, r1 = run("closer-1", cache.close)
-        c2, r2 = run("closer-2", cache.close)
+        c1, r1 = spawn("closer-1", cache.close)
+        c2, r2 = spawn("closer-2", cache.close)
         held.release()
         for thread in (c1, c2, loader):
             joined(thread)
@@ -382,15 +383,9 @@ def test_close_from_two_threads_while_a_load_back_waits_for_device_room(rt, monk
 
 
 # -- hybrid caches --------------------------------------------------------------------------------------------------
-def hybrid(rt, **settings):
-    from helpers.hybrid import Hybrid
-
-    return Hybrid(rt, **settings)
-
-
 @pytest.mark.parametrize("closed", ["sdev", "shost"])
 def test_every_state_call_after_a_state_pool_closed_raises_buffer_closed(rt, closed):
-    made = hybrid(rt)
+    made = Hybrid(rt)
     cache = made.cache
     try:
         tokens = prompt(4 * P)
@@ -422,16 +417,16 @@ def test_every_state_call_after_a_state_pool_closed_raises_buffer_closed(rt, clo
 def test_a_hybrid_allocate_state_waiting_for_a_write_back_state_backup_serves_right_states(rt, monkeypatch):
     """write_back: the only device state slots hold unsaved snapshots; allocate_state waits (lock released) for
     their backup while another thread matches; afterwards the evicted snapshot comes back byte for byte."""
-    made = hybrid(rt, device_pages=32, host_pages=64, device_states=2, host_states=8, write_policy="write_back")
+    made = Hybrid(rt, device_pages=32, host_pages=64, device_states=2, host_states=8, write_policy="write_back")
     cache = made.cache
     held = HeldOps(monkeypatch)
     try:
         a, b = prompt(4 * P), prompt(4 * P)
         made.serve(a)
         made.serve(b)                               # both device slots hold unsaved snapshots
-        allocator, got = run("allocator", cache.allocate_state)
+        allocator, got = spawn("allocator", cache.allocate_state)
         held.until_waiting("allocator")
-        looker, looked = run("looker", lambda: cache.match_prefix(b).cached_tokens)
+        looker, looked = spawn("looker", lambda: cache.match_prefix(b).cached_tokens)
         joined(looker)
         assert looked == [("ok", 4 * P)]
         held.release()
@@ -452,7 +447,7 @@ def test_a_hybrid_allocate_state_waiting_for_a_write_back_state_backup_serves_ri
 def test_hybrid_threads_allocating_under_write_back_keep_the_index_whole(rt):
     """Several threads serve prompts sharing a system prefix on a tiny write_back hybrid cache (eviction, backups and
     state waits on every request); every byte and state served is checked, the index stays whole."""
-    made = hybrid(rt, device_pages=24, host_pages=64, device_states=3, host_states=16, write_policy="write_back")
+    made = Hybrid(rt, device_pages=24, host_pages=64, device_states=3, host_states=16, write_policy="write_back")
     cache = made.cache
     system = prompt(2 * P)
     errors: list = []

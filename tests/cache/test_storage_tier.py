@@ -23,7 +23,7 @@ from kvtier.runtime import create
 from kvtier.storage import MemoryStore, SharedPages, open_store
 
 
-def prompt(pages: int, page_size: int = 4, seed: int | None = None) -> np.ndarray:
+def seeded_prompt(pages: int, page_size: int = 4, seed: int | None = None) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 50000, pages * page_size)
 
 
@@ -37,7 +37,7 @@ def test_a_restarted_cache_is_served_from_storage(runtime, store_spec, layout):
                       else open_store(store_spec, ns, layout=layout))
         return stores[-1]
 
-    prompts = [prompt(12), prompt(7)]
+    prompts = [seeded_prompt(12), seeded_prompt(7)]
     salt = warm(runtime, storage, prompts, layout=layout)
     cache, model, dev, host = second(runtime, storage, salt, layout=layout)
     try:
@@ -57,8 +57,8 @@ def test_a_restarted_cache_is_served_from_storage(runtime, store_spec, layout):
 
 def test_prefetch_extends_a_host_prefix_and_keeps_the_trees_own_pages(runtime):
     shared = SharedPages()
-    base = prompt(6)
-    longer = np.concatenate([base, prompt(5)])
+    base = seeded_prompt(6)
+    longer = np.concatenate([base, seeded_prompt(5)])
     salt = warm(runtime, lambda ns: MemoryStore(ns, shared=shared), [longer])
     cache, model, dev, host = second(runtime, lambda ns: MemoryStore(ns, shared=shared), salt)
     try:
@@ -77,7 +77,7 @@ def test_prefetch_extends_a_host_prefix_and_keeps_the_trees_own_pages(runtime):
 def test_a_corrupt_page_cuts_the_chain_and_nothing_after_it_is_committed(runtime, bad_page):
     storage, stores = memory_stores()
 
-    p = prompt(10)
+    p = seeded_prompt(10)
     salt = warm(runtime, storage, [p])
     cache, model, dev, host = second(runtime, storage, salt, storage_batch_pages=3)
     try:
@@ -97,7 +97,7 @@ def test_a_corrupt_page_cuts_the_chain_and_nothing_after_it_is_committed(runtime
 def test_a_page_evicted_between_exists_and_get_is_a_gap_not_garbage(runtime):
     storage, stores = hooked_stores()
 
-    p = prompt(10)
+    p = seeded_prompt(10)
     salt = warm(runtime, storage, [p])
     cache, model, dev, host = second(runtime, storage, salt)
     try:
@@ -114,7 +114,7 @@ def test_a_page_evicted_between_exists_and_get_is_a_gap_not_garbage(runtime):
 def test_policies_best_effort_wait_complete_and_timeout(runtime):
     storage, stores = hooked_stores()
 
-    prompts = [prompt(12) for _ in range(3)]
+    prompts = [seeded_prompt(12) for _ in range(3)]
     salt = warm(runtime, storage, prompts)
     cache, model, dev, host = second(runtime, storage, salt, storage_batch_pages=2, prefetch_timeout_base=0.35,
                                      prefetch_timeout_per_1k_tokens=0.0)
@@ -146,7 +146,7 @@ def test_policies_best_effort_wait_complete_and_timeout(runtime):
 
 def test_a_finished_prefetch_is_usable_at_once(runtime):
     shared = SharedPages()
-    p = prompt(8)
+    p = seeded_prompt(8)
     salt = warm(runtime, lambda ns: MemoryStore(ns, shared=shared), [p])
     cache, model, dev, host = second(runtime, lambda ns: MemoryStore(ns, shared=shared), salt)
     try:
@@ -160,7 +160,7 @@ def test_a_finished_prefetch_is_usable_at_once(runtime):
 
 def test_storage_slower_than_recompute_is_declined(runtime):
     shared = SharedPages()
-    p = prompt(8)
+    p = seeded_prompt(8)
     salt = warm(runtime, lambda ns: MemoryStore(ns, shared=shared), [p])
     cache, model, dev, host = second(runtime, lambda ns: MemoryStore(ns, shared=shared), salt,
                                      storage_gbps=1e-6, prefill_tokens_per_s=1e6)
@@ -177,7 +177,7 @@ def test_storage_slower_than_recompute_is_declined(runtime):
 def test_a_failing_store_degrades_to_misses_and_the_cache_keeps_serving(runtime, fail):
     storage, stores = hooked_stores()
 
-    p, q = prompt(8), prompt(6)
+    p, q = seeded_prompt(8), seeded_prompt(6)
     salt = warm(runtime, storage, [p])
     cache, model, dev, host = second(runtime, storage, salt)
     try:
@@ -195,7 +195,7 @@ def test_a_failing_store_degrades_to_misses_and_the_cache_keeps_serving(runtime,
             assert stats.get("storage_skipped.store_failed", 0) >= 1
         stores[-1].fail = None
         time.sleep(1.05)                                   # the default retry interval
-        r = prompt(5)
+        r = seeded_prompt(5)
         serve(cache, model, r)
         cache.drain()
         assert stores[-1].exists(page_keys(cache.namespace, r)) == 5, "writes resume when the store is back"
@@ -218,7 +218,7 @@ def test_a_full_write_queue_skips_and_counts_instead_of_blocking(runtime):
     try:
         start = time.monotonic()
         for _ in range(4):
-            serve(cache, model, prompt(3))
+            serve(cache, model, seeded_prompt(3))
         assert time.monotonic() - start < 0.6, "serving never waits for storage"
         cache.drain()
         assert cache.stats()["storage_skipped.queue_full"] >= 3
@@ -230,12 +230,12 @@ def test_a_full_write_queue_skips_and_counts_instead_of_blocking(runtime):
 def test_close_during_a_prefetch_and_a_write_returns_every_page(runtime):
     storage, stores = hooked_stores()
 
-    p = prompt(20)
+    p = seeded_prompt(20)
     salt = warm(runtime, storage, [p])
     cache, model, dev, host = second(runtime, storage, salt, storage_batch_pages=2)
     stores[-1].delay = 0.05
     fetch = cache.prefetch(p)
-    serve(cache, model, prompt(4))                         # a write-through queued behind the slow store
+    serve(cache, model, seeded_prompt(4))                         # a write-through queued behind the slow store
     time.sleep(0.08)
     close_all(cache, dev, host)                            # close checks that no page leaked
     assert fetch.done and fetch.outcome in ("closed", "cancelled", "complete")
@@ -252,7 +252,7 @@ def test_host_pages_being_written_are_not_evicted(runtime):
 
     cache, model, dev, host = build(runtime, device_pages=32, host_pages=8, storage=storage)
     try:
-        p = prompt(6)
+        p = seeded_prompt(6)
         serve(cache, model, p)
         deadline = time.monotonic() + 5
         while cache.stats().get("queue.storage_write_pages", 0) == 0 and time.monotonic() < deadline:
@@ -268,7 +268,7 @@ def test_host_pages_being_written_are_not_evicted(runtime):
 def test_two_caches_in_threads_share_one_store(runtime):
     shared = SharedPages()
     errors = []
-    prompts = [prompt(6, seed=s) for s in range(6)]
+    prompts = [seeded_prompt(6, seed=s) for s in range(6)]
     salt = np.random.default_rng().bytes(16)
 
     def user() -> None:
@@ -314,7 +314,7 @@ CHILD = textwrap.dedent("""
 def test_two_processes_share_a_store_and_namespaces_stay_apart(kind, tmp_path, request):
     spec = f"file:{tmp_path}" if kind == "file" else request.getfixturevalue("redis_url")
     salt = np.random.default_rng().bytes(16)
-    p = prompt(9)
+    p = seeded_prompt(9)
     model_name = f"shared-{os.getpid()}-{time.monotonic_ns()}"
     script = CHILD.format(tests=str(TESTS), model=model_name, spec=spec, salt=salt.hex(),
                           tokens=p.tolist())
@@ -342,7 +342,7 @@ def test_two_processes_share_a_store_and_namespaces_stay_apart(kind, tmp_path, r
 def test_prefetch_without_storage_is_finished_at_once(runtime):
     cache, model, dev, host = build(runtime)
     try:
-        fetch = cache.prefetch(prompt(4))
+        fetch = cache.prefetch(seeded_prompt(4))
         assert fetch.done and fetch.outcome == "no_storage" and fetch.settle() == 0
     finally:
         close_all(cache, dev, host)
@@ -360,7 +360,7 @@ def test_a_store_of_another_namespace_is_refused(runtime):
 def test_kv_model_salt_is_what_makes_the_checks_real(runtime):
     """Guard for the tests above: a different salt makes the byte checks fail."""
     shared = SharedPages()
-    p = prompt(5)
+    p = seeded_prompt(5)
     warm(runtime, lambda ns: MemoryStore(ns, shared=shared), [p])
     cache, model, dev, host = second(runtime, lambda ns: MemoryStore(ns, shared=shared),
                                      np.random.default_rng().bytes(16))

@@ -26,7 +26,7 @@ def slow_cache(rt, shared, **settings):
     return cache, model, dev, host, made["store"]
 
 
-def stored(store, cache, tokens) -> int:
+def stored_pages(store, cache, tokens) -> int:
     return store.exists(page_keys(cache.namespace, tokens))
 
 
@@ -38,7 +38,7 @@ def test_a_non_cancelling_close_stores_everything_queued_and_everything_backed_u
         serve(cache, model, tokens)                 # no drain: backups and writes are still coming
     cache.close(cancel=False)
     try:
-        assert [stored(store, cache, t) for t in prompts] == [PAGES] * len(prompts)
+        assert [stored_pages(store, cache, t) for t in prompts] == [PAGES] * len(prompts)
         stats = cache.stats()
         assert stats["storage_pages.written"] == PAGES * len(prompts)
         assert not {k: v for k, v in stats.items() if k.startswith(("storage_skipped.", "skipped."))}
@@ -57,7 +57,7 @@ def test_a_cancelling_close_counts_every_page_it_does_not_store(rt):
     cache.close(cancel=True)
     try:
         stats = cache.stats()
-        written = sum(stored(store, cache, t) for t in prompts)
+        written = sum(stored_pages(store, cache, t) for t in prompts)
         assert stats.get("storage_pages.written", 0) == written
         skipped = {k: v for k, v in stats.items() if k.startswith(("storage_skipped.", "skipped."))}
         assert set(skipped) <= {"storage_skipped.cancelled_at_close", "skipped.cancelled_at_close"}

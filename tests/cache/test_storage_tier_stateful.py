@@ -137,7 +137,7 @@ class StorageMachine(CacheMachine):
                 shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def machine(runtime_name: str, policy: str, store_kind: str) -> type[StorageMachine]:
+def storage_machine(runtime_name: str, policy: str, store_kind: str) -> type[StorageMachine]:
     return type(f"Storage_{runtime_name}_{policy}_{store_kind}", (StorageMachine,),
                 {"runtime_name": runtime_name, "policy": policy, "store_kind": store_kind})
 
@@ -146,7 +146,7 @@ def machine(runtime_name: str, policy: str, store_kind: str) -> type[StorageMach
 @pytest.mark.parametrize("runtime_name", ["emulated:split", "emulated:split:2:lazy"])
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_cache_with_storage_against_the_reference(runtime_name, policy, store_kind):
-    test = machine(runtime_name, policy, store_kind).TestCase
+    test = storage_machine(runtime_name, policy, store_kind).TestCase
     test.settings = settings(max_examples=30, stateful_step_count=30, deadline=None,
                              suppress_health_check=list(HealthCheck))
     test().runTest()
@@ -161,7 +161,7 @@ def test_every_example_removes_its_store_directory(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(tempfile, "mkdtemp", recording)
-    test = machine("emulated:split", "write_back", "file").TestCase
+    test = storage_machine("emulated:split", "write_back", "file").TestCase
     test.settings = settings(max_examples=3, stateful_step_count=5, deadline=None,
                              suppress_health_check=list(HealthCheck))
     test().runTest()

@@ -182,7 +182,7 @@ class HeldOps:
         self.gate.set()
 
 
-def run(name, target):
+def spawn(name, target):
     """``target()`` on a thread named ``name``; returns (thread, results) where results gets ('ok', value) or
     ('raised', exception)."""
     results: list = []

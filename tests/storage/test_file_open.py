@@ -25,7 +25,7 @@ from kvtier.storage import FileStore, StorageError, open_store, temporaries
 from kvtier.storage import file as file_module
 
 
-def leftovers(root: Path) -> list[Path]:
+def temporaries_left(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.name.endswith(".tmp"))
 
 
@@ -52,7 +52,7 @@ def test_a_file_where_a_directory_should_be_is_refused_naming_it(tmp_path, block
         words = f"cannot make {root}.*: Not a directory"
     with pytest.raises(StorageError, match=f"file store {root}: {words}"):
         open_store(f"file:{root}", ns)
-    assert leftovers(tmp_path) == []
+    assert temporaries_left(tmp_path) == []
 
 
 def read_only(monkeypatch) -> None:
@@ -135,7 +135,7 @@ def test_a_full_disk_at_open_is_refused_naming_the_record_and_leaves_no_temporar
     assert child.returncode == 0, child.stderr
     assert child.stdout.startswith(f"StorageError file store {tmp_path}: cannot write {tmp_path}/"), child.stdout
     assert "namespace.json: File too large" in child.stdout
-    assert leftovers(tmp_path) == [] and not list(tmp_path.glob("*/namespace.json"))
+    assert temporaries_left(tmp_path) == [] and not list(tmp_path.glob("*/namespace.json"))
 
 
 KILLED = textwrap.dedent("""
@@ -154,10 +154,10 @@ def test_a_record_temporary_left_by_a_killed_opener_is_swept_by_the_next_open(tm
     script = KILLED.format(tests=str(TESTS), root=str(tmp_path), tenant=ns.tenant)
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stderr
-    left = leftovers(tmp_path)
+    left = temporaries_left(tmp_path)
     assert [p.name.split(".")[1:3] for p in left] == [["namespace", str(child_pid(left[0]))]]
     store = FileStore(tmp_path, ns)
-    assert leftovers(tmp_path) == []
+    assert temporaries_left(tmp_path) == []
     assert json.loads((store.directory / "namespace.json").read_text())["tenant"] == ns.tenant
 
 
@@ -250,7 +250,7 @@ def test_a_store_opened_while_another_thread_writes_the_record_leaves_that_write
 
     monkeypatch.setattr(file_module, "write_file", write_then_let_another_open)
     first = FileStore(tmp_path, ns)
-    assert len(others) == 1 and (first.directory / "namespace.json").is_file() and leftovers(tmp_path) == []
+    assert len(others) == 1 and (first.directory / "namespace.json").is_file() and temporaries_left(tmp_path) == []
 
 
 def test_a_file_where_the_store_directory_should_be_is_refused(tmp_path):

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers.cache import BOUND, P, build, close_all, joined, load_and_check, prompt, run, serve
+from helpers.cache import BOUND, P, build, close_all, joined, load_and_check, prompt, serve, spawn
 from helpers.storage import GEOMETRY, PAGE, Hooked, namespace, random_pages, read_pages, second, stores_of, warm
 
 from kvtier.cache import page_keys
@@ -277,7 +277,7 @@ def test_a_host_pool_closed_while_a_prefetch_reads_into_it(rt):
     try:
         fetch = cache.prefetch(tokens)
         assert reading.wait(BOUND)
-        closer, closed = run("closer", host.close)
+        closer, closed = spawn("closer", host.close)
         joined(closer)
         assert closed == [("ok", None)]
         assert fetch.wait(BOUND)
@@ -323,7 +323,7 @@ def test_close_from_two_threads_at_once_accounts_for_every_page(rt, cancels):
         barrier.wait(BOUND)
         cache.close(cancel=cancel)
 
-    threads = [run(f"closer-{i}", lambda c=c: closing(c)) for i, c in enumerate(cancels)]
+    threads = [spawn(f"closer-{i}", lambda c=c: closing(c)) for i, c in enumerate(cancels)]
     try:
         for thread, result in threads:
             joined(thread)
@@ -362,7 +362,7 @@ def test_close_without_cancel_while_another_thread_serves(rt):
             serve(cache, model, tokens)
             served.append(tokens)
 
-    server, outcome = run("server", serving)
+    server, outcome = spawn("server", serving)
     try:
         while len(served) < 5:
             assert server.is_alive(), outcome
