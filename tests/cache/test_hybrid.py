@@ -1,20 +1,29 @@
 """Hybrid models in the cache (GQA KV in page pools, linear-attention state in state pools): a match ends only where
-a state snapshot exists; backup, eviction and load-back move KV and state together, all or nothing. Every byte
-served (KV and state) is checked against fresh random bytes, over poisoned destinations."""
+a state snapshot exists; backup, eviction and load-back move KV and state together, all or nothing; every write
+policy backs up the snapshots it promises to, threads serving, evicting and closing at once included; a layer map
+is checked strictly. Every byte served (KV and state) is checked against fresh random bytes, over poisoned
+destinations."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
 import pytest
-from helpers.cache import P, prompt
+from helpers.cache import TINY, P, prompt
 from helpers.hybrid import Hybrid
 
-from kvtier.cache import CacheSettings, KVCache, OutOfPages, token_array
+from kvtier.cache import CacheSettings, KVCache, Namespace, OutOfPages, token_array
 from kvtier.cache.state_tier import interleaved_layers
-from kvtier.errors import BufferClosed, InvalidArgument
+from kvtier.errors import BufferClosed, InvalidArgument, KvtierError
+from kvtier.pools import DevicePool, HostPool
+from kvtier.runtime import create
+from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.storage import open_store
+
+# TINY has 2 KV layers, STATE 6 state layers: a valid map names ("kv", 0..1) and ("state", 0..5) once each
+GOOD_MAP = [("state", 0), ("state", 1), ("state", 2), ("kv", 0), ("state", 3), ("state", 4), ("state", 5), ("kv", 1)]
 
 
 @pytest.fixture
@@ -22,6 +31,44 @@ def hybrid(runtime, request):
     made = Hybrid(runtime, **getattr(request, "param", {}))
     yield made
     made.close()
+
+
+def serve_or_fall_back(h: Hybrid, tokens) -> int:
+    """docs/hybrid.md's caller protocol ("What the caller does"): a declined load-back falls back to a device-only
+    match. Checks every served byte (KV and state); returns the tokens served from the cache."""
+    cache, model = h.cache, h.model
+    tokens = np.asarray(tokens)
+    match = cache.match_prefix(tokens, lock=True)
+    try:
+        load = cache.load_back(match, force=True)
+        if load is None and (match.host_tokens or match.device_state is None):
+            cache.unlock(match)
+            match = cache.match_prefix(tokens, lock=True, device_only=True)
+            assert match.host_tokens == 0
+        for op in match.pending:
+            op.wait()
+        prefix, state = match.device_pages, match.device_state
+        if load is not None:
+            load.wait()
+            prefix, state = load.prefix_pages, load.device_state
+        served = len(prefix) * P
+        assert served == match.cached_tokens
+        assert not model.mismatches(tokens, prefix), "served wrong KV"
+        if served:
+            assert state is not None and model.state_ok(tokens[:served], state), "served a wrong state"
+        slot = cache.allocate_state()
+        try:
+            new = cache.allocate(len(tokens) // P - len(prefix))
+        except OutOfPages:
+            cache.free_state(slot)
+            raise
+        model.write(tokens, new, first_page=len(prefix))
+        model.write_state(tokens, slot)
+        cache.insert(tokens, np.concatenate([prefix, new]), state=slot)
+    finally:
+        if match.locked:
+            cache.unlock(match)
+    return served
 
 
 def test_insert_then_match_serves_kv_and_its_state(hybrid):
@@ -467,3 +514,375 @@ def test_a_locked_match_pins_the_snapshot_it_ends_on_not_every_snapshot_on_its_p
         made.cache.check()
     finally:
         made.close()
+
+
+def test_a_waited_load_back_does_not_keep_its_device_state_slot_pinned():
+    """Found: after ``load_back`` of a host-only snapshot, ``load.wait()`` and ``unlock(match)``, the only device state
+    slot could still not be had: ``allocate_state()`` raised OutOfPages ("the rest by snapshots that are locked or in
+    flight") because the node stayed ``loading`` until the controller's load waiter thread got the cache lock to
+    complete the operation, and the allocation waited for backups in flight but never for load-backs. The same
+    happened with the next request's ``load_back`` (declined ``no_device_state``) and, for KV pages, with
+    ``allocate()`` after a waited load-back. A snapshot whose load has finished (the caller waited for it) and which
+    no lock pins is evictable (README: completions are handled the moment they complete). (Issue #13.)"""
+    hybrid = Hybrid(create("emulated:split"), device_states=1, host_states=4)
+    cache = hybrid.cache
+    try:
+        failures = 0
+        for _ in range(20):
+            tokens = prompt(2 * P)
+            hybrid.serve(tokens)
+            cache.backup(cache.match_prefix(tokens))
+            cache.drain()
+            cache.evict_states(device=1)
+            hybrid.model.poison_states()
+            match = cache.match_prefix(tokens, lock=True)
+            assert match.device_state is None and match.host_state is not None
+            load = cache.load_back(match, force=True)
+            assert load is not None
+            load.wait()
+            assert hybrid.model.state_ok(tokens, load.device_state)
+            cache.unlock(match)
+            try:
+                slot = cache.allocate_state()
+            except OutOfPages:
+                failures += 1
+            else:
+                cache.free_state(slot)
+            cache.drain()
+            cache.evict(device_pages=16, host_pages=32)
+        cache.check()
+        assert failures == 0, f"allocate_state() found no slot in {failures} of 20 rounds after a waited load-back"
+    finally:
+        hybrid.close()
+
+
+@pytest.mark.parametrize("bad", [
+    pytest.param(["kv"] * 8, id="strings-not-pairs"),
+    pytest.param([("kv",)] * 8, id="one-tuples"),
+    pytest.param(5, id="an-int"),
+    pytest.param({"kv": 0, "state": 1}, id="a-dict"),
+])
+def test_malformed_layer_map_raises_a_kvtier_error(runtime, bad):
+    """Found: ``KVCache(..., layer_map=...)`` with a malformed map raises a raw ValueError / TypeError from
+    ``state_tier.check_layer_map`` (``tuple((str(kind), int(index)) for kind, index in layer_map)``), not a kvtier
+    InvalidArgument; the brief's contract is that bad input raises a clear kvtier error."""
+    made = Hybrid(runtime)
+    try:
+        made.cache.close()
+        with pytest.raises(KvtierError):
+            KVCache(made.dev, made.host, made.ns, CacheSettings(calibrate=False), state=(made.sdev, made.shost),
+                    layer_map=bad)
+    finally:
+        made.close()
+
+
+@pytest.mark.parametrize("entry", [("kv", 0.7), ("kv", "0"), ("kv", False)], ids=["float", "str", "bool"])
+def test_layer_map_indices_that_are_not_integers_are_refused(runtime, entry):
+    """Found: a layer map entry whose index is not an integer (0.7, "0", False) is silently coerced with ``int()``
+    (0.7 -> KV layer 0) and accepted; the cache checks integers everywhere else (``checks.integer`` refuses floats and
+    bools) and should refuse these too."""
+    made = Hybrid(runtime)
+    try:
+        made.cache.close()
+        layer_map = [entry if item == ("kv", 0) else item for item in GOOD_MAP]
+        with pytest.raises(InvalidArgument):
+            cache = KVCache(made.dev, made.host, made.ns, CacheSettings(calibrate=False),
+                            state=(made.sdev, made.shost), layer_map=layer_map)
+            cache.close()
+    finally:
+        made.close()
+
+
+def test_layer_map_on_a_kv_only_cache_is_refused(runtime):
+    """Found: ``layer_map`` only means something with ``state=``; on a KV-only cache any value (even 12345) is
+    silently ignored (cache.py passes it to StateTier only when state pools exist) instead of being refused."""
+    dev = DevicePool.allocate(TINY, 8, 0, runtime=runtime)
+    host = HostPool.allocate(TINY, "page_first", pages=8, kind="pinned", runtime=runtime)
+    try:
+        with pytest.raises(InvalidArgument):
+            cache = KVCache(dev, host, Namespace("kv-only", TINY, "bfloat16"), CacheSettings(calibrate=False),
+                            layer_map=12345)
+            cache.close()
+    finally:
+        host.close()
+        dev.close()
+
+
+@pytest.mark.parametrize("hybrid", [{"write_policy": "write_through_selective", "write_through_threshold": 1}],
+                         indirect=True)
+def test_selective_write_through_backs_up_a_hot_snapshot_whose_kv_is_on_the_host(hybrid):
+    """Found: docs/hybrid.md: "Write policies apply to both [KV and state]"; docs/cache.md: write_through_selective
+    backs up "after write_through_threshold matches hit it". A system prompt whose KV reached the host as part of a
+    longer prompt's backup, and which later gets its own snapshot, is hit again and again, yet its snapshot is never
+    backed up: ``match_prefix`` only picks nodes with ``n.host is None`` as hot (cache.py, the
+    WRITE_THROUGH_SELECTIVE branch of match_prefix), ignoring a device-only snapshot. A device eviction then loses the
+    snapshot and the hot prefix is no longer servable at all (write_through and write_back both keep it)."""
+    cache = hybrid.cache
+    system = prompt(2 * P)
+    longer = np.concatenate([system, prompt(2 * P)])
+    serve_or_fall_back(hybrid, longer)
+    serve_or_fall_back(hybrid, longer)                                  # hit: backed up, KV of `system` included
+    cache.drain()
+    for _ in range(4):
+        serve_or_fall_back(hybrid, system)                 # `system` gets its own snapshot, then is hit 3 times
+        cache.drain()
+    match = cache.match_prefix(system)
+    assert match.last_node.hits >= 2 and match.device_state is not None
+    cache.evict(device_pages=16)
+    cache.drain()
+    assert cache.match_prefix(system).cached_tokens == 2 * P, \
+        "a hot prefix's snapshot was never backed up under write_through_selective and was lost with its device pages"
+    cache.check()
+
+
+def _gauge(cache, queue):
+    return cache.metrics.registry.get_sample_value("kvtier_cache_queue_depth", {"queue": queue})
+
+
+@pytest.mark.parametrize("split_node", [False, True], ids=["same-prefix", "split-prefix"])
+def test_write_through_backs_up_a_snapshot_adopted_during_a_backup(split_node):
+    """Found: docs/hybrid.md: "write_through backs up a snapshot with its KV when inserted". If the KV backup
+    is still in flight when the snapshot is adopted (a KV-only insert of the same prefix, or, as in a chat, the
+    write-through of a longer prompt whose node ``match_prefix`` splits so that the prefix's own snapshot lands on
+    the head), the write-through request finds ``node.writing`` set and backs up nothing:
+    ``Tiers._backup_chain`` (tiers.py) skips a state when ``node.writing is not None`` and the KV is already
+    assigned host pages, and nothing asks again when that backup completes. The snapshot is then never on the host,
+    and a device eviction loses the prefix for good. The first backup is kept in flight by ordering it after a long
+    kernel on the model's stream; the second insert uses ``after=None`` so this thread does not wait on the emulated
+    device (the emulator's event record takes the lock a waiting thread holds; a GPU would not)."""
+    import time
+
+    for seed in range(3):
+        runtime = EmulatedRuntime("split", seed=seed)
+        made = Hybrid(runtime)
+        try:
+            cache, model = made.cache, made.model
+            tokens = prompt(6 * P)
+            prefix = tokens[:3 * P] if split_node else tokens
+            pages, slot = cache.allocate(6), cache.allocate_state()
+            model.write(tokens, pages)
+            model.write_state(tokens, slot)
+            again, again_slot = cache.allocate(len(prefix) // P), cache.allocate_state()
+            model.write(prefix, again)
+            model.write_state(prefix, again_slot)
+            stream = runtime.create_stream(0)
+            runtime.busy(stream, 300_000)                    # the model's long kernel: the backup waits for it
+            with runtime.use_stream(stream):
+                if split_node:
+                    cache.insert(tokens, pages, state=slot)  # write-through backup of the whole prompt
+                else:
+                    cache.insert(tokens, pages)              # KV only (no snapshot yet): write-through of the KV
+            deadline = time.monotonic() + 30
+            while not (_gauge(cache, "backup_requests") == 0 and _gauge(cache, "backups_in_flight") == 1):
+                assert time.monotonic() < deadline, "set-up: the first backup was never seen in flight"
+                time.sleep(0.001)
+            cache.match_prefix(prefix)                       # split_node: splits the node being backed up
+            inserted = cache.insert(prefix, again, state=again_slot, after=None)
+            assert inserted.state_kept
+            in_flight = _gauge(cache, "backups_in_flight")
+            cache.drain()
+            assert in_flight == 1, "set-up: the first backup finished before the snapshot was adopted"
+            match = cache.match_prefix(prefix)
+            assert match.host_state is not None, \
+                f"seed {seed}: write_through never backed up a snapshot adopted while its node's backup was in flight"
+        finally:
+            made.close()
+
+
+
+def test_bad_slots_and_counts_are_refused_and_change_nothing(hybrid):
+    cache, model = hybrid.cache, hybrid.model
+    tokens = prompt(4 * P)
+    serve_or_fall_back(hybrid, tokens)
+    serve_or_fall_back(hybrid, tokens)
+    match = cache.match_prefix(tokens, lock=True)
+    tree_slot = match.device_state
+    other = prompt(2 * P)
+    pages = cache.allocate(2)
+    model.write(other, pages)
+    with pytest.raises(InvalidArgument, match="cache's own"):
+        cache.insert(other, pages, state=tree_slot)        # the tree's snapshot handed back as a caller slot
+    with pytest.raises(InvalidArgument, match="cache's own"):
+        cache.free_state(tree_slot)
+    for bad in (-1, 99, 1.0, "1", True, None):
+        with pytest.raises(InvalidArgument):
+            cache.free_state(bad)
+    slot = cache.allocate_state()
+    cache.free_state(np.int64(slot))
+    with pytest.raises(InvalidArgument, match="not allocated"):
+        cache.free_state(slot)
+    with pytest.raises(InvalidArgument):
+        cache.evict_states(device=-1)
+    slot = cache.allocate_state()
+    with pytest.raises(InvalidArgument, match="whole pages"):
+        cache.insert([], [], state=slot)
+    with pytest.raises(InvalidArgument):
+        cache.insert(other, pages[:1], state=slot)          # too few pages: nothing taken, slot still the caller's
+    cache.free_state(slot)
+    cache.free(pages)
+    cache.unlock(match)
+    assert serve_or_fall_back(hybrid, tokens) == 4 * P
+    cache.check()
+
+
+def test_an_insert_ending_mid_node_gets_its_own_snapshot_and_both_survive_a_round_trip(hybrid):
+    cache, model = hybrid.cache, hybrid.model
+    tokens = prompt(6 * P)
+    serve_or_fall_back(hybrid, tokens)
+    cache.drain()    # (was flaky without it: test_write_through_backs_up_a_snapshot_adopted_during_a_backup)
+    assert serve_or_fall_back(hybrid, tokens[:3 * P]) == 0              # mid-node: KV yes, state no
+    assert serve_or_fall_back(hybrid, tokens[:3 * P]) == 3 * P
+    assert serve_or_fall_back(hybrid, tokens) == 6 * P
+    cache.drain()
+    cache.evict(device_pages=16)
+    model.poison_kv()
+    model.poison_states()
+    assert serve_or_fall_back(hybrid, tokens) == 6 * P
+    assert serve_or_fall_back(hybrid, tokens[:3 * P]) == 3 * P
+    cache.check()
+
+
+def test_stale_or_repeated_load_backs_move_nothing(hybrid):
+    cache, _model = hybrid.cache, hybrid.model
+    tokens = prompt(4 * P)
+    serve_or_fall_back(hybrid, tokens)
+    cache.drain()
+    cache.evict(device_pages=16)
+    match = cache.match_prefix(tokens, lock=True)
+    load = cache.load_back(match, force=True)
+    assert cache.load_back(match, force=True) is None      # already loading: nothing more
+    load.wait()
+    cache.unlock(match)
+    cache.evict(device_pages=16)
+    stale = cache.match_prefix(tokens)                     # not locked
+    cache.evict(host_pages=32)
+    cache.evict_states(host=8)
+    for _ in range(3):
+        serve_or_fall_back(hybrid, prompt(4 * P))                       # host pages and slots reused by others
+    cache.drain()
+    assert cache.load_back(stale, force=True) is None
+    cache.check()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_snapshot_written_asynchronously_is_backed_up_after_the_write(policy):
+    """The state is written on the model's stream behind a long kernel; insert(state=) inside that stream; the backup
+    (write-through at insert, write-back at eviction) must copy the written bytes, for every emulator seed."""
+    from kvtier.memory import CpuAddress
+
+    for seed in range(8):
+        runtime = EmulatedRuntime("split", seed=seed)
+        made = Hybrid(runtime, write_policy=policy)
+        staged = []
+        try:
+            cache, model = made.cache, made.model
+            tokens = prompt(4 * P)
+            stream = runtime.create_stream(0)
+            with runtime.use_stream(stream):
+                pages = cache.allocate(4)
+                slot = cache.allocate_state()
+                runtime.busy(stream, 60)
+                model.write(tokens, pages)
+                for chunk, (_, base, stride) in zip(model.state(tokens), model.items, strict=True):
+                    buffer = runtime.host_alloc(chunk.nbytes)
+                    staged.append(buffer)
+                    np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * chunk.nbytes).from_address(buffer))[:] = chunk
+                    runtime.memcpy_async(base + slot * stride, CpuAddress(buffer), chunk.nbytes, stream=stream)
+                cache.insert(tokens, pages, state=slot)
+                if policy == "write_back":
+                    cache.evict_states(device=4)
+            cache.drain()
+            stream.synchronize()
+            cache.evict(device_pages=16)
+            model.poison_states()
+            match = cache.match_prefix(tokens, lock=True)
+            load = cache.load_back(match, force=True)
+            assert load is not None
+            load.wait()
+            assert model.state_ok(tokens, load.device_state), f"seed {seed}: a stale state was backed up"
+            cache.unlock(match)
+        finally:
+            made.close()
+            for buffer in staged:
+                runtime.host_free(buffer)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
+def test_three_threads_serve_evict_and_evict_states_under_pressure(policy):
+    for seed in range(3):
+        runtime = EmulatedRuntime("split", seed=seed)
+        made = Hybrid(runtime, write_policy=policy, device_pages=12, host_pages=20, device_states=3, host_states=5)
+        errors: list[BaseException] = []
+        systems = [prompt(2 * P) for _ in range(2)]
+
+        def user(s, made=made, errors=errors, systems=systems):
+            rng = np.random.default_rng(s)
+            history = systems[s % 2]
+            try:
+                for _ in range(30):
+                    roll = rng.random()
+                    if roll < 0.1:
+                        made.cache.evict(device_pages=int(rng.integers(0, 8)), host_pages=int(rng.integers(0, 8)))
+                    elif roll < 0.2:
+                        made.cache.evict_states(device=int(rng.integers(0, 3)), host=int(rng.integers(0, 3)))
+                    else:
+                        if len(history) > 8 * P:
+                            history = systems[s % 2]
+                        history = np.concatenate([history, prompt(P, rng)])
+                        with contextlib.suppress(OutOfPages):
+                            serve_or_fall_back(made, history)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=user, args=(seed * 10 + i,)) for i in range(3)]
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert not errors, errors
+            made.cache.drain()
+            made.cache.check()
+        finally:
+            made.close()
+
+
+def test_close_while_two_threads_serve():
+    for seed in range(6):
+        runtime = EmulatedRuntime("split", seed=seed)
+        made = Hybrid(runtime, write_policy="write_back" if seed % 2 else "write_through", device_pages=12,
+                      host_pages=20, device_states=3, host_states=5)
+        errors: list[BaseException] = []
+        started = threading.Event()
+
+        def user(s, made=made, errors=errors, started=started):
+            rng = np.random.default_rng(s)
+            history = prompt(2 * P, rng)
+            try:
+                for i in range(200):
+                    if i == 3:
+                        started.set()
+                    if len(history) > 8 * P:
+                        history = history[:2 * P]
+                    history = np.concatenate([history, prompt(P, rng)])
+                    with contextlib.suppress(OutOfPages):
+                        serve_or_fall_back(made, history)
+                    made.cache.evict_states(device=1)
+            except BufferClosed:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+            finally:
+                started.set()
+
+        threads = [threading.Thread(target=user, args=(seed * 7 + i,)) for i in range(2)]
+        try:
+            for thread in threads:
+                thread.start()
+            started.wait()
+            made.cache.close()
+            for thread in threads:
+                thread.join()
+            assert not errors, errors
+        finally:
+            made.close()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from helpers.cli import kvtier
+from helpers.hip_fakes import NON_HIP_LIBRARY, needs_non_hip_library
 
 from kvtier.cli import DEBUG, run
 from kvtier.errors import InvalidArgument
@@ -35,3 +37,13 @@ def test_the_debug_variable_shows_the_traceback_of_an_unexpected_error(monkeypat
     monkeypatch.setenv(DEBUG, "1")
     with pytest.raises(ZeroDivisionError):
         run(command(ZeroDivisionError("division by zero")))
+
+
+@needs_non_hip_library
+def test_cli_runtime_hip_with_a_non_hip_library_exits_2_without_a_traceback(monkeypatch):
+    """``KVTIER_HIP_LIBRARY=<libz> kvtier --runtime hip doctor`` printed a Python traceback (AttributeError) and exited
+    1; the CLI contract is one 'kvtier doctor: ...' line on stderr and exit code 2. (Found adversarially, issue #14.)"""
+    monkeypatch.setenv("KVTIER_HIP_LIBRARY", NON_HIP_LIBRARY)
+    done = kvtier("--runtime", "hip", "doctor")
+    assert "Traceback" not in done.stderr, done.stderr[-500:]
+    assert done.returncode == 2

@@ -1,5 +1,5 @@
 """Every option of ``kvtier demo`` and ``kvtier doctor`` says what it does and, when it takes a value, its
-default."""
+default; ``--runtime`` names every runtime there is."""
 
 from __future__ import annotations
 
@@ -45,3 +45,14 @@ def test_demo_help_says_how_big_a_run_may_be():
     text = " ".join(kvtier("demo", "--help", timeout=120).stdout.split())
     assert "50% of the memory this machine has available" in text and "at most 64.0 GiB" in text
     assert "exit code 130" in text
+
+
+def test_cli_runtime_help_names_hip():
+    """docs/hip.md documents ``kvtier --runtime hip doctor``, but ``--runtime``'s help (top level, doctor and demo)
+    said 'cuda | emulated:split | emulated:unified (... else cuda when a GPU is usable, else emulated:split)': it
+    lists hip and says auto selection tries HIP before the emulator. (Found adversarially, issue #14.)"""
+    from kvtier.cli import build_parser
+
+    parser = build_parser()
+    action = next(a for a in parser._actions if "--runtime" in a.option_strings)
+    assert "hip" in action.help

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from kvtier.runtime.hip import (
     ATTRIBUTES,
     NO_DEVICE,
@@ -86,3 +90,8 @@ def fake_library(**options) -> HipLibrary:
 
 
 TARGETS = {(0, 0xC1 << 8): "gfx950", (1, 0x05 << 8): "gfx942"}
+
+# A shared object that exists on every Linux host and is not libamdhip64, for KVTIER_HIP_LIBRARY to name.
+NON_HIP_LIBRARY = next((p for p in ("/lib/x86_64-linux-gnu/libz.so.1", "/usr/lib/x86_64-linux-gnu/libz.so.1",
+                                    "/lib64/libz.so.1", "/usr/lib64/libz.so.1") if os.path.exists(p)), None)
+needs_non_hip_library = pytest.mark.skipif(NON_HIP_LIBRARY is None, reason="no libz.so.1 to stand in for a non-HIP .so")

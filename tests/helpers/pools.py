@@ -112,6 +112,17 @@ def host_page(host_pool: HostPool, snapshot: np.ndarray, t: int, layer: int, p: 
     return snapshot[at:at + g.page_bytes]
 
 
+def host_page_offsets(host_pool: HostPool, tensor: int, layer: int, page: int) -> np.ndarray:
+    """Buffer offsets of host page ``page`` of (tensor, layer), in the device page's byte order, from the strides
+    (any layout: a page's slots and heads may lie apart)."""
+    g, s = host_pool.geometry, host_pool.strides
+    slot = np.arange(g.page_size)[:, None, None]
+    head = np.arange(g.heads)[None, :, None]
+    byte = np.arange(g.head_bytes)[None, None, :]
+    return (host_pool.tensor_offset(tensor) + layer * s.layer + page * s.page + slot * s.slot + head * s.head
+            + byte).reshape(-1)
+
+
 def landed_or_untouched(g, dev: DevicePool, host_pool: HostPool, host_data: np.ndarray, pages, dst_pages,
                         poison: int = 0xEE) -> tuple[int, int]:
     """(landed, untouched) counts of the device pages ``dst_pages``: each must hold exactly its host page or be all

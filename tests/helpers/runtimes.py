@@ -7,6 +7,9 @@ import os
 from kvtier.errors import RuntimeUnavailable
 from kvtier.runtime import Runtime, get
 
+EMULATED_MODES = ["split", "unified"]
+"""The emulator's alias modes, as ``EmulatedRuntime(mode)`` takes them."""
+
 
 def cuda_runtime() -> Runtime | None:
     """The GPU runtime (``cuda``, or the one ``KVTIER_GPU_RUNTIME`` names), or None where none is usable."""

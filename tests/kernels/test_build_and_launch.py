@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from helpers.pools import SMALL_MHA, engine_on
+from helpers.cache import TINY
+from helpers.cli import environment
+from helpers.pools import SMALL_MHA, engine_on, fill_host, launch_names
 
 from kvtier.errors import AddressDomainError, KernelBuildError, KvtierError, MisalignedAddress
 from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
@@ -18,8 +22,10 @@ from kvtier.kernels.build import FATBIN_NAME, MANIFEST_NAME, build_aot
 from kvtier.kernels.loader import kernel_image
 from kvtier.kernels.source import Specialization
 from kvtier.memory import DeviceBuffer
-from kvtier.pools import build_pointer_table
+from kvtier.pools import DevicePool, HostPool, KVGeometry, build_pointer_table
+from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer import TransferEngine
+from kvtier.transfer.hisparse import HotBuffer
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
@@ -57,6 +63,82 @@ def test_unknown_mode_and_specialized_aot_are_refused():
             kernel_image("sm_90", "aot", spec)
 
 
+def _installed_hiprtc() -> bool:
+    from kvtier.kernels.hip_build import Hiprtc
+
+    try:
+        Hiprtc()
+    except KernelBuildError:
+        return False
+    return True
+
+
+def test_build_hip_into_an_unusable_out_folder_is_a_clear_error(tmp_path, capsys):
+    """``python -m kvtier.kernels.build --hip --out <a file>`` (or a folder that cannot be created) died with a
+    FileExistsError / FileNotFoundError / PermissionError traceback from mkdir; it prints one error line and exits 1,
+    as it does when hipcc is missing or no target builds. (Found adversarially, issue #14.)"""
+    from kvtier.kernels.build import main
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    assert main(["--hip", "--hipcc", "/bin/true", "--arch", "gfx90a", "--out", str(blocker)]) == 1
+
+
+def test_build_hip_refuses_an_empty_target(tmp_path):
+    """``--hip --arch ''`` exited 0: hipcc got ``--offload-arch=`` and built its default target (gfx803 with
+    ROCm 5.2) into ``transfer-.hsaco``, and the manifest listed the target ``""`` as built. An empty target name is
+    refused (exit 1) before anything is compiled."""
+    from kvtier.kernels.build import main
+
+    code = main(["--hip", "--hipcc", "/bin/true", "--arch", "", "--out", str(tmp_path)])
+    manifest = tmp_path / "transfer-hip.json"
+    assert code == 1 and not (manifest.exists() and "" in json.loads(manifest.read_text())["archs"])
+
+
+def test_a_corrupt_hip_manifest_is_a_kernel_build_error(tmp_path, monkeypatch):
+    """A truncated or hand-edited ``transfer-hip.json`` made kernel_image raise json.JSONDecodeError (in auto mode
+    too, so no JIT fall back happened). The loader's contract is a KernelBuildError that says how to rebuild
+    (``python -m kvtier.kernels.build --hip``)."""
+    monkeypatch.setenv("KVTIER_KERNEL_DIR", str(tmp_path))
+    (tmp_path / "transfer-gfx90a.hsaco").write_bytes(b"\x7fELF")
+    (tmp_path / "transfer-hip.json").write_text('{"source_hash": "')
+    with pytest.raises(KernelBuildError, match="kvtier.kernels.build --hip"):
+        kernel_image("gfx90a", "aot")
+
+
+@pytest.mark.skipif(not _installed_hiprtc(), reason="no hiprtc here")
+def test_a_truncated_jit_cache_entry_is_compiled_again(tmp_path, monkeypatch):
+    """compile_jit_hip returned whatever bytes the cache file held: an empty (or otherwise damaged) entry was served
+    forever as the code object, and every load then failed in hipModuleLoadData until someone deleted
+    ~/.cache/kvtier by hand. A cached entry that is not a code object (ELF / offload bundle) is rebuilt."""
+    from kvtier.kernels import hip_build
+
+    image = b"\x7fELF" + bytes(60)
+    monkeypatch.setattr(hip_build.Hiprtc, "compile", lambda self, source, name, options: image)
+    assert hip_build.compile_jit_hip("gfx90a", cache=tmp_path) == image
+    (entry,) = tmp_path.glob("*.hsaco")
+    entry.write_bytes(b"")
+    assert hip_build.compile_jit_hip("gfx90a", cache=tmp_path) == image
+
+
+@pytest.mark.skipif(not _installed_hiprtc(), reason="no hiprtc here")
+def test_jit_for_a_target_hiprtc_does_not_know_raises_instead_of_aborting(tmp_path):
+    """KVTIER_KERNELS=jit (or any JIT build) for a gfx target the installed hiprtc does not know (gfx942/gfx950 on
+    ROCm 5.2, or gfx999) aborted the whole Python process inside hiprtcCompileProgram ('munmap_chunk(): invalid
+    pointer', SIGABRT): a serving process died with no exception. The AOT build skips such targets; the JIT path
+    refuses them with a KernelBuildError."""
+    code = ("from pathlib import Path\n"
+            "from kvtier.errors import KernelBuildError\n"
+            "from kvtier.kernels.hip_build import compile_jit_hip\n"
+            "try:\n"
+            f"    compile_jit_hip('gfx999', cache=Path({str(tmp_path)!r}))\n"
+            "except KernelBuildError as exc:\n"
+            "    print('KernelBuildError', exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=environment())
+    assert done.returncode == 0 and "KernelBuildError" in done.stdout, (done.returncode, done.stderr[-300:])
+
+
 def test_a_specialization_is_named_by_what_it_changes():
     """Each switch reaches the compiler and the cache key: two specializations never share an image."""
     shipped = Specialization()
@@ -73,6 +155,45 @@ def test_a_specialization_is_named_by_what_it_changes():
 def test_an_access_width_the_kernels_lack_is_refused(split, max_width):
     with pytest.raises(KvtierError, match=f"max_width={max_width}"):
         KernelLauncher(split, max_width=max_width)
+
+
+@pytest.mark.parametrize("max_width", [8.0, True], ids=["float", "bool"])
+def test_kernel_launcher_refuses_a_max_width_that_is_not_an_int(split, max_width):
+    """``KernelLauncher(max_width=...)`` checked ``max_width not in WIDTHS``, which a float (8.0) or a bool (True == 1)
+    passes: the launcher was built, and then every copy it launched failed (8.0 with a TypeError from chunk_group,
+    True with "program ... has no kernel 'kvtier_copy_chunks_i64_wTrue'"). The constructor refuses such a value up
+    front, as it refuses 3 or 32 and as the engine's own settings refuse non-integers; or the launches work.
+    (Found adversarially, issue #13.)"""
+    try:
+        launcher = KernelLauncher(split, max_width=max_width)
+    except KvtierError:
+        return                      # refused up front: what is expected
+    with engine_on(split, TINY, "page_first", launcher=launcher) as (_, host, engine):
+        fill_host(host)
+        engine.load([0, 1], [2, 3]).wait()
+
+
+def test_max_width_caps_the_hisparse_swap_in_width_too(split, monkeypatch):
+    """``KernelLauncher(max_width=4)`` "caps the access width (bytes per load and store; a launch otherwise takes the
+    widest its addresses allow)", and the swap-in kernel exists in 4-byte form (``kvtier_hot_swap_in_w4``). The
+    swap-in's width was computed from the rows and tables alone, so a HotBuffer given a launcher capped at 4 bytes
+    launched the 16-byte ``kvtier_hot_swap_in``. Every launch of the launcher, the swap-in included, uses at most
+    ``max_width`` bytes per access."""
+    host_g, dev_g = KVGeometry.mla(2, 80, 4), KVGeometry.mla(2, 80, 1)
+    dev = DevicePool.allocate(dev_g, 7, 0, runtime=split)
+    host = HostPool.allocate(host_g, "page_first", pages=8, runtime=split)
+    hot = HotBuffer(dev, host, requests=1, slots=6, top_k=4, max_tokens=24,
+                    launcher=KernelLauncher(split, max_width=4))
+    try:
+        hot.assign(0, np.arange(24))
+        names = launch_names(split, monkeypatch)
+        hot.swap_in(0, [0], np.array([[10, 11, 3, 12]], np.int32), [20])
+        hot.synchronize()
+        assert names == ["kvtier_hot_swap_in_w4"], f"a launcher capped at 4-byte accesses launched {names}"
+    finally:
+        hot.close()
+        host.close()
+        dev.close()
 
 
 def _call(split, **overrides):
@@ -113,6 +234,38 @@ def test_launch_shapes_are_checked(split, overrides, match):
         overrides["src"] = ChunkSide(DeviceBuffer(16, 0, runtime=split), 1024, 0, units_per_page=1 << 31)
     with pytest.raises(KvtierError, match=match):
         launcher.copy_chunks(_call(split, **overrides), device=0, stream=split.create_stream(0))
+
+
+@pytest.mark.parametrize("layer_group", [1 << 31, 1 << 40])
+def test_a_layer_group_beyond_int32_is_refused_by_validate(layer_group):
+    """``ChunkCopy.validate`` checked ``layer_group`` is a positive int but not that it fits the kernel's ``int
+    layer_group`` parameter: 2**31 passed validation, and the launch then died in argument packing with a bare
+    ``struct.error`` ("'i' format requires ...") instead of a KvtierError. (Every layer count in a launch fits int32,
+    so such a group means "all layers" and could equally be clamped.) validate() refuses it (KvtierError) or the
+    launch clamps it to the launch's layers, as the kernel's ``walk_group`` does. (Found adversarially, issue #13.)"""
+    runtime = EmulatedRuntime("split", seed=0)
+    memories = [DeviceBuffer(4 * 128, 0, runtime=runtime) for _ in range(2)]
+    tables = [build_pointer_table(runtime, 0, [m.address + r * 128 for r in range(4)]) for m in memories]
+    index = DeviceBuffer(16, 0, runtime=runtime)
+    index.upload(np.array([0, 1], np.int64))
+    sides = [ChunkSide(t, 0, 64, 0, 1 << 20) for t in tables]
+    stream = runtime.create_stream(0)
+    call = ChunkCopy(src=sides[0], dst=sides[1], src_index=index, dst_index=index, index_bytes=8, n_units=2,
+                     layer_begin=0, n_layers=4, n_pieces=1, chunk_bytes=64, n_tensors=1, table_layers=4,
+                     layer_group=layer_group)
+    try:
+        try:
+            call.validate()
+        except KvtierError:
+            return                                   # refused up front: fine
+        KernelLauncher(runtime).copy_chunks(call, device=0, stream=stream)   # else it must launch
+        stream.synchronize()
+    except KvtierError:
+        pass
+    finally:
+        stream.close()
+        for handle in (index, *tables, *memories):
+            handle.close()
 
 
 def test_launch_on_another_devices_memory_is_refused(split):

@@ -794,3 +794,26 @@ def test_family_per_layer_loads_with_and_without_layer_signals_move_the_same_byt
             transfer.wait_layer(layer)
         assert sorted(transfer.layer_events) == [0, 1, 2, 3]
         assert_image(image.read(), model.load(poisoned, data, [3, 0, 4], [5, 1, 2], "page", layers=[3, 0, 2]))
+
+
+def test_family_backup_with_more_entries_than_the_device_pool_and_odd_calls(runtime):
+    """Sources may repeat on a backup, so a backup may name far more units than the index ring was sized for
+    (two transfers of the whole device pool): the bytes still land. Empty and layer-subset calls behave."""
+    from helpers.families import STATES, DeviceImage, fill_host, host_bytes, state_backup_expected, state_pools
+
+    g = STATES["fp32"](2)
+    with state_pools(runtime, g, slots=2, host_slots=300) as (dev, host, engine, model):
+        image = DeviceImage(runtime, model.device_spans(dev))
+        device = image.fill()
+        before = fill_host(host)
+        src, dst = np.array([0, 1] * 150), np.arange(300)
+        engine.backup(src, dst).wait()
+        np.testing.assert_array_equal(host_bytes(host), state_backup_expected(model, device, before, src, dst))
+        assert engine.load([0], [0], layers=[]).layer_events == {}
+        assert sorted(engine.load([0], [0], layers=np.array([1])).layer_events) == [1]
+        engine.load([], [], per_layer=False).wait()
+        engine.capture_load([], [], layer=0).close()
+        for call in (lambda: engine.load([True], [False]), lambda: engine.load(np.array([2**63], np.uint64), [0]),
+                     lambda: engine.load([0], [0], unit="bogus"), lambda: engine.capture_load([0], [0], layer=-1)):
+            with pytest.raises(InvalidArgument):
+                call()

@@ -1,13 +1,16 @@
-"""Emulator semantics other tests lean on: the two schedules, sticky faults, copy checks at call and at run time,
-frees that wait like cudaFree, device memory limits."""
+"""Emulator semantics other tests lean on: the two schedules, sticky faults (on the faulting device only), copy checks
+at call and at run time, frees that wait like cudaFree, device memory limits, event timing that is not ready before
+the events complete."""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
 from helpers.device_kernels import TOUCH, XOR, random_bytes
 
-from kvtier.errors import IllegalAddress, RuntimeCallError, WrongDeviceError
+from kvtier.errors import IllegalAddress, KvtierError, RuntimeCallError, WrongDeviceError
 from kvtier.memory import CpuAddress, DeviceAddress, DeviceBuffer, HostBuffer, HostKind
 from kvtier.runtime import create, i64
 from kvtier.runtime.emulated import EmulatedRuntime
@@ -81,6 +84,59 @@ def test_fault_is_sticky_like_a_lost_cuda_context(split):
     split.legacy_stream(1).synchronize()
     other.synchronize()
 
+
+
+def test_a_wait_value_on_an_unmapped_address_poisons_its_own_device_only():
+    """``EmulatedRuntime._wait_value`` promises: "The counter is read through the device's map when the scheduler
+    considers the wait, so an address the device cannot see faults then, as a GPU's would", and the scheduler
+    promises that a fault poisons *that* device (its queued work dropped, the next call that observes it raises the
+    fault, later calls raise "unusable"). The read used to happen while picking the next runnable op, outside the
+    scheduler's fault handling: the IllegalAddress escaped from whatever call happened to schedule work, device 0 was
+    never marked faulted, and its wait stayed queued forever, so every enqueue / synchronize on healthy device 1
+    raised device 0's IllegalAddress. Device 1 keeps working; device 0 reports the fault once, then "unusable".
+    (Found adversarially, issue #13.)"""
+    runtime = EmulatedRuntime("split", devices=2, seed=0)
+    waiter, healthy = runtime.create_stream(0), runtime.create_stream(1)
+    counter = DeviceBuffer(64, 0, runtime=runtime)
+    try:
+        # passes every check of Runtime.wait_value (device 0 address, 8-byte aligned) but maps nothing on device 0
+        runtime.wait_value(waiter, counter.address + (64 << 20), 1)
+        errors = []
+        for _ in range(3):
+            try:
+                runtime.busy(healthy, 1)
+                healthy.synchronize()
+            except KvtierError as error:   # device 1 did nothing wrong
+                errors.append(error)
+        assert not errors, f"work on healthy device 1 raised device 0's fault: {errors[0]!r}"
+        with pytest.raises(IllegalAddress):
+            waiter.synchronize()
+        with pytest.raises(IllegalAddress, match="unusable"):
+            waiter.synchronize()
+    finally:
+        with contextlib.suppress(KvtierError):
+            counter.close()
+
+
+def test_elapsed_ms_of_events_not_yet_complete_raises_not_ready_as_cuda_does():
+    """``CudaEvent.elapsed_ms`` is a bare ``cudaEventElapsedTime``, which returns ``cudaErrorNotReady`` while either
+    event has not completed (the caller must synchronize first). The emulator's ``EmulatedEvent.elapsed_ms`` used to
+    synchronize both events itself and return a time, so code that forgot to wait passed every emulated test and
+    failed on the GPU. Like the CUDA runtime, it raises (RuntimeCallError, cudaErrorNotReady) when an event is
+    recorded but not complete, and returns a time once both are. (Found adversarially, issue #13.)"""
+    runtime = EmulatedRuntime("split", schedule="lazy", seed=0)
+    stream = runtime.create_stream(0)
+    start, end = runtime.create_event(0, timing=True), runtime.create_event(0, timing=True)
+    start.record(stream)
+    runtime.busy(stream, 50)
+    end.record(stream)
+    try:
+        with pytest.raises(RuntimeCallError, match="cudaErrorNotReady"):
+            start.elapsed_ms(end)
+    finally:
+        stream.synchronize()
+    assert start.elapsed_ms(end) >= 0.0
+    stream.close()
 
 def test_copies_are_checked_when_queued_and_again_when_they_run(split):
     dev = DeviceBuffer(4096, 0, runtime=split)

@@ -1,7 +1,9 @@
 """The HIP runtime without an AMD GPU: what its ctypes layer computes (memory-type numbering per ROCm release, gfx
 target names from the KFD topology, launch argument packing, error names, aliases of registered memory that differ
 from the CPU address as on MI355X), driven through a fake ``libamdhip64``; the clear error on a machine without an
-AMD GPU; and the kernel source compiled for AMD targets with the installed hipcc / hiprtc (skipped without them)."""
+AMD GPU, also when KVTIER_HIP_LIBRARY names a library that is not HIP's; closed streams and graphs never handed to
+HIP, null streams used with their own device current, ROCm torch tensors resolved; and the kernel source compiled
+for AMD targets with the installed hipcc / hiprtc (skipped without them)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import shutil
 import struct
 
 import pytest
-from helpers.hip_fakes import TARGETS, fake_library
+from helpers.hip_fakes import NON_HIP_LIBRARY, TARGETS, fake_library, needs_non_hip_library
 
-from kvtier.errors import RuntimeCallError, RuntimeUnavailable
+from kvtier.address import CpuAddress, DeviceAddress
+from kvtier.errors import KvtierError, RuntimeCallError, RuntimeUnavailable
 from kvtier.runtime import MemoryType, create, i32, i64
 from kvtier.runtime.hip import (
     INVALID_VALUE,
@@ -159,6 +162,35 @@ def test_a_missing_library_names_the_variable(monkeypatch):
         HipLibrary()
 
 
+
+@needs_non_hip_library
+def test_a_non_hip_library_in_kvtier_hip_library_is_runtime_unavailable(monkeypatch):
+    """KVTIER_HIP_LIBRARY naming a shared object that is not libamdhip64 (here libz) made HipLibrary() raise a bare
+    ``AttributeError: ... undefined symbol: hipGetErrorName`` (the error functions were looked up with a plain
+    getattr). It raises RuntimeUnavailable naming the variable, like a missing or garbage file does.
+    (Found adversarially, issue #14.)"""
+    monkeypatch.setenv("KVTIER_HIP_LIBRARY", NON_HIP_LIBRARY)
+    with pytest.raises(RuntimeUnavailable, match="KVTIER_HIP_LIBRARY"):
+        HipLibrary()
+
+
+@needs_non_hip_library
+def test_auto_selection_falls_back_to_the_emulator_with_a_non_hip_library(monkeypatch):
+    """get() with no runtime named must try CUDA, then HIP, then the emulator (docs/hip.md). With KVTIER_HIP_LIBRARY
+    pointing at a non-HIP .so the HIP attempt raised AttributeError, which get() did not catch: auto selection
+    crashed instead of choosing the emulator. (Found adversarially, issue #14.)"""
+    from kvtier.runtime import get
+
+    monkeypatch.delenv("KVTIER_RUNTIME", raising=False)
+    monkeypatch.setenv("KVTIER_HIP_LIBRARY", NON_HIP_LIBRARY)
+    try:
+        import kvtier.runtime.cuda  # noqa: F401
+        get("cuda")
+        pytest.skip("a usable CUDA GPU is chosen before HIP here")
+    except (RuntimeUnavailable, ImportError):
+        pass
+    assert get().name.startswith("emulated")
+
 def _installed_library() -> HipLibrary | None:
     try:
         return HipLibrary()
@@ -206,3 +238,101 @@ def test_bulk_copies_are_never_chosen_on_hip(fake):
 
     assert fake.device_attributes(0).compute_capability[0] == 9
     assert not KernelLauncher(fake, bulk=True)._bulk_capable(0)
+
+
+def test_a_closed_stream_is_never_handed_to_hip(fake):
+    """After HipStream.close() (hipStreamDestroy) the stream still passed its destroyed handle to
+    hipStreamSynchronize, hipStreamWaitEvent, hipEventRecord and hipMemcpyAsync (a use after free: HIP may crash or
+    act on a recycled handle). HipEvent refuses use after close ('this HIP event is closed') and the emulator raises
+    cudaErrorInvalidResourceHandle; a closed HipStream raises too, without calling HIP.
+    (Found adversarially, issue #14.)"""
+    stream = fake.create_stream(0)
+    stream.close()
+    fake._hip.lib.calls.clear()
+    for use in (stream.synchronize, lambda: fake.create_event(0).record(stream),
+                lambda: fake.memcpy_async(CpuAddress(0x1000), CpuAddress(0x2000), 16, stream=stream)):
+        with pytest.raises(KvtierError):
+            use()
+    used = {name for name, _ in fake._hip.lib.calls}
+    assert not used & {"hipStreamSynchronize", "hipEventRecord", "hipMemcpyAsync"}, used
+
+
+def test_a_closed_graph_is_never_launched(fake):
+    """HipGraph.close() destroys the executable graph, but a later launch() still called hipGraphLaunch with the
+    destroyed handle; it raises (as a closed event does) without calling HIP. (Found adversarially, issue #14.)"""
+    stream = fake.create_stream(0)
+    graph = stream.end_capture()
+    graph.close()
+    fake._hip.lib.calls.clear()
+    with pytest.raises(KvtierError):
+        graph.launch(stream)
+    assert "hipGraphLaunch" not in [name for name, _ in fake._hip.lib.calls]
+
+
+def test_the_null_stream_of_another_device_is_used_with_that_device_current(fake):
+    """HIP resolves the null stream (handle 0) against the calling thread's current device. legacy_stream(1) /
+    current_stream(1) / wrap_stream(0, 1) are HipStreams of device 1, but synchronize(), an event record on them and
+    memcpy_async on them ran with whatever device was current (device 0 here), so they waited on, recorded on and
+    queued to device 0's null stream. _launch and _wait_value make the stream's device current for this reason;
+    every call that takes a stream does (the emulator's handle-0 streams are per device).
+    (Found adversarially, issue #14.)"""
+    lib = fake._hip.lib
+    seen: list[tuple[str, int]] = []
+    for name in ("hipStreamSynchronize", "hipEventRecord", "hipMemcpyAsync"):
+        def recorded(*args, _name=name):
+            seen.append((_name, lib.current))
+            return 0
+        setattr(lib, name, recorded)
+    fake.set_device(0)
+    stream = fake.legacy_stream(1)
+    event = fake.create_event(1)
+    stream.synchronize()
+    event.record(stream)
+    fake.memcpy_async(CpuAddress(0x1000), CpuAddress(0x2000), 16, stream=stream)
+    assert seen == [("hipStreamSynchronize", 1), ("hipEventRecord", 1), ("hipMemcpyAsync", 1)]
+    assert fake.current_device() == 0
+
+
+class _Device:
+    def __init__(self, kind: str, index: int | None) -> None:
+        self.type, self.index = kind, index
+
+    def __str__(self) -> str:
+        return f"{self.type}:{self.index}"
+
+
+class FakeRocmTensor:
+    """What a ROCm build of torch hands out for a GPU tensor: device type 'cuda' (ROCm torch keeps CUDA's names)."""
+
+    __module__ = "torch"
+
+    def __init__(self, address: int, nbytes: int, device: int) -> None:
+        self._address, self._nbytes, self.device = address, nbytes, _Device("cuda", device)
+        self.shape, self._stride = (nbytes,), (1,)
+
+    def numel(self) -> int:
+        return self._nbytes
+
+    def element_size(self) -> int:
+        return 1
+
+    def stride(self) -> tuple[int, ...]:
+        return self._stride
+
+    def data_ptr(self) -> int:
+        return self._address
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
+def test_a_rocm_torch_gpu_tensor_resolves_on_the_hip_runtime(fake):
+    """get_device_accessible_ptr refused every GPU tensor unless runtime.name == 'cuda' ('a cuda:0 tensor cannot be
+    used on device 0 of hip'), so with the hip runtime no torch tensor on an AMD GPU could be a kernel operand or
+    back a DevicePool.from_tensors (the transformers integration likewise took its emulator branch for hip).
+    HipRuntime accepts torch (ROCm) streams and scripts/amd_check.sh runs the torch tests on hip: a ROCm GPU tensor
+    resolves to its own device address, as a CUDA tensor does on the cuda runtime. (Found adversarially, issue #14.)"""
+    from kvtier.memory.resolve import get_device_accessible_ptr
+
+    tensor = FakeRocmTensor(0x7F12_0000_0000, 4096, 1)
+    assert get_device_accessible_ptr(tensor, 1, runtime=fake) == DeviceAddress(0x7F12_0000_0000, 1)

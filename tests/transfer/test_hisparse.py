@@ -446,3 +446,113 @@ def test_closing_after_the_callers_stream_is_gone(runtime):
         s.check(out, s.expect(0, [0], [top], [s.N + 3]))
         stream.close()
         s.hb.close()
+
+
+def test_hotbuffer_int64_topk_entries_outside_int32_get_row_minus_one(runtime):
+    """Found: docs/families.md: "Entries outside [0, seq_len) (padding -1) get row -1". An int64 top-k array is
+    accepted (``np.issubdtype(top.dtype, np.integer)``) and then truncated with ``top.astype(np.int32)``
+    (hisparse.py, HotBuffer._upload), so 2**32 + 1 becomes token 1 and 2**33 token 0: both get the rows of real
+    tokens instead of -1 (or a refusal)."""
+    with setup(runtime, "mla", "page_first", requests=1, slots=4, top_k=4, max_tokens=12) as s:
+        top = np.array([[2**32 + 1, 2**33, -1, 3]], np.int64)
+        try:
+            out = s.hb.swap_in(0, [0], top, [10])
+        except KvtierError:
+            return                                          # a refusal is fine too
+        s.hb.synchronize()
+        got = np.frombuffer(out.download(0, 4 * 8), np.int64)
+        assert got.tolist()[:3] == [-1, -1, -1], f"out-of-range top-k entries got rows {got.tolist()[:2]}"
+
+
+def test_hotbuffer_refuses_device_rows_another_request_holds(runtime):
+    """Found: ``assign`` checks that a request's rows are distinct and in range, but not that they are free of
+    other requests' rows: two requests sharing rows overwrite each other's hot tokens (request 0's swap-in copies
+    token 7 into the row that request 1 serves as its token 0). Shown here with the bytes request 1 is served."""
+    with setup(runtime, "mla", "page_first", requests=2, slots=4, top_k=4, max_tokens=12) as s:
+        shared = s.dev_locs[0]
+        try:
+            s.hb.assign(1, s.host_locs[1], shared)
+        except KvtierError:
+            return                                          # refused: fine
+        # request 1 holds tokens 0..3 in rows shared[0..3] (its prefill wrote them there)
+        before = {t: s.device[(0, 0)][shared[t]].copy() for t in range(4)}
+        s.hb.swap_in(0, [0], np.array([[7, 8, -1, -1]], np.int32), [10])   # request 0: two misses
+        out = s.hb.swap_in(0, [1], np.array([[0, 1, 2, 3]], np.int32), [4])  # request 1: all resident
+        s.hb.synchronize()
+        rows = np.frombuffer(out.download(0, 4 * 8), np.int64)
+        from helpers.pools import read_device
+        now = read_device(s.dev, 0, 0)
+        served = [t for t in range(4) if not np.array_equal(now[rows[t]], before[t])]
+        assert not served, f"request 1 was served other bytes for tokens {served}: its rows were request 0's"
+
+
+def test_hotbuffer_backup_newest_refuses_a_request_named_twice(runtime):
+    """Found: ``swap_in`` refuses a request twice in one batch; ``backup_newest`` does not, so
+    ``backup_newest([0, 0], [9, 10])`` copies the one newest-token row over the host KV of token 8 as well as token 9
+    (hisparse.py, backup_newest: no duplicate check), destroying token 8's only full copy; a later miss of token 8
+    swaps the wrong bytes in."""
+    with setup(runtime, "mla", "page_first", requests=1, slots=4, top_k=4, max_tokens=12) as s:
+        unit = int(s.host_locs[0][8])                       # token 8: not the newest at seq_len 10
+        offsets = [host_offset(s.host, t, layer, unit) for t in range(s.g.tensors) for layer in range(s.L)]
+        try:
+            s.hb.backup_newest([0, 0], [9, 10]).wait()
+        except KvtierError:
+            return                                          # refused: fine
+        from helpers.pools import host_bytes
+        after = host_bytes(s.host)
+        clobbered = [o for o in offsets if not np.array_equal(after[o:o + s.g.row_bytes],
+                                                              s.host_data[o:o + s.g.row_bytes])]
+        assert not clobbered, "backup_newest overwrote token 8's host KV with the newest-token row"
+
+
+def test_hotbuffer_fast_path_after_swaps_serves_rows_that_hold_other_tokens(runtime):
+    """Found (a contract gap): docs/families.md: "A sequence no longer than slots is wholly resident (token t in row
+    t)". After the request's sequence grew past ``slots`` and swap-ins replaced tokens 0 and 1 with 7 and 8, a step
+    with seq_len <= slots (a rollback, or a reused request without ``assign``) takes the fast path and returns row t
+    for token t, although the buffer's own state says those rows hold tokens 7 and 8: wrong KV rows, silently. The
+    kernel's fast path (reference.hot_swap_in: ``if seq <= n_slots: result = dloc[top]``) ignores slot_tokens; the
+    host-side check in _upload could refuse it or the buffer could reset."""
+    with setup(runtime, "mla", "page_first", requests=1, slots=4, top_k=4, max_tokens=12) as s:
+        s.hb.swap_in(0, [0], np.array([[7, 8, -1, -1]], np.int32), [10])
+        try:
+            out = s.hb.swap_in(0, [0], np.array([[0, 1, 2, 3]], np.int32), [4])
+        except KvtierError:
+            return                                          # refused: fine
+        s.hb.synchronize()
+        rows = np.frombuffer(out.download(0, 4 * 8), np.int64).tolist()
+        state = s.hb.read_state(0, 0)
+        held = {int(row): int(token) for row, token in zip(state["device_rows"][:s.N], state["slot_tokens"][:s.N],
+                                                            strict=True)}
+        wrong = {t: held.get(rows[t]) for t in range(4) if held.get(rows[t]) != t}
+        assert not wrong, f"token -> token the returned row holds: {wrong}"
+
+
+
+def test_hotbuffer_bad_inputs_are_refused(runtime):
+    with setup(runtime, "mla", "page_first", requests=1, slots=4, top_k=4, max_tokens=12) as s:
+        good = np.array([[7, 8, -1, -1]], np.int32)
+        cases = [
+            (lambda: s.hb.swap_in(0, [0], good.astype(np.float64), [10]), InvalidArgument),
+            (lambda: s.hb.swap_in(0, [0], good.astype(bool), [10]), InvalidArgument),
+            (lambda: s.hb.swap_in(0, [0], good[:, :3], [10]), InvalidArgument),
+            (lambda: s.hb.swap_in(0, [0], good, [0]), InvalidArgument),
+            (lambda: s.hb.swap_in(0, [0], good, [13]), InvalidArgument),
+            (lambda: s.hb.swap_in(2, [0], good, [10]), InvalidArgument),
+            (lambda: s.hb.swap_in(0, [0, 0], np.repeat(good, 2, 0), [10, 10]), InvalidArgument),
+            (lambda: s.hb.swap_in(0, [1], good, [10]), InvalidArgument),
+            (lambda: s.hb.swap_in(0, [0], good, [10], out=np.zeros(4, np.int64)), KvtierError),
+            (lambda: s.hb.backup_newest([0], [4]), InvalidArgument),
+            (lambda: s.hb.assign(0, np.arange(13)), InvalidArgument),
+            (lambda: s.hb.assign(0, [-1, 2]), InvalidArgument),
+            (lambda: s.hb.assign(0, [10**6]), InvalidArgument),
+            (lambda: s.hb.assign(0, [0, 1], [0, 1, 2, 3, 99]), InvalidArgument),
+            (lambda: s.hb.assign(0, [0, 1], [0, 1, 2, 3, 3]), InvalidArgument),
+            (lambda: s.hb.assign(1, [0, 1]), InvalidArgument),
+        ]
+        for call, error in cases:
+            with pytest.raises(error):
+                call()
+        s.check_memory()
+        s.hb.close()
+        with pytest.raises(BufferClosed):
+            s.hb.swap_in(0, [0], good, [10])

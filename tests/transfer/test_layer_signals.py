@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.pools import engine_on, fill_host, launch_names
+from helpers.pools import engine_on, fill_host, host_page_offsets, launch_names
 
 from kvtier.errors import AddressDomainError, InvalidArgument, KvtierError
 from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
@@ -329,3 +329,66 @@ def test_transfer_events_are_timed_so_a_trace_can_place_each_layer(runtime, sign
             transfer.wait_layer(layer)
             assert start.elapsed_ms(transfer.layer_events[layer]) >= 0
         assert start.elapsed_ms(transfer.finished) >= 0
+
+
+def test_staged_honours_layer_signals_true(split):
+    with engine_on(split, G, "layer_first", backend="staged", layer_signals=True) as (_, _, engine):
+        assert engine._backend.signals is not None
+
+
+@pytest.mark.parametrize("backend", ["direct", "batch"])
+def test_layer_signals_true_is_not_silently_ignored_by_other_backends(split, backend):
+    """``layer_signals=True`` is a demand: the kernel backend raises InvalidArgument where it cannot honour it
+    ("layer_signals=True: ... cannot wait on a memory value"). The other backends took the setting in ``**_`` and
+    dropped it, building an engine whose layer events were plain events with no word to the caller. A backend that
+    does not signal refuses it with InvalidArgument naming the setting (only None/False make sense there).
+    (Found adversarially, issue #13.)"""
+    with pytest.raises(InvalidArgument, match="layer_signals"):
+        with engine_on(split, G, "layer_first", backend=backend, layer_signals=True):
+            pass
+
+
+@pytest.mark.parametrize("schedule", ["eager", "lazy"])
+@pytest.mark.parametrize("layout", ["page_first", "page_head"])
+def test_layer_events_of_back_to_back_loads_behind_busy_streams(schedule, layout):
+    """Eight loads into disjoint device pages, most behind a busy model stream, with layer subsets in odd orders and
+    a tiny index ring; a consumer waits for each (load, layer) event in a shuffled order and reads that layer's pages
+    at once. No read may be stale. (Checked: with ``LayerSignals.arm`` patched to restart its targets from zero, the
+    lazy runs report stale reads at seed 0; the eager runs, whose consumer rarely gets a step between a premature
+    event and the kernel, do not.)"""
+    g = KVGeometry.mla(5, latent_bytes=96, page_size=4)
+    for seed in range(6):
+        runtime = EmulatedRuntime("split", seed=seed, schedule=schedule)
+        rng = np.random.default_rng(seed)
+        with engine_on(runtime, g, layout, device_pages=16, host_pages=8, index_ring_bytes=256,
+                       index_bytes=4 if seed % 2 else 8) as (dev, host, engine), \
+                HostBuffer.allocate(g.page_bytes * 2 * g.layers * 8, HostKind.PINNED, runtime=runtime) as out:
+            snapshot = fill_host(host)
+            model = runtime.create_stream(0)
+            loads = []
+            for i in range(8):
+                pages, slots = [2 * i + 1, 2 * i], rng.integers(0, 8, 2).tolist()
+                layers = rng.permutation(g.layers)[:rng.integers(1, g.layers + 1)].tolist()
+                runtime.busy(model, int(rng.integers(1, 200)))
+                loads.append((engine.load(slots, pages, layers=layers, after=model), pages, slots, layers))
+            consumer = runtime.create_stream(0)
+            reads, offset = [], 0
+            order = [(i, layer) for i in range(8) for layer in loads[i][3]]
+            rng.shuffle(order)
+            for i, layer in order:
+                transfer, pages, slots, _ = loads[i]
+                transfer.stream_wait(consumer, layer=layer)
+                base = dev.layer_device_addresses(0)[layer]
+                for page, slot in zip(pages, slots, strict=True):
+                    runtime.memcpy_async(out.cpu_address + offset, base + page * g.page_bytes, g.page_bytes,
+                                         stream=consumer)
+                    reads.append((offset, host_page_offsets(host, 0, layer, slot), (i, layer, page)))
+                    offset += g.page_bytes
+            consumer.synchronize()
+            view = out.as_tensor().numpy()
+            stale = [info for at, index, info in reads
+                     if not np.array_equal(view[at:at + g.page_bytes], snapshot[index])]
+            del view
+            for transfer, *_ in loads:
+                transfer.wait()
+            assert not stale, f"seed {seed}: stale reads {stale[:4]}"

@@ -1,18 +1,20 @@
 """Pools, engines and captured graphs have a lifecycle: closing waits for the transfers that use the memory, and every
 use after close raises at the call, before anything is queued or allocated. A device fault is sticky: every later
-transfer on the device raises."""
+transfer on the device raises. The events a Transfer hands out are the Transfer's: closing them breaks nothing."""
 
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 import pytest
 from helpers.device_kernels import TOUCH
-from helpers.pools import engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
+from helpers.pools import engine_on, fill_device, fill_host, host_bytes, host_page, poison_device, read_device
+from helpers.runtimes import EMULATED_MODES
 
 from kvtier.errors import BufferClosed, BufferInUse, IllegalAddress, KvtierError
-from kvtier.memory import DeviceBuffer, HostBuffer
+from kvtier.memory import CpuAddress, DeviceBuffer, HostBuffer
 from kvtier.pools import DevicePool, HostPool, KVGeometry
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer import BACKENDS, TransferEngine
@@ -210,3 +212,89 @@ def test_a_fault_poisons_later_transfers_on_the_device():
     with pytest.raises(IllegalAddress):
         engine.close()
     host.close(), dev.close()
+
+
+def test_closing_a_captured_shape_waits_for_a_load_another_thread_is_queuing():
+    """``CapturedShape.close()`` (and ``CapturedLoad.close()``) did not take the engine's lock, so a close from one
+    thread while another thread was inside ``shape.load`` (past its ``closed`` check, holding the engine lock) freed
+    the graph's index buffer, its stream and the pinned staging under that load: the load then copied into freed
+    device memory (a raw ``RuntimeCallError: cudaMemcpyAsync ... not mapped``; on a GPU a write to freed memory)
+    instead of landing or raising BufferClosed. The engine is documented as safe to call from several threads and
+    ``close`` "waits for replays in flight": the close waits for the load being queued, and the load lands.
+    The loader is parked in ``runtime.memcpy_async`` to make the interleaving deterministic.
+    (Found adversarially, issue #13.)"""
+    runtime = EmulatedRuntime("split", seed=1)
+    with engine_on(runtime, G, "layer_first", device_pages=8, host_pages=8) as (dev, host, engine):
+        shape = engine.capture_shape(2)
+        snapshot = fill_host(host)
+        poison_device(dev)
+        entered, release = threading.Event(), threading.Event()
+        original = runtime.memcpy_async
+
+        def parked(*args, **kwargs):
+            if threading.current_thread().name == "loader" and not entered.is_set():
+                entered.set()
+                release.wait(60)
+            return original(*args, **kwargs)
+
+        runtime.memcpy_async = parked
+        outcome: dict[str, object] = {}
+
+        def loader():
+            try:
+                shape.load([1, 2], [3, 4], after=None).wait()
+                outcome["ok"] = True
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=loader, name="loader")
+        thread.start()
+        try:
+            assert entered.wait(60)
+            closer = threading.Thread(target=shape.close)
+            closer.start()
+            closer.join(0.5)
+            returned_early = not closer.is_alive()
+        finally:
+            release.set()
+            thread.join(60)
+            runtime.memcpy_async = original
+        closer.join(60)
+        assert "error" not in outcome, f"the load failed under a concurrent close: {outcome['error']!r}"
+        assert not returned_early, "close returned while a load was still being queued"
+        for tensor in range(G.tensors):
+            for layer in range(G.layers):
+                got = read_device(dev, tensor, layer)
+                for slot, page in ((1, 3), (2, 4)):
+                    np.testing.assert_array_equal(got[page], host_page(host, snapshot, tensor, layer, slot))
+
+
+@pytest.mark.parametrize("mode", EMULATED_MODES)
+def test_closing_a_transfers_events_leaves_them_working(mode):
+    """Found: once the caller closed a transfer's ``finished`` (or a layer) event, ``wait()`` raised but
+    ``stream_wait()`` silently ordered nothing. Decided: the events a Transfer hands out belong to it (kvtier may still
+    wait on them, as the cache's load-backs do), so ``close()`` on them does nothing and every use keeps working; a
+    consumer ordered through ``stream_wait`` after the close still reads the loaded bytes. (Issue #13.)"""
+    runtime = EmulatedRuntime(mode, seed=0)
+    with engine_on(runtime, G, "page_first") as (dev, host, engine):
+        fill_device(dev)
+        host_bytes = fill_host(host)
+        transfer = engine.load([0, 1], [2, 3])
+        transfer.finished.close()
+        transfer.layer_events[1].close()
+        consumer = runtime.create_stream(0)
+        transfer.stream_wait(consumer)
+        transfer.stream_wait(consumer, layer=1)
+        out = np.empty(dev.layer_bytes, np.uint8)
+        runtime.memcpy_async(CpuAddress(out.ctypes.data), dev.layer_device_addresses(0)[1], out.nbytes,
+                             stream=consumer)
+        consumer.synchronize()
+        transfer.wait()
+        transfer.wait_layer(1)
+        assert transfer.done()
+        slot = host.strides
+        for page, source in ((2, 0), (3, 1)):
+            rows = [host_bytes[source * slot.page + token * slot.slot + 1 * slot.layer:][:G.row_bytes]
+                    for token in range(G.page_size)]
+            assert np.array_equal(out.reshape(dev.pages, -1)[page], np.concatenate(rows))
+        consumer.close()

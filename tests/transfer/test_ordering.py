@@ -12,11 +12,15 @@ import numpy as np
 import pytest
 from helpers.device_kernels import random_bytes
 from helpers.pools import SMALL_MHA, engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
+from helpers.runtimes import EMULATED_MODES
 
+from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.memory import CpuAddress, HostBuffer, HostKind
 from kvtier.pools import KVGeometry
+from kvtier.runtime import create
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer import BACKENDS, CURRENT, TransferEngine
+from kvtier.transfer.job import after_events
 
 G = KVGeometry.mha(3, kv_heads=2, head_dim=32, itemsize=2, page_size=16)
 SEEDS = range(12)
@@ -132,6 +136,46 @@ def test_after_accepts_streams_lists_and_refuses_nonsense(split):
         with pytest.raises(InvalidArgument, match="after='soon'"):
             engine.backup([0], [1], after="soon")
 
+
+
+@pytest.mark.parametrize("mode", EMULATED_MODES)
+def test_a_transfer_ordered_after_a_closed_event_is_refused(mode):
+    """``engine.load(..., after=event)`` (and backup, and ``after=[transfer]``) with a closed event queued the load
+    with no ordering at all (``order_after`` → ``Stream.wait`` skipped it), although the caller asked for one. It
+    raises InvalidArgument "closed" and queues nothing. (Found adversarially, issue #13.)"""
+    runtime = EmulatedRuntime(mode, seed=0)
+    with engine_on(runtime, G, "page_first") as (dev, host, engine):
+        fill_device(dev)
+        fill_host(host)
+        writer = runtime.create_stream(0)
+        written = runtime.create_event(0)
+        written.record(writer)
+        written.close()
+        with pytest.raises(InvalidArgument, match="closed"):
+            engine.load([0, 1], [2, 3], after=written)
+        engine.synchronize()
+
+
+def test_after_a_stream_of_another_device_records_a_marker_that_cuda_accepts():
+    """``after_events(runtime, device, after)`` (every engine's and the cache's ``after=``) turned a stream into
+    ``runtime.create_event(device)`` recorded on that stream. For a stream of another device (a torch stream of GPU 1
+    given to an engine of GPU 0) that is an event of one device recorded on a stream of another, which CUDA refuses
+    (cudaEventRecord: cudaErrorInvalidResourceHandle, an opaque error). The marker is an event of the stream's own
+    device (a wait on it from device ``device`` is legal), or the call fails with a clear error.
+    (Found adversarially, issue #13.)"""
+    runtime = create("emulated:split:2")
+    other = runtime.create_stream(1)
+    try:
+        try:
+            markers = after_events(runtime, 0, other)
+        except KvtierError as error:
+            assert "device" in str(error)              # a clear refusal is fine too
+            return
+        assert markers is not None
+        assert all(marker.device == other.device for marker in markers), \
+            f"marker of device {[m.device for m in markers]} recorded on a stream of device {other.device}"
+    finally:
+        other.close()
 
 # -- the H200: torch's stream is the model's ---------------------------------------------------------------------
 

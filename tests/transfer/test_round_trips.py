@@ -3,15 +3,28 @@ pools registered in many chunks too; bad page and layer lists are refused by nam
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
-from helpers.pools import SMALL_MHA, engine_on, fill_device, fill_host, host_bytes, poison_device, read_device
+from helpers.pools import (
+    SMALL_MHA,
+    engine_on,
+    fill_device,
+    fill_host,
+    host_bytes,
+    host_page,
+    host_page_offsets,
+    poison_device,
+    read_device,
+)
 from helpers.runtimes import is_split
 
 from kvtier.errors import IllegalAddress, InvalidArgument, KvtierError
-from kvtier.memory import HostKind, get_device_accessible_ptr
+from kvtier.memory import CpuAddress, HostKind, get_device_accessible_ptr
 from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry
+from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer import TransferEngine
 
 LAYOUTS = [layout.value for layout in HostLayout]
@@ -541,3 +554,155 @@ def test_bad_page_lists_name_the_argument(split, pages, match):
 def test_torch_index_tensors_are_accepted(split):
     with engine_on(split, SMALL_MHA, "page_first") as (dev, host, engine):
         engine.backup(torch.tensor([0, 1]), torch.tensor([3, 2], dtype=torch.int32)).wait()
+
+
+def test_a_captured_shape_loads_from_strided_int64_page_arrays():
+    """``shape.load(host_pages, device_pages)`` with int64 numpy page arrays that are views with a stride (``a[::2]``,
+    ``a[::-1]``, a column of a 2-D array) raised a bare numpy ValueError ("To change to a dtype of a different size,
+    the last axis must be contiguous") on hosts whose unit is the page (``layer_first``, ``page_first_direct``);
+    plain ``engine.load``/``engine.backup`` on the kernel backend failed the same way. Any flat integer sequence is
+    accepted (``index_array`` says so) and the load moves the right bytes. (Found adversarially, issue #13.)"""
+    g = geometry("mha", 2, 4)
+    runtime = EmulatedRuntime("split", seed=3)
+    with engine_on(runtime, g, "layer_first", device_pages=8, host_pages=10) as (dev, host, engine):
+        shape = engine.capture_shape(3)
+        snapshot = fill_host(host)
+        poison_device(dev)
+        slots = np.arange(10, dtype=np.int64)[::3][:3]        # 0, 3, 6: a strided view
+        pages = np.arange(8, dtype=np.int64)[::-2][:3]        # 7, 5, 3: a negative stride
+        shape.load(slots, pages).wait()
+        for tensor in range(g.tensors):
+            for layer in range(g.layers):
+                got = read_device(dev, tensor, layer)
+                for slot, page in zip(slots.tolist(), pages.tolist(), strict=True):
+                    np.testing.assert_array_equal(got[page], host_page(host, snapshot, tensor, layer, slot))
+                assert (got[np.setdiff1d(np.arange(8), pages)] == 0xEE).all()
+
+
+def test_a_second_shape_load_does_not_block_the_cpu_on_the_first_loads_after():
+    """The second ``shape.load`` blocked the calling thread — while holding the engine lock, so every other thread's
+    ``load``/``backup`` (the cache's backup thread) waited too — until everything the *first* load was ordered after
+    had run: the one staging area was reused after a CPU wait for the first load's index copy, which sat behind the
+    first load's ``after`` (typically the model's stream, i.e. a whole forward pass). Here the second load has
+    ``after=None`` and must return while the model stream's long kernel still runs, as plain ``engine.load`` queued
+    the same way does (README: no load() synchronizes). (Found adversarially, issue #13.)"""
+    g = geometry("mha", 2, 4)
+    runtime = EmulatedRuntime("split", seed=1)
+    with engine_on(runtime, g, "layer_first", device_pages=8, host_pages=8) as (dev, host, engine):
+        shape = engine.capture_shape(2)
+        fill_host(host)
+        model = runtime.create_stream(0)
+        runtime.busy(model, 100_000)
+        model_done = runtime.create_event(0)
+        model_done.record(model)
+        engine.load([1, 2], [3, 4], after=model)
+        engine.load([5, 6], [1, 2], after=None)
+        assert not model_done.query(), "precondition: plain loads queue without waiting"
+        shape.load([1, 2], [3, 4], after=model)
+        assert not model_done.query()
+        shape.load([5, 6], [1, 2], after=None)
+        assert not model_done.query(), "the second shape load waited on the CPU for the model's stream"
+        engine.synchronize()
+
+
+# Byte-exact checks of every backend, host layout and geometry against a numpy model of the layouts, over
+# combinations the tests above do not reach: several registration chunks under the staged backend, odd layer orders,
+# int32 indices, signal and non-signal loads compared to one model.
+GEOMETRIES = [KVGeometry.mha(4, kv_heads=2, head_dim=16, itemsize=2, page_size=4),
+              KVGeometry.mha(2, kv_heads=8, head_dim=8, itemsize=2, page_size=3),
+              KVGeometry.mla(5, latent_bytes=96, page_size=4),
+              KVGeometry.k_only(3, heads=3, head_dim=16, itemsize=2, page_size=5)]
+
+
+def _set_device_layer(dev: DevicePool, tensor: int, layer: int, data: np.ndarray) -> None:
+    dev.runtime.memcpy(dev.layer_device_addresses(tensor)[layer], CpuAddress(data.ctypes.data), data.nbytes)
+    dev.runtime.legacy_stream(dev.device).synchronize()
+
+
+def _check_ops(seed: int, g: KVGeometry, layout: str, backend: str, ops, *, dev_pages: int, host_pages: int,
+               register_chunk_bytes: int | None = None, **engine_kwargs) -> None:
+    mode = "unified" if register_chunk_bytes and backend == "kernel" else "split"   # split aliases of separate
+    runtime = EmulatedRuntime(mode, seed=seed)                                        # chunks are not contiguous
+    rng = np.random.default_rng(seed)
+    dev = DevicePool.allocate(g, dev_pages, 0, runtime=runtime)
+    extra = {} if register_chunk_bytes is None else {"register_chunk_bytes": register_chunk_bytes}
+    host = HostPool.allocate(g, layout, pages=host_pages, runtime=runtime, **extra)
+    engine = TransferEngine(dev, host, backend=backend, **engine_kwargs)
+    view = host.buffer.as_tensor().numpy()
+    try:
+        for op in ops:
+            view[:] = rng.integers(0, 256, view.size, dtype=np.uint8)
+            before_host = view.copy()
+            before_dev = {}
+            for t in range(g.tensors):
+                for layer in range(g.layers):
+                    before_dev[(t, layer)] = rng.integers(0, 256, dev.layer_bytes, dtype=np.uint8)
+                    _set_device_layer(dev, t, layer, before_dev[(t, layer)])
+            if op[0] == "backup":
+                _, device_pages, slots = op
+                engine.backup(device_pages, slots).wait()
+                want = before_host.copy()
+                for (t, layer), data in before_dev.items():
+                    for d, h in zip(device_pages, slots, strict=True):
+                        want[host_page_offsets(host, t, layer, h)] = data[d * g.page_bytes:(d + 1) * g.page_bytes]
+                bad = np.flatnonzero(view != want)
+                assert not bad.size, f"{op}: {bad.size} host bytes wrong, first at {bad[:4]}"
+            else:
+                _, slots, device_pages, layers, per_layer = op
+                engine.load(slots, device_pages, layers=layers, per_layer=per_layer).wait()
+                chosen = range(g.layers) if layers is None else layers
+                for (t, layer), data in before_dev.items():
+                    want = data.copy()
+                    if layer in chosen:
+                        for d, h in zip(device_pages, slots, strict=True):
+                            want[d * g.page_bytes:(d + 1) * g.page_bytes] = \
+                                before_host[host_page_offsets(host, t, layer, h)]
+                    bad = np.flatnonzero(read_device(dev, t, layer).reshape(-1) != want)
+                    assert not bad.size, f"{op}: tensor {t} layer {layer}: {bad.size} device bytes wrong"
+    finally:
+        del view
+        engine.close()
+        host.close()
+        dev.close()
+
+
+def _random_ops(rng, g: KVGeometry, dev_pages: int, host_pages: int, count: int = 4):
+    ops = []
+    for _ in range(count):
+        k = int(rng.integers(1, min(dev_pages, host_pages) + 1))
+        if rng.random() < 0.5:
+            if rng.random() < 0.5:                          # a run of consecutive host slots, maybe shuffled
+                first = int(rng.integers(0, host_pages - k + 1))
+                slots = rng.permutation(np.arange(first, first + k)).tolist()
+            else:
+                slots = rng.choice(host_pages, k, replace=False).tolist()
+            ops.append(("backup", rng.integers(0, dev_pages, k).tolist(), slots))   # sources may repeat
+        else:
+            layers = None if rng.random() < 0.3 else rng.permutation(g.layers)[:rng.integers(1, g.layers + 1)].tolist()
+            slots, pages = rng.integers(0, host_pages, k).tolist(), rng.choice(dev_pages, k, replace=False).tolist()
+            ops.append(("load", slots, pages, layers, bool(rng.random() < 0.7)))
+    return ops
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend, options", [("kernel", {}), ("kernel", {"layer_signals": False}),
+                                              ("kernel", {"index_bytes": 4}), ("staged", {"small": True}),
+                                              ("direct", {}), ("batch", {})],
+                         ids=["kernel-signals", "kernel-events", "kernel-int32", "staged-small", "direct", "batch"])
+def test_every_byte_against_a_numpy_model_of_the_layouts(layout, backend, options):
+    """All-layer backups (unit-major on page_first / page_first_direct / one-head page_head hosts), per-layer and
+    per_layer=False loads with layer subsets in odd orders, random and consecutive slots, repeated sources, on hosts
+    registered in several chunks: every byte of the destination pool is compared with a numpy model."""
+    options = dict(options)
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        g = GEOMETRIES[seed % len(GEOMETRIES)]
+        dev_pages, host_pages = int(rng.integers(2, 9)), int(rng.integers(3, 14))
+        kwargs = {k: v for k, v in options.items() if k != "small"}
+        if options.get("small"):
+            kwargs["staging_bytes"] = int(g.bytes_per_page * rng.integers(1, 4))
+        if seed % 2:
+            granularity = g.page_bytes if layout == "layer_first" else g.layers * g.page_bytes
+            kwargs["register_chunk_bytes"] = math.lcm(granularity, 4096)
+        _check_ops(seed, g, layout, backend, _random_ops(rng, g, dev_pages, host_pages), dev_pages=dev_pages,
+                   host_pages=host_pages, **kwargs)
