@@ -39,7 +39,7 @@ from kvtier.cache.rates import H200_TABLE, RateTable
 from kvtier.cache.settings import AUTO, COPY_ENGINE_BACKENDS, CacheSettings, WritePolicy
 from kvtier.cache.state_tier import StateTier
 from kvtier.cache.storage_tier import Prefetch, StorageTier
-from kvtier.cache.tiers import CALLER, FREE, HELD, TREE, MustWait, Tiers
+from kvtier.cache.tiers import CALLER, FREE, HELD, TREE, Completed, MustWait, Tiers, TierSettings
 from kvtier.checks import index_array, integer, positive_number
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.keys import Namespace, token_array
@@ -123,13 +123,10 @@ class KVCache:
         self._engines: dict[str, TransferEngine] = {}
         self._fence_lock = threading.Lock()
         self._fence_stream: Any = None
+        tier_settings = TierSettings(self.geometry, device_pool.pages, host_pool.pages, settings.write_policy,
+                                     contiguous_device=self.load_backend in COPY_ENGINE_BACKENDS)
         self.states = StateTier(*state_pools, kv_layers=self.geometry.layers, layer_map=layer_map,
                                 max_blocks=settings.max_blocks) if state_pools else None
-        self.tiers = Tiers(RadixIndex(self.page_size, namespace.digest), self.geometry, device_pool.pages,
-                           host_pool.pages, settings, self.metrics, self._engines, self._markers,
-                           lambda: self._controller.inflight(BACKUP) + self._controller.inflight(LOAD),
-                           contiguous_device=self.load_backend in COPY_ENGINE_BACKENDS, states=self.states,
-                           track=lambda op: self._controller.track(op))
         self._prefill_rate: float | None = None
         try:
             self._engines[LOAD] = TransferEngine(device_pool, host_pool, backend=self.load_backend,
@@ -145,14 +142,16 @@ class KVCache:
             raise
         self._controller = Controller(self._submit_backup, self._complete, self._set_depth,
                                       lambda: device_pool.runtime.set_device(device_pool.device))
-        if self.states is not None and settings.write_policy is WritePolicy.WRITE_THROUGH:
-            self.tiers.on_state_left = lambda nodes: self._controller.request_backup(nodes, None)
+        self.tiers = Tiers(tier_settings, index=RadixIndex(self.page_size, namespace.digest), metrics=self.metrics,
+                           backup_engine=self._engines[BACKUP], controller=self._controller, markers=self._markers,
+                           states=self.states)
         self.storage = storage
         self._storage = StorageTier(storage, host_pool, self.tiers, self.metrics, self._lock, settings,
                                     self._decide_storage) if storage is not None else None
         for pool in self._pools:
             _CLAIMED[pool] = self
         self._gauges()
+        self._controller.start()
 
     @staticmethod
     def _check_state(state: Any, device_pool: DevicePool) -> tuple[Any, ...]:
@@ -735,8 +734,17 @@ class KVCache:
     # -- internals: checks, gauges, teardown ------------------------------------------------------------------------
     def _complete(self, op: Operation) -> None:
         with self._lock:
-            self.tiers.complete(op)
+            self._hand_on(self.tiers.complete(op))
             self._gauges()
+
+    def _hand_on(self, completed: Completed) -> None:
+        """Under the lock: a finished backup's nodes go on to storage (``storage_write``), and under write_through
+        the snapshots it left on the device only get a backup of their own."""
+        if completed.backed_up and self._storage is not None and self.settings.storage_write:
+            self._storage.write_through(completed.backed_up)
+        if completed.state_left and self.states is not None and \
+                self.settings.write_policy is WritePolicy.WRITE_THROUGH:
+            self._controller.request_backup(completed.state_left, None)
 
     def _locked(self, attempt: Callable[[], _T]) -> _T:
         """``attempt()`` under the cache's lock, on an open cache. An attempt that can go on only once some transfers
@@ -762,7 +770,7 @@ class KVCache:
                     finally:
                         self._lock.acquire()
                     for op in ops:
-                        self.tiers.waited(op)
+                        self._hand_on(self.tiers.waited(op))
             finally:
                 self.tiers.unsaved_ok.clear()
 

@@ -20,7 +20,8 @@ class Controller:
     def __init__(self, submit_backup: Callable[[list[Any], Any], Operation | None],
                  complete: Callable[[Operation], None], on_depth: Callable[[str, int], None],
                  enter: Callable[[], None] = lambda: None) -> None:
-        """``enter`` runs first on each thread (the cache makes its pools' device current there)."""
+        """``enter`` runs first on each thread (the cache makes its pools' device current there). The threads start
+        with :meth:`start`, once what they call into is built."""
         self._submit_backup, self._complete, self._on_depth, self._enter = submit_backup, complete, on_depth, enter
         self._cond = threading.Condition()
         self._requests: deque[tuple[list[Any], Any]] = deque()
@@ -30,6 +31,8 @@ class Controller:
         self._threads = [threading.Thread(target=self._submitter, name="kvtier-cache-backups", daemon=True)]
         self._threads += [threading.Thread(target=self._waiter, args=(kind,), name=f"kvtier-cache-{kind}s",
                                            daemon=True) for kind in (LOAD, BACKUP)]
+
+    def start(self) -> None:
         for thread in self._threads:
             thread.start()
 
@@ -72,7 +75,7 @@ class Controller:
             self._stopping = True
             self._cond.notify_all()
         for thread in self._threads:
-            if thread is not threading.current_thread():
+            if thread.ident is not None and thread is not threading.current_thread():
                 thread.join()
         return dropped
 

@@ -143,8 +143,6 @@ class StorageTier:
         self._workers = ThreadPoolExecutor(max_workers=settings.storage_threads, thread_name_prefix="kvtier-prefetch")
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-storage-writes", daemon=True)
         self._writer.start()
-        if settings.storage_write:
-            tiers.on_backed_up = self.write_through
 
     # -- prefetch ------------------------------------------------------------------------------------------------------
     def prefetch(self, tokens: np.ndarray) -> Prefetch:

@@ -10,18 +10,21 @@ the nodes' state snapshots along: the same operation, all or nothing.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 
 from kvtier.cache.allocator import PageAllocator
+from kvtier.cache.controller import Controller
 from kvtier.cache.index import IndexCorrupted, Node, RadixIndex
 from kvtier.cache.metrics import CacheMetrics
-from kvtier.cache.operation import BACKUP, Operation
-from kvtier.cache.settings import CacheSettings, WritePolicy
-from kvtier.errors import KvtierError
+from kvtier.cache.operation import BACKUP, LOAD, Operation
+from kvtier.cache.settings import WritePolicy
+from kvtier.checks import integer
+from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.pools.geometry import KVGeometry
-from kvtier.transfer.engine import CURRENT
+from kvtier.transfer.engine import CURRENT, TransferEngine
 
 if TYPE_CHECKING:
     from kvtier.cache.state_tier import StateTier
@@ -43,34 +46,60 @@ class MustWait(Exception):
         """Pages an eviction freed before it had to wait (they stay freed: the retry asks only for the rest)."""
 
 
+@dataclass(frozen=True)
+class TierSettings:
+    """The two tiers: the KV ``geometry``, how many pages each holds, the ``write_policy``, and whether device pages
+    go out in runs of consecutive pages (``contiguous_device``: copy-engine loads move a layer of a run of pages with
+    one strided copy)."""
+
+    geometry: KVGeometry
+    device_pages: int
+    host_pages: int
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    contiguous_device: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.geometry, KVGeometry):
+            raise InvalidArgument(f"geometry must be a KVGeometry, got {self.geometry!r}")
+        object.__setattr__(self, "device_pages", integer(self.device_pages, "device_pages", low=1))
+        object.__setattr__(self, "host_pages", integer(self.host_pages, "host_pages", low=1))
+        object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
+        if not isinstance(self.contiguous_device, bool):
+            raise InvalidArgument(f"contiguous_device must be True or False, got {self.contiguous_device!r}")
+
+
+class Completed(NamedTuple):
+    """What a completed transfer hands on, for the cache to pass along (under its lock): ``backed_up``, the nodes of
+    a backup that succeeded (write-through to storage); ``state_left``, nodes it left with a device-only snapshot,
+    adopted while the backup of their KV ran, so no backup took them (write-through asks for another)."""
+
+    backed_up: list[Node]
+    state_left: list[Node]
+
+
+NOTHING = Completed([], [])
+
+
 class Tiers:
-    def __init__(self, index: RadixIndex, geometry: KVGeometry, device_pages: int, host_pages: int,
-                 settings: CacheSettings, metrics: CacheMetrics, engines: dict[str, Any],
-                 markers: Callable[[Any], list[Any] | None], inflight: Callable[[], list[Operation]],
-                 contiguous_device: bool = False, states: StateTier | None = None,
-                 track: Callable[[Operation], None] = lambda op: None) -> None:
-        """``markers(after)`` turns an ordering request into events recorded now; ``inflight()`` lists the transfers
-        the controller has in flight (an allocation that finds nothing to evict waits for them); ``track(op)`` hands
-        it one more to complete.
-        ``contiguous_device``: hand out runs of consecutive device pages (copy-engine loads move a layer of a run of
-        pages with one strided copy)."""
-        self.index, self.geometry, self.page_size = index, geometry, geometry.page_size
-        self.settings, self.metrics, self.engines = settings, metrics, engines
-        self.markers, self.inflight, self.track = markers, inflight, track
+    def __init__(self, settings: TierSettings, *, index: RadixIndex, metrics: CacheMetrics,
+                 backup_engine: TransferEngine, controller: Controller, markers: Callable[[Any], list[Any] | None],
+                 states: StateTier | None = None) -> None:
+        """Every collaborator exists before the tiers do. ``backup_engine`` queues backups; ``controller`` has the
+        transfers in flight (an allocation that finds nothing to evict waits for them) and completes those handed to
+        it; ``markers(after)`` turns an ordering request into events recorded now; ``states``: a hybrid cache's state
+        snapshots."""
+        self.settings = settings
+        self.index, self.geometry, self.page_size = index, settings.geometry, settings.geometry.page_size
+        self.metrics, self.backup_engine, self.controller, self.markers = metrics, backup_engine, controller, markers
         self.unsaved_ok: set[int] = set()
         """Nodes whose write_back backup failed during the current request: evicted without one on the retry."""
-        self.device = PageAllocator(device_pages, name="device", contiguous=contiguous_device)
-        self.host = PageAllocator(host_pages, name="host", contiguous=True)
-        self.state = np.zeros(device_pages, dtype=np.uint8)
+        self.device = PageAllocator(settings.device_pages, name="device", contiguous=settings.contiguous_device)
+        self.host = PageAllocator(settings.host_pages, name="host", contiguous=True)
+        self.state = np.zeros(settings.device_pages, dtype=np.uint8)
         self.fences: list[Any] = []
         """Events of writes that may still be queued to freed device pages: whoever gets pages next waits."""
         self.held_host = 0
         """Host pages in use outside the tree: read into by a prefetch, or dropped from it while storage reads them."""
-        self.on_backed_up: Callable[[list[Node]], None] | None = None
-        self.on_state_left: Callable[[list[Node]], None] | None = None
-        """Called (under the lock) with nodes a completed backup left with a device-only snapshot: adopted while
-        the backup of their KV ran, so no backup took them (write-through asks for another)."""
-        """Called (under the lock) with the nodes of each backup that completes: write-through to storage."""
         self.states = states
 
 
@@ -96,7 +125,7 @@ class Tiers:
 
     def _wait_for_inflight(self) -> None:
         """Nothing more is evictable now: what is in flight may free some (a node is busy while its transfer runs)."""
-        pending = [op for op in self.inflight() if not op.finished]
+        pending = [op for op in self.controller.inflight(BACKUP) + self.controller.inflight(LOAD) if not op.finished]
         if pending:
             raise MustWait(pending)
 
@@ -234,7 +263,7 @@ class Tiers:
         events = (events or []) + [e for n in stated for e in (n.state_written or [])] or None
         try:
             if chain:
-                op.transfer = self.engines[BACKUP].backup(device, host, after=events)
+                op.transfer = self.backup_engine.backup(device, host, after=events)
             if stated:
                 assert self.states is not None and slots is not None
                 op.state_device, op.state_host = np.array([n.device_state for n in stated], np.int64), slots
@@ -303,7 +332,7 @@ class Tiers:
             give_back()
             return
         op.error, op.give_back = error, give_back
-        self.track(op)
+        self.controller.track(op)
 
     def assign(self, chain: list[Node], tier: str, pages: np.ndarray, op: Operation) -> None:
         """Give each node of ``chain`` its run of ``pages`` on ``tier``, marked as in flight with ``op``."""
@@ -327,24 +356,26 @@ class Tiers:
             return None
         op = self.start_backup(unsaved, self.markers(CURRENT))
         if op is not None:
-            self.track(op)
+            self.controller.track(op)
         return op
 
-    def waited(self, op: Operation) -> None:
+    def waited(self, op: Operation) -> Completed:
         """``op`` finished while the cache waited for it (lock released): complete it; a write_back backup that
         failed leaves its nodes to be evicted without one on the retry."""
         if op.kind == BACKUP and op.error is not None:
             self.unsaved_ok.update(n.id for n in op.nodes)
-        self.complete(op)
+        return self.complete(op)
 
-    def complete(self, op: Operation) -> None:
-        """Finish ``op`` once (the controller's waiter, or a thread that had to wait for it itself)."""
+    def complete(self, op: Operation) -> Completed:
+        """Finish ``op`` once (the controller's waiter, or a thread that had to wait for it itself); returns what
+        the cache hands on."""
         if op.finished:
-            return
+            return NOTHING
         op.finished = True
         if op.give_back is not None:            # never assigned; its failure was raised (and counted) when queued
             op.give_back()
-            return
+            return NOTHING
+        completed = NOTHING
         field = "writing" if op.kind == BACKUP else "loading"
         nodes = [n for n in op.nodes if n.alive and getattr(n, field) is op]
         for node in nodes:
@@ -360,16 +391,14 @@ class Tiers:
                     node.written = None          # on the host now; later backups need no wait
                     if node.host_state is not None:
                         node.state_written = None
-                if self.on_backed_up is not None:
-                    self.on_backed_up(nodes)
                 left = [n for n in nodes if n.alive and n.writing is None and self.state_unsaved(n)]
-                if left and self.on_state_left is not None:
-                    self.on_state_left(left)
+                completed = Completed(nodes, left)
             self.metrics.add("bytes", op.nbytes, op.kind)
             self.metrics.add("pages", len(op.device_pages), op.kind)
             if len(op.state_device):
                 self.metrics.add("states", len(op.state_device), op.kind)
             self.metrics.add("seconds", time.perf_counter() - op.submitted, op.kind)
+        return completed
 
     def drop_subtree(self, top: Node, tier: str) -> None:
         """A failed transfer left ``tier`` of ``top`` holding garbage: take that tier from it and everything below."""

@@ -1,14 +1,57 @@
-"""The runtime interface every platform backend implements, and the rules they share.
+"""The runtime interface: a new platform subclasses :class:`Runtime`, :class:`Stream`, :class:`Event` and
+:class:`Graph` and writes these primitives, the abstract methods (a subclass missing one cannot be instantiated: the
+TypeError names it). Devices are ints the base has checked; a failing native call raises ``RuntimeCallError`` naming
+the call and its error (one ``check`` function per native API, as ``cuda.py`` and ``hip.py`` do).
 
-A backend (``cuda``, ``emulated``) fills in the underscore hooks; the public methods here keep the bookkeeping that
-must be identical everywhere: which host ranges kvtier registered, that nothing is registered twice, that
-unregistering uses each registration's own CPU address, that resolving an alias for a device leaves the caller's
-current device alone, that an alias is looked up once per registration and device, that copies and kernel operands
-are typed addresses (never bare integers), and that a program is loaded once per device.
+- ``Runtime.device_count()`` → how many devices the platform sees (an int; 0 when none).
+- ``Runtime.current_device()`` → the calling thread's current device.
+- ``Runtime.set_device(device)`` makes ``device`` current for the calling thread; InvalidDevice if there is none.
+- ``Runtime.device_attributes(device)`` → the device's :class:`DeviceAttributes`.
+- ``Runtime._synchronize(device)`` waits for all work queued on ``device``; raises the fault that work hit.
+- ``Runtime._host_alloc(nbytes)`` → the CPU address of new pinned, mapped, portable host memory.
+- ``Runtime._host_free(address)`` frees a ``_host_alloc`` range after the devices' queued work (as cudaFreeHost).
+- ``Runtime._host_register(address, nbytes, flags)`` pins and maps existing host memory (``HostRegisterFlags``).
+- ``Runtime._host_unregister(address)`` undoes ``_host_register`` of the range starting at ``address``.
+- ``Runtime._host_get_device_pointer(address)`` → the current device's alias of registered or pinned host memory.
+- ``Runtime.pointer_attributes(address)`` → :class:`PointerAttributes` (``UNREGISTERED`` for memory it does not know).
+- ``Runtime.device_alloc(nbytes, device)`` → the address of ``nbytes`` of new device memory on ``device``.
+- ``Runtime.device_free(address)`` frees a ``device_alloc`` address after the device's queued work (as cudaFree).
+- ``Runtime._memcpy(dst, src, nbytes)`` copies between typed addresses on the legacy stream, as cudaMemcpy.
+- ``Runtime._memcpy_async(dst, src, nbytes, stream)`` queues a copy between typed addresses on ``stream``.
+- ``Runtime.create_stream(device)`` → a new non-blocking :class:`Stream` of ``device`` (None: the current device).
+- ``Runtime.create_event(device, *, timing)`` → a new :class:`Event` of ``device``, timed when ``timing``.
+- ``Runtime.legacy_stream(device)`` → the device's legacy default stream, where ``_memcpy`` queues.
+- ``Runtime.as_stream(stream)`` → this runtime's :class:`Stream` for ``stream``; WrongRuntime for a foreign one.
+- ``Runtime.as_event(event)`` → this runtime's :class:`Event` for ``event``; WrongRuntime for a foreign one.
+- ``Runtime._load_program(spec, device)`` → a :class:`Program` of ``spec``'s kernels loaded on ``device``.
+- ``Runtime._launch(program, name, grid, block, args, stream, shared_bytes)`` queues one kernel launch on ``stream``.
+- ``Stream.synchronize()`` waits for the stream's queued work.
+- ``Stream.wait(event)`` makes later work on the stream wait for ``event`` (on the device; returns at once).
+- ``Stream.begin_capture()`` starts capturing the stream's work into a graph instead of running it.
+- ``Stream.end_capture()`` → the :class:`Graph` of the work captured since ``begin_capture``.
+- ``Stream.capturing`` (a property) → whether the stream is capturing now.
+- ``Stream.close()`` releases an owned stream's handle (a borrowed one is left alone); idempotent.
+- ``Event.record(stream)`` marks the current end of ``stream``'s queued work.
+- ``Event.query()`` → whether the recorded work has finished (True when never recorded); never blocks.
+- ``Event.synchronize()`` waits for the recorded work.
+- ``Event.elapsed_ms(end)`` → device milliseconds from this event to ``end`` (both timed and finished).
+- ``Event._close()`` releases the handle; later uses raise InvalidArgument.
+- ``Graph.launch(stream)`` queues one replay of the captured work on ``stream``.
+- ``Graph.close()`` releases the graph; later launches raise.
+
+Optional hooks, with defaults here: ``_current_stream`` (the legacy stream), ``supports_wait_value`` (no) and
+``_wait_value``, ``_memcpy_run_sets`` / ``_memcpy_runs`` / ``_memcpy_2d_async`` (one ``_memcpy_async`` per copy),
+``allocation_end`` (kvtier's host ranges only), ``after_device_work``.
+
+The public methods keep the bookkeeping that must be identical everywhere: which host ranges kvtier registered, that
+nothing is registered twice, that unregistering uses each registration's own CPU address, that resolving an alias for
+a device leaves the caller's current device alone, that an alias is looked up once per registration and device, that
+copies and kernel operands are typed addresses (never bare integers), and that a program is loaded once per device.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import enum
 import numbers
@@ -91,43 +134,51 @@ class HostRegisterFlags(enum.IntFlag):
 PORTABLE_MAPPED = HostRegisterFlags.PORTABLE | HostRegisterFlags.MAPPED
 
 
-class Stream:
+class Stream(abc.ABC):
     """An in-order queue of work on one device. ``handle`` is the native handle (0 for the legacy stream)."""
 
     device: int
     handle: int
 
+    @abc.abstractmethod
     def synchronize(self) -> None:
-        raise NotImplementedError("need Stream.synchronize")
+        """Wait for the stream's queued work."""
 
+    @abc.abstractmethod
     def wait(self, event: Event) -> None:
-        raise NotImplementedError("need Stream.wait")
+        """Make later work on the stream wait for ``event`` (on the device)."""
 
+    @abc.abstractmethod
     def begin_capture(self) -> None:
-        raise NotImplementedError("need Stream.begin_capture")
+        """Capture the stream's work into a graph instead of running it."""
 
+    @abc.abstractmethod
     def end_capture(self) -> Graph:
-        raise NotImplementedError("need Stream.end_capture")
+        """The graph of the work captured since :meth:`begin_capture`."""
 
     @property
+    @abc.abstractmethod
     def capturing(self) -> bool:
-        raise NotImplementedError("need Stream.capturing")
+        """Whether the stream is capturing now."""
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError("need Stream.close")
+        """Release an owned stream's handle (a borrowed one is left alone); idempotent."""
 
 
-class Graph:
+class Graph(abc.ABC):
     """Work captured from a stream, replayed with :meth:`launch`; replays read memory as it is at replay time."""
 
+    @abc.abstractmethod
     def launch(self, stream: Stream) -> None:
-        raise NotImplementedError("need Graph.launch")
+        """Queue one replay on ``stream``."""
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError("need Graph.close")
+        """Release the graph; later launches raise."""
 
 
-class Event:
+class Event(abc.ABC):
     """A marker in a stream; ``elapsed_ms`` gives the device time between two recorded events. ``close()`` releases
     it and is idempotent; a closed event refuses every later use (record, query, synchronize, elapsed_ms, a stream's
     wait), since on CUDA its handle may already serve another event. An event with a ``keeper`` (kvtier's name for
@@ -136,20 +187,29 @@ class Event:
     device: int
     keeper: str | None = None
 
+    @abc.abstractmethod
     def record(self, stream: Stream) -> None:
-        raise NotImplementedError("need Event.record")
+        """Mark the current end of ``stream``'s queued work."""
 
+    @abc.abstractmethod
     def query(self) -> bool:
-        raise NotImplementedError("need Event.query")
+        """Whether the recorded work has finished (True when never recorded); never blocks."""
 
+    @abc.abstractmethod
     def synchronize(self) -> None:
-        raise NotImplementedError("need Event.synchronize")
+        """Wait for the recorded work."""
 
+    @abc.abstractmethod
     def elapsed_ms(self, end: Event) -> float:
-        raise NotImplementedError("need Event.elapsed_ms")
+        """Device milliseconds from this event to ``end``."""
 
     def close(self) -> None:
-        raise NotImplementedError("need Event.close")
+        if self.keeper is None:
+            self._close()
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Release the handle; every later use raises."""
 
 
 class _Kept(Exception):
@@ -172,7 +232,7 @@ class RunSet(NamedTuple):
     sizes: np.ndarray
 
 
-class Runtime:
+class Runtime(abc.ABC):
     """One GPU platform: devices, host memory registration, device memory, copies, streams, events and kernels."""
 
     name = "abstract"
@@ -187,17 +247,21 @@ class Runtime:
         self._stream_override = threading.local()
 
     # -- devices -----------------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def device_count(self) -> int:
-        raise NotImplementedError("need device_count")
+        """How many devices the platform sees."""
 
+    @abc.abstractmethod
     def current_device(self) -> int:
-        raise NotImplementedError("need current_device")
+        """The calling thread's current device."""
 
+    @abc.abstractmethod
     def set_device(self, device: int) -> None:
-        raise NotImplementedError("need set_device")
+        """Make ``device`` current for the calling thread (InvalidDevice if there is none)."""
 
+    @abc.abstractmethod
     def device_attributes(self, device: int) -> DeviceAttributes:
-        raise NotImplementedError("need device_attributes")
+        """What the device is and can do."""
 
     def check_device(self, device: int) -> int:
         """``device`` as an int (numpy integers too) if this runtime has it."""
@@ -223,7 +287,14 @@ class Runtime:
                 self.set_device(previous)
 
     def synchronize(self, device: int | None = None) -> None:
-        raise NotImplementedError("need synchronize")
+        """Wait for all work queued on ``device`` (default: the current one), then make the releases a capture kept
+        back (see :meth:`after_device_work`): waits are allowed again."""
+        self._synchronize(self.current_device() if device is None else self.check_device(device))
+        self.release_kept()
+
+    @abc.abstractmethod
+    def _synchronize(self, device: int) -> None:
+        """Wait for all work queued on ``device``; raise the fault that work hit."""
 
     # -- host memory ---------------------------------------------------------------------------------------------
     def host_alloc(self, nbytes: int) -> int:
@@ -345,15 +416,17 @@ class Runtime:
                                     f"range started at")
 
     # -- pointers, device memory, copies ---------------------------------------------------------------------------
+    @abc.abstractmethod
     def pointer_attributes(self, address: int) -> PointerAttributes:
-        raise NotImplementedError("need pointer_attributes")
+        """What the platform knows of ``address`` (``UNREGISTERED`` for memory it does not know)."""
 
+    @abc.abstractmethod
     def device_alloc(self, nbytes: int, device: int) -> int:
-        raise NotImplementedError("need device_alloc")
+        """The address of ``nbytes`` of new memory on ``device``."""
 
+    @abc.abstractmethod
     def device_free(self, address: int) -> None:
         """Free device memory; like cudaFree it first waits for every queued operation on the device."""
-        raise NotImplementedError("need device_free")
 
     def memcpy(self, dst: Address, src: Address, nbytes: int) -> None:
         """A copy on the legacy default stream. From pageable host memory to a device it may return before the bytes
@@ -458,20 +531,23 @@ class Runtime:
             raise InvalidArgument(f"{call}: nbytes must be a non-negative int, got {nbytes!r}")
         return nbytes
 
+    @abc.abstractmethod
     def _memcpy(self, dst: Address, src: Address, nbytes: int) -> None:
-        raise NotImplementedError("need memcpy")
+        """Copy ``nbytes`` (> 0, checked) on the legacy stream, as cudaMemcpy."""
 
+    @abc.abstractmethod
     def _memcpy_async(self, dst: Address, src: Address, nbytes: int, stream: Stream) -> None:
-        raise NotImplementedError("need memcpy_async")
+        """Queue a copy of ``nbytes`` (> 0, checked) on ``stream``."""
 
     # -- streams and events ---------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def create_stream(self, device: int | None = None) -> Stream:
-        raise NotImplementedError("need create_stream")
+        """A new non-blocking stream of ``device`` (default: the current one)."""
 
+    @abc.abstractmethod
     def create_event(self, device: int | None = None, *, timing: bool = False) -> Event:
         """An event of ``device`` (default: the current one). Events only order and signal unless ``timing`` asks
         for timestamps (``elapsed_ms``): CUDA records and waits on untimed events faster."""
-        raise NotImplementedError("need create_event")
 
     def current_stream(self, device: int | None = None) -> Stream:
         """The stream the caller's device work goes to: the one set by :meth:`use_stream` in this thread, else the
@@ -492,20 +568,22 @@ class Runtime:
         finally:
             streams[stream.device] = previous
 
+    @abc.abstractmethod
     def legacy_stream(self, device: int) -> Stream:
         """The device's legacy default stream: where the synchronous copy API queues its work."""
-        raise NotImplementedError("need legacy_stream")
 
+    @abc.abstractmethod
     def as_stream(self, stream: Any) -> Stream:
         """This runtime's stream for ``stream`` (one of its own; the CUDA runtime also takes torch streams)."""
-        raise NotImplementedError("need as_stream")
 
+    @abc.abstractmethod
     def as_event(self, event: Any) -> Event:
         """This runtime's event for ``event`` (one of its own; the CUDA runtime also takes torch events)."""
-        raise NotImplementedError("need as_event")
 
     def _current_stream(self, device: int) -> Stream:
-        raise NotImplementedError("need current_stream")
+        """The platform's current stream of ``device`` (checked): the legacy stream, unless the platform shares
+        another's notion of it (torch's, on CUDA)."""
+        return self.legacy_stream(device)
 
     # -- kernels ---------------------------------------------------------------------------------------------------
     def load_program(self, spec: ProgramSpec, device: int) -> Program:
@@ -544,7 +622,9 @@ class Runtime:
         self._wait_value(stream, address, value)
 
     def _wait_value(self, stream: Stream, address: DeviceAddress, value: int) -> None:
-        raise NotImplementedError("need _wait_value")
+        """Queue the wait (checked); a platform whose :meth:`supports_wait_value` says yes implements it."""
+        raise InvalidArgument(f"{self.name}: supports_wait_value says yes, but {type(self).__name__} implements no "
+                              f"_wait_value")
 
     def launch(self, program: Program, name: str, *, grid: int, block: int, args: Sequence[KernelArg],
                stream: Stream, shared_bytes: int = 0) -> None:
@@ -560,28 +640,35 @@ class Runtime:
             raise InvalidArgument(f"launch of {grid} blocks x {block} threads, {shared_bytes} bytes of shared memory")
         self._launch(program, name, grid, block, list(args), stream, shared_bytes)
 
+    @abc.abstractmethod
     def _load_program(self, spec: ProgramSpec, device: int) -> Program:
-        raise NotImplementedError("need load_program")
+        """The program of ``spec`` loaded on ``device`` (called once per spec and device)."""
 
+    @abc.abstractmethod
     def _launch(self, program: Program, name: str, grid: int, block: int, args: list[KernelArg],
                 stream: Stream, shared_bytes: int = 0) -> None:
-        raise NotImplementedError("need launch")
+        """Queue kernel ``name`` of ``program`` on ``stream`` (all checked), packing ``args`` the platform's way."""
 
-    # -- hooks -----------------------------------------------------------------------------------------------------
+    # -- host memory primitives ------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def _host_alloc(self, nbytes: int) -> int:
-        raise NotImplementedError("need host_alloc")
+        """The CPU address of ``nbytes`` of new pinned, mapped, portable host memory."""
 
+    @abc.abstractmethod
     def _host_free(self, address: int) -> None:
-        raise NotImplementedError("need host_free")
+        """Free a ``_host_alloc`` range after the devices' queued work, as cudaFreeHost."""
 
+    @abc.abstractmethod
     def _host_register(self, address: int, nbytes: int, flags: HostRegisterFlags) -> None:
-        raise NotImplementedError("need host_register")
+        """Pin and map existing host memory."""
 
+    @abc.abstractmethod
     def _host_unregister(self, address: int) -> None:
-        raise NotImplementedError("need host_unregister")
+        """Undo ``_host_register`` of the range starting at ``address``."""
 
+    @abc.abstractmethod
     def _host_get_device_pointer(self, address: int) -> int:
-        raise NotImplementedError("need host_get_device_pointer")
+        """The current device's alias of registered or pinned host memory."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

@@ -194,9 +194,8 @@ class CudaEvent(Event):
             raise WrongRuntime("elapsed_ms needs two CUDA events")
         return float(check(self._cudart.cudaEventElapsedTime(self._handle(), end._handle()), "cudaEventElapsedTime"))
 
-    def close(self) -> None:
-        if self.keeper is None:
-            self._finalizer()
+    def _close(self) -> None:
+        self._finalizer()
 
 
 SPARE_EVENTS = 1024  # handles kept per device and kind; beyond that a dropped event is destroyed
@@ -281,10 +280,9 @@ class CudaRuntime(Runtime):
             pageable_memory_access=flag("cudaDevAttrPageableMemoryAccess"),
             host_register_supported=flag("cudaDevAttrHostRegisterSupported"), arch=f"sm_{prop.major}{prop.minor}")
 
-    def synchronize(self, device: int | None = None) -> None:
-        with self.using_device(self.current_device() if device is None else device):
+    def _synchronize(self, device: int) -> None:
+        with self.using_device(device):
             check(self._cudart.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-        self.release_kept()
 
     def _host_alloc(self, nbytes: int) -> int:
         flags = self._cudart.cudaHostAllocPortable | self._cudart.cudaHostAllocMapped

@@ -117,12 +117,10 @@ class EmulatedRuntime(Runtime):
             can_use_host_pointer_for_registered_mem=self.mode == "unified", unified_addressing=True,
             can_map_host_memory=True, pageable_memory_access=False, host_register_supported=True)
 
-    def synchronize(self, device: int | None = None) -> None:
-        device = self.current_device() if device is None else self.check_device(device)
+    def _synchronize(self, device: int) -> None:
         with self._lock:
             self.scheduler.check_not_capturing(device, "cudaDeviceSynchronize")
             self.scheduler.drain(device, "cudaDeviceSynchronize")
-        self.release_kept()
 
     def _drain_before_free(self, devices: Iterable[int], call: str) -> None:
         """cudaFree and cudaFreeHost wait for the device first; on a faulted device there is nothing left to run, and
@@ -383,9 +381,6 @@ class EmulatedRuntime(Runtime):
 
     def default_stream(self, device: int | None = None) -> EmulatedStream:
         return self._default_streams[self.current_device() if device is None else self.check_device(device)]
-
-    def _current_stream(self, device: int) -> Stream:
-        return self._default_streams[device]
 
     def legacy_stream(self, device: int) -> EmulatedStream:
         return self._default_streams[self.check_device(device)]

@@ -347,8 +347,6 @@ class EmulatedEvent(Event):
                                    "both events must have been recorded")
         return (last.timestamp - first.timestamp) * 1e3
 
-    def close(self) -> None:
-        """Idempotent; later uses raise (on CUDA the handle may be serving another event by then). An event with a
-        ``keeper`` ignores it."""
-        if self.keeper is None:
-            self.closed = True
+    def _close(self) -> None:
+        """Idempotent; later uses raise (on CUDA the handle may be serving another event by then)."""
+        self.closed = True

@@ -296,9 +296,8 @@ class HipEvent(Event):
             raise WrongRuntime("elapsed_ms needs two HIP events")
         return float(self._hip.out("hipEventElapsedTime", ctypes.c_float, self._handle(), end._handle()))
 
-    def close(self) -> None:
-        if self.keeper is None:
-            self._finalizer()
+    def _close(self) -> None:
+        self._finalizer()
 
 
 class HipProgram(Program):
@@ -361,10 +360,9 @@ class HipRuntime(Runtime):
         self._hip.call("hipDeviceGetPCIBusId", bus, len(bus), device)
         return self._targets.get(pci_location(bus.value.decode()), "")
 
-    def synchronize(self, device: int | None = None) -> None:
-        with self.using_device(self.current_device() if device is None else device):
+    def _synchronize(self, device: int) -> None:
+        with self.using_device(device):
             self._hip.call("hipDeviceSynchronize")
-        self.release_kept()
 
     def _host_alloc(self, nbytes: int) -> int:
         pointer = P()

@@ -1,7 +1,22 @@
-"""The storage backend interface, and the rules every backend shares: verify on read, degrade never fail.
+"""The storage backend interface: a new store subclasses :class:`StorageBackend` and writes these primitives, the
+abstract methods (a subclass missing one cannot be instantiated: the TypeError names it). Keys are 32-byte page keys,
+already checked; pages are lists of CPU byte views. A primitive may raise anything on a store error: the base turns it
+into misses and counts (see below).
+
+- ``StorageBackend._exists(keys)`` → one bool per key: whether the store holds it.
+- ``StorageBackend._get(keys, pages)`` → an iterator, per page in order: None once read and verified, else why not.
+- ``StorageBackend._set(keys, pages)`` → how many pages it stored behind their headers; PartialWrite if cut short.
+- ``StorageBackend._delete(keys)`` → how many of these pages were there (now removed).
+- ``StorageBackend._entries()`` → an iterator of :class:`Entry`: every stored page of every namespace.
+- ``StorageBackend._namespaces()`` → namespace id → the description its writers recorded (None when unknown).
+- ``StorageBackend._remove(namespace_id)`` → how many pages of that namespace (None: of every one) it removed.
+
+Optional hooks, with defaults here: ``_reset(error)`` (drop connections after an error; nothing) and ``_close()``
+(release files and connections; nothing). ``verify_blob`` and ``_ordered`` are helpers for ``_get`` and ``_set``.
 
 A backend stores whole pages of one namespace under their page keys (the SHA-256 chain of :mod:`kvtier.keys`).
 Callers hand it CPU-domain buffers (views of host pages, numpy arrays, CPU tensors): it never sees a device address.
+The public calls, which the base implements over the primitives:
 
 - ``exists(keys)`` → how many leading keys are stored (the stored prefix of a chain).
 - ``get(keys, pages)`` reads into ``pages`` (one list of buffers per page) and returns how many *leading* pages were
@@ -16,6 +31,7 @@ tries again; the first success after that counts a reconnect.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import inspect
 import json
@@ -119,9 +135,9 @@ class StorageStats:
             return dict(self._counts)
 
 
-class StorageBackend:
+class StorageBackend(abc.ABC):
     """Base class: batching, verification bookkeeping, the down/up state machine and counters. Subclasses implement
-    ``_exists``, ``_get``, ``_set``, ``_delete``, ``_entries``, ``_remove`` and ``_close``."""
+    the primitives listed at the top of this module."""
 
     kind = "abstract"
 
@@ -398,30 +414,35 @@ class StorageBackend:
             raise StorageError(f"{self!r} is closed")
 
     # -- what a backend implements ----------------------------------------------------------------------------------
+    @abc.abstractmethod
     def _exists(self, keys: list[bytes]) -> list[bool]:
-        raise NotImplementedError
+        """Per key, whether the store holds it."""
 
+    @abc.abstractmethod
     def _get(self, keys: list[bytes], pages: list[list[memoryview]]) -> Iterator[PageRejected | None]:
-        """Per page in order: None when it was read into its buffers and verified, else why not. The consumer stops
-        at the first failure."""
-        raise NotImplementedError
+        """Per page in order: None when it was read into its buffers and verified (``verify_blob`` or
+        ``self.format``), else why not. The consumer stops at the first failure."""
 
+    @abc.abstractmethod
     def _set(self, keys: list[bytes], pages: list[list[memoryview]]) -> int:
         """Store the pages, each behind its header (``self.format.header`` or, streaming, ``digest``/``sealed``);
         returns how many (all of them). A failure after some were stored raises ``PartialWrite(stored, cause)``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _delete(self, keys: list[bytes]) -> int:
-        raise NotImplementedError
+        """Remove these pages; how many were there."""
 
+    @abc.abstractmethod
     def _entries(self) -> Iterator[Entry]:
-        raise NotImplementedError
+        """Every stored page of every namespace."""
 
+    @abc.abstractmethod
     def _namespaces(self) -> dict[str, dict[str, Any] | None]:
-        raise NotImplementedError
+        """Namespace id → the description its writers recorded (None when there is none)."""
 
+    @abc.abstractmethod
     def _remove(self, namespace_id: str | None) -> int:
-        raise NotImplementedError
+        """Remove every page of ``namespace_id`` (None: of every namespace); how many."""
 
     def _ordered(self, work: Callable[..., Any], *columns: Sequence[Any], catch: bool = False) -> Iterator[Any]:
         """``work(*row)`` for every row of ``columns`` on the store's I/O threads, results in row order (with
@@ -452,12 +473,12 @@ class StorageBackend:
                 future.cancel()
             wait(futures)
 
-    def _reset(self, error: BaseException) -> None:
+    def _reset(self, error: BaseException) -> None:  # noqa: B027 (an optional hook: nothing to drop by default)
         """After ``error``: drop what a fresh start needs dropped (connections), without breaking calls of other
         threads still in flight."""
 
-    def _close(self) -> None:
-        pass
+    def _close(self) -> None:  # noqa: B027 (an optional hook: nothing to release by default)
+        """Release files and connections (once, at ``close``)."""
 
     def verify_blob(self, key: bytes, blob: Any) -> memoryview:
         """Check a stored value (header + payload as one buffer); returns the payload view or raises PageRejected."""

@@ -12,7 +12,8 @@ import numpy as np
 from kvtier.address import Address, DeviceAddress
 from kvtier.memory.registration import split_at_boundaries
 from kvtier.pools import device_strides
-from kvtier.transfer.job import D2H, Backend, Context, Job
+from kvtier.transfer.backend import Backend
+from kvtier.transfer.job import D2H, Context, Job
 from kvtier.transfer.plan import layer_spans, merge_runs
 
 
@@ -44,9 +45,6 @@ def queue_copies(context: Context, direction: str, host: tuple[Address, np.ndarr
 class DirectBackend(Backend):
     name = "direct"
     batched = False
-
-    def __init__(self, context: Context, **_: Any) -> None:
-        super().__init__(context)
 
     def run(self, job: Job) -> None:
         context = self.context

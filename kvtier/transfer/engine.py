@@ -29,13 +29,13 @@ from kvtier.memory import HostBuffer, HostKind
 from kvtier.memory.lifetime import wait_then
 from kvtier.pools import DevicePool, HostPool
 from kvtier.runtime import Graph, Stream
+from kvtier.transfer.backend import Backend, BackendOptions
 from kvtier.transfer.dma import BatchBackend, DirectBackend
 from kvtier.transfer.indices import IndexRing, arena_bytes
 from kvtier.transfer.job import (
     CURRENT,
     D2H,
     H2D,
-    Backend,
     Context,
     Job,
     PoolUser,
@@ -231,9 +231,9 @@ class TransferEngine(PoolUser):
         context = Context(self.runtime, self.device, self.geometry, self.plan, device_pool, host_pool, launcher,
                           self.streams, self.index_bytes, self.max_blocks, self.threads, self.backup_threads)
         try:
-            self._backend = BACKENDS[backend](context, ring_bytes=ring_bytes, staging_bytes=settings.staging_bytes,
-                                              relayout_blocks=settings.relayout_blocks,
-                                              layer_signals=settings.layer_signals)
+            options = BackendOptions(ring_bytes, settings.staging_bytes, settings.relayout_blocks,
+                                     settings.layer_signals)
+            self._backend = BACKENDS[backend](context, options)
         except BaseException:
             for stream in self.streams.values():
                 stream.close()

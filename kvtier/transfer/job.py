@@ -208,25 +208,6 @@ class Job:
             self.transfer.layer_events[begin] = event
 
 
-class Backend:
-    """An io backend: moves the pages of a :class:`Job`. One ``run`` each; ``drain`` waits for its own streams."""
-
-    name = "abstract"
-
-    def __init__(self, context: Context, **options: Any) -> None:
-        """``options``: the engine's backend settings (ring_bytes, staging_bytes, ...); each backend takes its own."""
-        self.context = context
-
-    def run(self, job: Job) -> None:
-        raise NotImplementedError("need Backend.run")
-
-    def drain(self) -> None:
-        """Wait for streams the backend owns besides the engine's (the engine waits for its own)."""
-
-    def close(self) -> None:
-        """Free what the backend owns; the engine drained everything before."""
-
-
 class _EngineLock:
     """An engine's lock (reentrant). A close() asked for by the thread that holds it, in the middle of the engine's
     own call (a signal handler, a finalizer the collector ran there), must not free the streams and staging area that

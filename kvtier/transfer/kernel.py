@@ -14,8 +14,9 @@ from kvtier.memory import HostKind
 from kvtier.memory.lifetime import Owned
 from kvtier.pools import PointerTable, build_pointer_table
 from kvtier.runtime import Graph, Stream
+from kvtier.transfer.backend import Backend, BackendOptions
 from kvtier.transfer.indices import IndexRing, arena_bytes
-from kvtier.transfer.job import D2H, H2D, Backend, Context, Job
+from kvtier.transfer.job import D2H, H2D, Context, Job
 from kvtier.transfer.plan import layer_spans
 from kvtier.transfer.signals import LayerSignals
 
@@ -83,22 +84,23 @@ def signals_for(context: Context, layer_signals: bool | None, owned: Any) -> Lay
 class KernelBackend(Backend):
     name = "kernel"
 
-    def __init__(self, context: Context, *, ring_bytes: int, layer_signals: bool | None = None, **_: Any) -> None:
-        """``layer_signals``: run per-layer loads as one launch with device-side layer counters (default: where the
-        runtime can wait on a memory value); False keeps one launch and one event per layer."""
-        super().__init__(context)
+    def __init__(self, context: Context, options: BackendOptions) -> None:
+        """``options.layer_signals``: run per-layer loads as one launch with device-side layer counters (default:
+        where the runtime can wait on a memory value); False keeps one launch and one event per layer."""
+        super().__init__(context, options)
         if context.host_pool.buffer.kind is HostKind.PAGEABLE:
             raise InvalidArgument("the kernel backend needs a device-accessible host pool, and this one is pageable: "
                                   "allocate it 'registered', 'pinned' or 'shm', or use backend='direct'")
         self._owned = Owned()
         with self._owned.building() as owned:
-            self.signals = signals_for(context, layer_signals, owned)
+            self.signals = signals_for(context, options.layer_signals, owned)
             self.device_table = owned.own(device_table(context))
             host = context.host_pool
             self.host_table = owned.own(build_pointer_table(
                 context.runtime, context.device,
                 [region for t in range(context.geometry.tensors) for region in host.layer_regions(t)]))
-            self.rings = {d: owned.own(IndexRing(context.runtime, context.device, context.streams[d], ring_bytes))
+            self.rings = {d: owned.own(IndexRing(context.runtime, context.device, context.streams[d],
+                                                 options.ring_bytes))
                           for d in (D2H, H2D)}
 
     def run(self, job: Job) -> None:

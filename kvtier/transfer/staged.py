@@ -10,7 +10,6 @@ slots with one DMA; a load does the reverse. The relayout kernel uses many SMs f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -19,9 +18,10 @@ from kvtier.memory import DeviceBuffer
 from kvtier.memory.lifetime import Owned
 from kvtier.pools import HostLayout, PointerTable, build_pointer_table, host_strides
 from kvtier.runtime import Stream
+from kvtier.transfer.backend import Backend, BackendOptions
 from kvtier.transfer.dma import host_pieces, queue_copies
 from kvtier.transfer.indices import IndexRing
-from kvtier.transfer.job import D2H, H2D, Backend, Context, Job
+from kvtier.transfer.job import D2H, H2D, Context, Job
 from kvtier.transfer.kernel import device_table, launch_copy, launch_signalled, signals_for
 from kvtier.transfer.plan import layer_spans
 from kvtier.transfer.signals import LayerSignals
@@ -184,14 +184,14 @@ class StagingArea:
 class StagedBackend(Backend):
     name = "staged"
 
-    def __init__(self, context: Context, *, staging_bytes: int, relayout_blocks: int | None, ring_bytes: int,
-                 layer_signals: bool | None = None, **_: Any) -> None:
-        super().__init__(context)
+    def __init__(self, context: Context, options: BackendOptions) -> None:
+        super().__init__(context, options)
         self._owned = Owned()
         with self._owned.building() as owned:
             self.table = owned.own(device_table(context))
-            self.signals = signals_for(context, layer_signals, owned)
-            self.areas = {d: owned.own(StagingArea(context, self.table, staging_bytes, relayout_blocks, ring_bytes,
+            self.signals = signals_for(context, options.layer_signals, owned)
+            self.areas = {d: owned.own(StagingArea(context, self.table, options.staging_bytes,
+                                                   options.relayout_blocks, options.ring_bytes,
                                                    self.signals if d == H2D else None))
                           for d in (D2H, H2D)}
 
