@@ -197,10 +197,10 @@ class RedisStore(StorageBackend):
             pipe = self._pipeline()
             for name in batch:
                 pipe.strlen(name)
-            for name, size in zip(batch, pipe.execute(), strict=False):
+            for name, size in zip(batch, pipe.execute(raise_on_error=False), strict=False):
                 _, namespace, _, key = name.split(":", 3)
-                if size:
-                    yield Entry(namespace, key, int(size))
+                if isinstance(size, int) and size:     # a key of another type is no page: clear() still removes it
+                    yield Entry(namespace, key, size)
 
     def _namespaces(self) -> dict[str, dict[str, Any] | None]:
         found: dict[str, dict[str, Any] | None] = {}

@@ -260,6 +260,19 @@ def test_a_redis_key_of_the_wrong_type_is_one_miss_and_the_store_stays_up(redis_
         assert read_pages(store, keys)[0] == 4, "the bad key was removed and rewritten"
 
 
+def test_listing_and_clearing_skip_past_a_key_of_the_wrong_type(redis_url):
+    """A list where a page should be (another program's, or a crash's leftover) must not stop ``kvtier storage
+    ls/stats/clear`` for every namespace on the server: it is no page, and clearing removes it."""
+    ns = namespace()
+    with open_store(redis_url, ns) as store:
+        keys = page_keys(ns, np.arange(3 * GEOMETRY.page_size))
+        store.set(keys[:2], [[p] for p in random_pages(2)])
+        store.client().rpush(store.key(keys[2]), b"not a page")
+        mine = [e for e in store.entries() if e.namespace == store.namespace_id]
+        assert sorted(e.key for e in mine) == sorted(k.hex() for k in keys[:2])
+        assert store.clear() == 3 and store.client().exists(store.key(keys[2])) == 0
+
+
 def test_a_frozen_cluster_node_costs_one_timeout_not_a_retry_loop():
     cluster = RedisClusterServers()
     frozen = cluster.servers[1].process
