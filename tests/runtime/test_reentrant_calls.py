@@ -3,8 +3,8 @@
 An emulated kernel runs Python, so the garbage collector can run inside it and with it the finalizer of any buffer
 held in a reference cycle. A free must then wait for the kernel to end (as cudaFree waits on a GPU), not drain the
 stream from the middle of it and run what is queued behind; a wait there cannot be honoured and is refused by name.
-The collector is run at the kernel's first chunk through a trace function: the moment an allocation there could
-trigger it, forced.
+The collector is run at the kernel's first chunk (the pause point ``reference.copy_chunk``): the moment an
+allocation there could trigger it, forced.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _poisoned(runtime) -> DeviceArray:
 
 def _two_chained_copies(runtime):
     """K1 copies a -> b and K2 copies b -> c on one stream, both queued before either runs (lazy schedule). Run once
-    first, so that the traced run only queues the two kernels (a first call also uploads its tables)."""
+    first, so that the run under test only queues the two kernels (a first call also uploads its tables)."""
     a, b, c = _random(runtime), _poisoned(runtime), _poisoned(runtime)
     rows = DeviceArray.from_tensor(torch.arange(ROWS), runtime=runtime)
 
