@@ -105,6 +105,7 @@ class Scheduler:
         reached("scheduler.after_running")
         with self.lock:   # an op ending in another thread runs the deferred list under it: none is stranded
             if self._depth:
+                reached("scheduler.deferring")
                 self._deferred.append(release)
                 return
         release()

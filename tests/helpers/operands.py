@@ -112,10 +112,11 @@ def fork_operands(rt, n=8, row=32):
 
 
 @contextlib.contextmanager
-def at_point(name: str, action, thread: str | None = None):
+def at_point(name: str, action, thread: str | None = None, *, must_reach: bool = True):
     """Arm the pause point ``name`` (``kvtier.pause_points``) so that ``action()`` runs once, in the first thread to
     reach it (the first named ``thread``, where given); later arrivals pass. Yields the list that then holds what
-    the action returned. The block fails if no thread reached the point."""
+    the action returned. The block fails if no thread reached the point, unless ``must_reach`` is false (a point
+    only a defect leads to)."""
     done: list = []
     taken: list = []
     guard = threading.Lock()
@@ -127,7 +128,7 @@ def at_point(name: str, action, thread: str | None = None):
             taken.append(True)
         done.append(action())
 
-    with armed(name, once):
+    with armed(name, once, must_reach=must_reach):
         yield done
 
 

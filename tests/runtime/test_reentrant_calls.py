@@ -297,8 +297,8 @@ def test_a_release_deferred_from_another_thread_as_the_running_op_ends_is_not_st
     finally unregistered at an arbitrary later step of unrelated work (here: the next download). Fix: take the
     scheduler lock in ``after_running`` (or in ``after_device_work``) before reading ``_depth``; only the thread
     running the operation holds the lock inside it, so any other thread then waits for the operation's end and
-    releases at once. (Since the fix B cannot reach the append while A's operation runs: B is held where it takes
-    the lock instead.)"""
+    releases at once. (Since the fix B cannot reach the append while A's operation runs: B waits where it takes the
+    lock, and the point at the append, where B is held until A is done, is reached only without the fix.)"""
     rt = create("emulated:split:lazy")
     n, row = 8, 64
     buffer = HostBuffer.allocate(n * row, HostKind.REGISTERED, runtime=rt)
@@ -317,7 +317,12 @@ def test_a_release_deferred_from_another_thread_as_the_running_op_ends_is_not_st
     def hold_b():   # B is about to ask whether an op runs; with the fix it waits there for A's op to end
         checked.set()
 
-    with at_point("reference.copy_chunk", hold_a, thread="A"), at_point("scheduler.after_running", hold_b, thread="B"):
+    def defer_b():  # B found A's op running and is about to defer its release: A ends first
+        assert a_done.wait(60)
+
+    with at_point("reference.copy_chunk", hold_a, thread="A"), \
+            at_point("scheduler.after_running", hold_b, thread="B"), \
+            at_point("scheduler.deferring", defer_b, thread="B", must_reach=False):
         thread_a, errors_a = in_thread(lambda: rt.synchronize(0), name="A")
         assert in_op.wait(60)
         thread_b, errors_b = in_thread(buffer.close, name="B")
