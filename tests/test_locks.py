@@ -1,4 +1,5 @@
-"""A process forked while another of its threads holds one of kvtier's module locks: the child can take it."""
+"""A process forked while another of its threads holds one of kvtier's module locks (or the emulated runtime's, inside
+a call running queued work): the child can take it. A lock the forking thread itself holds stays its own."""
 
 from __future__ import annotations
 
@@ -10,9 +11,18 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
+from helpers.operands import (
+    at_point,
+    collections_only_when_asked,  # noqa: F401 (a fixture)
+    dev_idx,
+    device,
+    run_in_fork,
+)
 
 from kvtier.compat import operands
 from kvtier.compat.sglang import direct
+from kvtier.compat.sglang import kvcacheio as io
 from kvtier.locks import ForkSafeLock
 from kvtier.memory import registration
 from kvtier.runtime import create
@@ -138,3 +148,71 @@ def test_a_fork_child_refuses_a_view_of_a_buffer_a_parent_thread_was_closing_at_
     assert result.returncode != 1, "the child got a view of a buffer whose close had begun"
     assert result.returncode != 3, "as_tensor imported torch before refusing a closed buffer"
     assert result.returncode == 0
+
+
+@pytest.mark.usefixtures("collections_only_when_asked")
+def test_a_fork_child_does_not_hang_when_a_parent_thread_is_inside_a_call_running_queued_work():
+    """A parent thread is inside a compat call whose first use of new operands builds a kernel table, and the
+    table's synchronous upload runs the kernel queued before it on the legacy stream: the thread holds the emulated
+    runtime's lock (``Runtime._lock``, a plain ``threading.RLock``, base.py:156) and the scheduler's ``_depth`` is 1
+    with any deferred frees pending. The main thread forks. The compat module's locks are
+    ``ForkSafeLock``s, and docs/sglang.md promises 'a process forked while another thread is inside a call gets the
+    module's locks unheld in the child, so no child hangs on them', yet the child's first call blocks on the copied,
+    held runtime lock for good (on CUDA a fork child's call fails with an error, it does not hang); were that lock
+    fresh, ``_depth`` 1 would still refuse every wait in the child and defer every free forever. Fix: re-create the
+    emulated runtime's lock and reset the scheduler's ``_depth`` and ``_deferred`` (and drop the parent's queued
+    work) in the child (``os.register_at_fork``), or fail the child's calls with a clear error as CUDA does."""
+    rt = create("emulated:split:lazy")
+    n, row = 8, 32
+    a, b, si = device(rt, (n, row)), device(rt, (n, row), data=False), dev_idx(rt, list(range(n)))
+    other = device(rt, (n, row), data=False)
+    io.transfer_kv_per_layer_mla(a, b, si, si, row)          # queued, runs inside the next call's table upload
+    inside, go = threading.Event(), threading.Event()
+
+    def park():
+        inside.set()
+        go.wait(60)
+
+    def worker():
+        io.transfer_kv_per_layer_mla(a, other, si, si, row)
+
+    def child_call():
+        out = device(rt, (n, row), data=False)
+        io.transfer_kv_per_layer_mla(a, out, si, si, row)
+        return "ok" if torch.equal(out.cpu(), a.cpu()) else "wrong bytes"
+
+    with at_point("reference.copy_chunk", park, thread="worker"):
+        thread = threading.Thread(target=worker, name="worker")
+        thread.start()
+        assert inside.wait(60)
+        hung, result = run_in_fork(child_call, meanwhile=lambda: (go.set(), thread.join(60)))
+    rt.synchronize(0)
+    assert torch.equal(other.cpu(), a.cpu())
+    assert not hung, "the fork child hangs on the emulated runtime's lock a parent thread held at fork"
+    assert result == "ok"
+
+
+def _fork_holding(lock):
+    with lock:
+        pid = os.fork()
+        if pid == 0:    # the child leaves the with block the forking thread entered
+            code = 0
+            try:
+                lock.release()
+                lock.acquire()
+            except BaseException:  # noqa: BLE001
+                code = 1
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_fork_safe_lock_held_by_the_forking_thread_stays_held_in_the_child():
+    """``ForkSafeLock`` replaces its lock in every fork child (locks.py:42-43), also when the thread that forks is the
+    one holding it (a signal handler or finalizer that forks inside a compat call's ``with state.lock``). In the
+    child that thread goes on and leaves its ``with`` block: ``release()`` of the fresh, unheld lock raises
+    RuntimeError('release unlocked lock'). A ``threading.Lock`` stays held by the forking thread in the child and
+    releases fine (checked first), so the drop-in is not one. Fix: remember the owner's thread id on acquire and,
+    in the child, re-create the lock held when the owner was the forking thread (it lives on in the child)."""
+    assert _fork_holding(threading.Lock()) == 0
+    assert _fork_holding(ForkSafeLock()) == 0, "the child could not release the lock its thread held at fork"

@@ -23,6 +23,7 @@ from kvtier.kernels.launch import KernelLauncher
 from kvtier.locks import ForkSafeLock
 from kvtier.memory import DeviceAddress, get_device_accessible_ptr, resolve_foreign_address, tensor_extent
 from kvtier.memory.registration import registered_span, span_generation
+from kvtier.pause_points import reached
 from kvtier.pools import PointerTable, build_pointer_table
 from kvtier.runtime import Runtime, Stream
 from kvtier.runtime import get as get_runtime
@@ -267,6 +268,7 @@ def pointer_table(call: Call, entries: Sequence[DeviceAddress]) -> PointerTable:
         if table is not None and not table.closed:
             state.tables.move_to_end(key)
             return table
+    reached("operands.build_table")
     table = build_pointer_table(call.runtime, call.device, list(entries))
     with state.lock:
         stored = state.tables.get(key)
@@ -275,7 +277,9 @@ def pointer_table(call: Call, entries: Sequence[DeviceAddress]) -> PointerTable:
         state.tables[key] = table
         while len(state.tables) > TABLES_KEPT:
             state.tables.popitem(last=False)   # freed when the last call holding it lets go (the free waits for
-    return table                                # the device), never closed under a call about to launch with it
+                                               # the device), never closed under a call about to launch with it
+    reached("operands.table_stored")
+    return table
 
 
 def table_room(call: Call, raw: int, resolved: DeviceAddress,

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.pause_points import reached
+
 INDEX_DTYPES = {8: np.int64, 4: np.int32}
 VECTOR_BYTES = 16
 LAYER_STEPS = 6
@@ -46,6 +48,7 @@ def copy_chunks(memory: Any, src: tuple[int, ...], dst: tuple[int, ...], src_ind
     if not (layer_done and n_units):
         _copy(memory, sides, units, [pair for order in group_orders for pair in order], n_pieces, chunk_bytes, width)
         return None
+    reached("reference.phased_copy")
     return _signalled(memory, sides, units, groups, group_orders, n_pieces, chunk_bytes, width,
                       layer_done + 8 * layer_begin, n_tensors * n_units * n_pieces)
 
@@ -73,7 +76,9 @@ def _copy(memory: Any, sides: list[Any], units: list[Any], order: list[tuple[int
             for (bases, page_stride, unit_stride, piece_stride, per_page), unit in zip(sides, units, strict=True):
                 page, slot = divmod(int(unit[i]), per_page)
                 addresses.append(int(bases[plane]) + page * page_stride + slot * unit_stride + piece * piece_stride)
+            reached("reference.copy_chunk")
             source = memory.view(addresses[0], chunk_bytes, align=width)
+            reached("reference.write_chunk")
             memory.view(addresses[1], chunk_bytes, align=width)[:] = source
 
 

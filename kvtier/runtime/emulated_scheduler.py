@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from kvtier.errors import IllegalAddress, InvalidArgument, RuntimeCallError
 from kvtier.locks import ForkSafeLock
+from kvtier.pause_points import reached
 from kvtier.runtime.emulated_device import Busy, EmulatedStream, Running, WaitOp, WaitValueOp
 
 SCHEDULES = ("eager", "lazy")
@@ -101,8 +102,10 @@ class Scheduler:
         any buffer in a reference cycle. A free there that drained the device would run the operations queued behind
         the running one before it ends: stream order broken, stale bytes read. On a GPU no host code runs inside a
         kernel; cudaFree from the host waits for it to end, which is what deferring to its end gives."""
+        reached("scheduler.after_running")
         with self.lock:   # an op ending in another thread runs the deferred list under it: none is stranded
             if self._depth:
+                reached("scheduler.deferring")
                 self._deferred.append(release)
                 return
         release()

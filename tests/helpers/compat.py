@@ -4,9 +4,9 @@ pointer tables of ``data_ptr()``s, where SGLang keeps them. Random data or a poi
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
-import sys
 import threading
 
 import torch
@@ -14,6 +14,7 @@ import torch
 from helpers.operands import start_and_join
 from kvtier.compat import DeviceArray
 from kvtier.memory import HostBuffer, HostKind
+from kvtier.pause_points import armed
 
 
 class Operands:
@@ -127,10 +128,11 @@ def index_overwrite(runtime):
     return m, dst, src, src_idx, dst_idx, computed, m.keep[-2]
 
 
-def two_traced_mla_loads(rt, src, dst, row: int, tracer, poison: int = 0x5A) -> None:
+def two_paused_mla_loads(rt, src, dst, row: int, points: dict, poison: int = 0x5A) -> None:
     """Threads "A" and "B" each run one ``transfer_kv_per_layer_mla`` of their own three rows of ``src`` into
-    ``dst`` under ``tracer`` (which forces an interleaving); then every byte of ``dst`` must hold both loads over
-    ``poison``: a thread that launched the other's indices, or over a freed table, fails here."""
+    ``dst`` while ``points`` (pause point name -> action, run in whichever thread reaches it) force an interleaving;
+    then every byte of ``dst`` must hold both loads over ``poison``: a thread that launched the other's indices, or
+    over a freed table, fails here."""
     from kvtier.compat.sglang import kvcacheio as io
 
     jobs = {"A": ([1, 2, 3], [0, 1, 2]), "B": ([7, 8, 9], [10, 11, 12])}
@@ -138,15 +140,15 @@ def two_traced_mla_loads(rt, src, dst, row: int, tracer, poison: int = 0x5A) -> 
     errors: list[BaseException] = []
 
     def work(name):
-        sys.settrace(tracer)
         try:
             io.transfer_kv_per_layer_mla(src, dst, *indices[name], row)
         except Exception as error:  # noqa: BLE001
             errors.append(error)
-        finally:
-            sys.settrace(None)
 
-    start_and_join([threading.Thread(target=work, args=(name,), name=name) for name in "AB"], 20)
+    with contextlib.ExitStack() as stack:
+        for name, action in points.items():
+            stack.enter_context(armed(name, action))
+        start_and_join([threading.Thread(target=work, args=(name,), name=name) for name in "AB"], 20)
     gc.collect()
     rt.synchronize(0)
     assert not errors

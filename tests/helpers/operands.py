@@ -1,18 +1,20 @@
-"""Helpers the adversary test files share: fresh random data, poisoned destinations, kvtier operands on an emulated
-runtime, and trace functions that stop a thread at a chosen line."""
+"""Helpers many test files share: fresh random data, poisoned destinations, kvtier operands on an emulated runtime,
+threads and fork children, collections at chosen moments, and pause points armed to act once."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
+import math
 import multiprocessing
-import sys
+import threading
 
+import pytest
 import torch
 
 from kvtier.compat import DeviceArray
 from kvtier.memory import HostBuffer, HostKind
+from kvtier.pause_points import armed
 
 POISON = 0x5A
 MODES = ["emulated:split", "emulated:unified"]
@@ -42,6 +44,19 @@ def pin_idx(rt, values, dtype=torch.int64):
     return out
 
 
+def host(rt, shape, kind=HostKind.PINNED, data=True, *, chunk=None, offset=0):
+    """A uint8 host tensor (fresh random bytes, or poison) over a kvtier HostBuffer of its own, kept alive: the view
+    starts ``offset`` bytes in; ``chunk`` registers the buffer in chunks of that size, so a view can straddle a
+    registration boundary."""
+    nbytes = math.prod(shape)
+    extra = {} if chunk is None else {"register_chunk_bytes": chunk}
+    buffer = HostBuffer.allocate(nbytes + offset, kind, runtime=rt, **extra)
+    _keep.append(buffer)
+    tensor = buffer.as_tensor(torch.uint8)[offset:offset + nbytes].view(shape)
+    tensor.copy_(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8))
+    return tensor
+
+
 def poison(x):
     if isinstance(x, DeviceArray):
         x.copy_(torch.full(x.shape, POISON, dtype=torch.uint8))
@@ -59,36 +74,6 @@ def fresh(shape):
 
 def all_poison(x):
     return bool((cpu(x) == POISON).all())
-
-
-def source_line(function, text):
-    """The line number of the first line of ``function``'s source that holds ``text``."""
-    lines, start = inspect.getsourcelines(function)
-    return start + next(i for i, line in enumerate(lines) if text in line)
-
-
-def at_line(function, text, action):
-    """A trace function that runs ``action()`` once, when ``function`` is about to run the line holding ``text``."""
-    code, at, done = function.__code__, source_line(function, text), []
-
-    def tracer(frame, event, arg):
-        if frame.f_code is not code:
-            return None
-
-        def local(frame, event, arg):
-            if event == "line" and frame.f_lineno == at and not done:
-                done.append(action())
-            return local
-        return local
-    return tracer, done
-
-
-def traced(tracer, call):
-    sys.settrace(tracer)
-    try:
-        return call()
-    finally:
-        sys.settrace(None)
 
 
 def _fork_child(queue, call):
@@ -127,6 +112,41 @@ def fork_operands(rt, n=8, row=32):
 
 
 @contextlib.contextmanager
+def at_point(name: str, action, thread: str | None = None, *, must_reach: bool = True):
+    """Arm the pause point ``name`` (``kvtier.pause_points``) so that ``action()`` runs once, in the first thread to
+    reach it (the first named ``thread``, where given); later arrivals pass. Yields the list that then holds what
+    the action returned. The block fails if no thread reached the point, unless ``must_reach`` is false (a point
+    only a defect leads to)."""
+    done: list = []
+    taken: list = []
+    guard = threading.Lock()
+
+    def once():
+        with guard:
+            if taken or (thread is not None and threading.current_thread().name != thread):
+                return
+            taken.append(True)
+        done.append(action())
+
+    with armed(name, once, must_reach=must_reach):
+        yield done
+
+
+def in_thread(call, name: str | None = None):
+    """``call()`` in a new daemon thread; returns (thread, the errors it raised)."""
+    errors: list = []
+
+    def run():
+        try:
+            call()
+        except BaseException as error:  # noqa: BLE001 (reported by the test)
+            errors.append(error)
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+@contextlib.contextmanager
 def no_automatic_collection():
     """Cyclic garbage goes exactly where the code inside calls ``gc.collect()``."""
     was_enabled = gc.isenabled()
@@ -138,14 +158,19 @@ def no_automatic_collection():
             gc.enable()
 
 
+@pytest.fixture
+def collections_only_when_asked():
+    """No automatic collection: cyclic garbage goes exactly where a test calls ``gc.collect()``. A test module imports
+    it and asks for it with ``pytest.mark.usefixtures("collections_only_when_asked")``."""
+    with no_automatic_collection():
+        yield
+
+
 def collect_inside_first_kernel(run) -> list:
     """``run()`` with one ``gc.collect()`` at the first chunk an emulated kernel copies (the moment an allocation
     there could trigger the collector), no automatic collection meanwhile; what the collection returned."""
-    from kvtier.kernels import reference
-
-    tracer, collected = at_line(reference._copy, "source = memory.view", gc.collect)
-    with no_automatic_collection():
-        traced(tracer, run)
+    with no_automatic_collection(), at_point("reference.copy_chunk", gc.collect) as collected:
+        run()
     assert collected and collected[0] > 0, "the collector found nothing inside the kernel"
     return collected
 

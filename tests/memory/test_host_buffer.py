@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 from helpers.device_kernels import random_bytes
+from helpers.paths import child_env
 
 from kvtier.errors import BufferClosed, BufferInUse, HugePagesUnavailable, InvalidArgument, KvtierError
 from kvtier.memory import DeviceBuffer, HostBuffer, HostKind, get_device_accessible_ptr
@@ -135,3 +140,49 @@ def test_bools_and_floats_are_not_offsets(runtime):
                 dev.upload(b"\x01" * 16, offset)
         with pytest.raises(KvtierError):
             buf.cpu_address + True
+_FORK_CHILD = """
+import gc, os, sys, torch
+from kvtier.compat import DeviceArray
+from kvtier.compat.sglang import kvcacheio as io
+from kvtier.memory import HostBuffer
+from kvtier.runtime import create
+rt = create("emulated:split")
+n, row = 8, 256
+buffers = {kind: HostBuffer.allocate(n * row, kind, runtime=rt) for kind in ("registered", "shm", "pinned")}
+data = {}
+for kind, buffer in buffers.items():
+    view = buffer.as_tensor(torch.uint8).view(n, row)
+    view.copy_(torch.randint(1, 255, (n, row), dtype=torch.uint8))
+    data[kind] = view.clone()
+    del view
+pid = os.fork()
+if pid == 0:
+    for buffer in buffers.values():
+        buffer.close()                     # the child's copies: marked closed, nothing given back
+    del buffers
+    gc.collect()
+    sys.exit(0)                            # normal exit: atexit and finalizers run in the child
+_, status = os.waitpid(pid, 0)
+ok = [os.waitstatus_to_exitcode(status) == 0, os.path.exists(buffers["shm"].path)]
+si = DeviceArray.from_tensor(torch.arange(n), runtime=rt)
+for kind, buffer in buffers.items():
+    ok.append(rt.host_range(buffer.cpu_address.value) is not None)
+    dst = DeviceArray.from_tensor(torch.full((n, row), 0x5A, dtype=torch.uint8), runtime=rt)
+    view = buffer.as_tensor(torch.uint8).view(n, row)
+    io.transfer_kv_per_layer_mla(view, dst, si, si, row)
+    rt.synchronize(0)
+    ok.append(bool(torch.equal(dst.cpu(), data[kind])))
+    del view
+    buffer.close()
+print("FORK", all(ok), ok)
+"""
+
+
+def test_ok_a_fork_child_closing_and_exiting_leaves_the_parents_buffers_alone():
+    """A fork child closes its copies of the parent's registered, shm and pinned buffers (all viewed) and exits
+    normally: the parent's registrations, the shm file and every byte are intact, and kernels read them after."""
+    env, root = child_env()
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_FORK_CHILD)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "FORK True" in done.stdout, done.stdout + done.stderr[-3000:]

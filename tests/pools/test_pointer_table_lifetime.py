@@ -9,16 +9,14 @@ before the fix (a :class:`PreparedCopy` now holds what it resolved; the cache ke
 from __future__ import annotations
 
 import gc
-import inspect
 import threading
 
 import pytest
 import torch
-from helpers.compat import two_traced_mla_loads
+from helpers.compat import two_paused_mla_loads
 
-from kvtier.compat import DeviceArray, operands
+from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio as io
-from kvtier.compat.sglang.kvcacheio import Plan
 from kvtier.kernels.launch import ChunkCopy, ChunkSide, KernelLauncher
 from kvtier.pools.pointer_table import build_pointer_table
 from kvtier.runtime import create
@@ -59,11 +57,6 @@ def test_a_prepared_copy_keeps_its_tables_after_every_other_owner_drops_them(spe
     assert torch.equal(dst.cpu(), want)
 
 
-def _line(function, text):
-    lines, start = inspect.getsourcelines(function)
-    return start + next(i for i, line in enumerate(lines) if text in line)
-
-
 @pytest.mark.parametrize("spec", MODES)
 def test_two_threads_building_one_table_at_once_launch_over_live_tables(spec):
     """Forced interleaving: both threads miss the table cache before either stores; A stores its tables first, B
@@ -72,39 +65,36 @@ def test_two_threads_building_one_table_at_once_launch_over_live_tables(spec):
     n, row = 32, 16
     src, dst = device(rt, (n, row)), device(rt, (n, row), data=False)
     io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, []), dev_idx(rt, []), row)   # a plan, no tables yet
-    build = _line(operands.pointer_table, "= build_pointer_table(")
-    sides, ret = _line(Plan.bind, "sides = ["), _line(Plan.bind, "return prepared")
-    table_code, bind_code = operands.pointer_table.__code__, Plan.bind.__code__
     missed = threading.Barrier(2, timeout=60)
     a_built, a_assigned, b_stored = threading.Event(), threading.Event(), threading.Event()
-    b_calls = [0]
 
-    def tracer(frame, event, arg):
-        if frame.f_code not in (table_code, bind_code):
-            return None
+    def me():
+        return threading.current_thread().name
 
-        def local(frame, event, arg):
-            me, code = threading.current_thread().name, frame.f_code
-            if code is table_code and event == "line" and frame.f_lineno == build:
-                missed.wait()                       # both looked these entries up and found no table
-                if me == "B":
-                    a_built.wait(60)                 # B stores its table after A's
-                    a_built.clear()
-            elif code is table_code and event == "return":
-                if me == "A":
-                    a_built.set()
-                else:
-                    b_calls[0] += 1
-                    if b_calls[0] == 2:
-                        a_assigned.wait(60)          # B gives the plan its tables after A
-            elif code is bind_code and event == "line" and frame.f_lineno == sides and me == "A":
-                a_assigned.set()
-            elif code is bind_code and event == "line" and frame.f_lineno == ret:
-                if me == "A":
-                    b_stored.wait(60)                # A launches once B stored its preparation
-                else:
-                    b_stored.set()
-            return local
-        return local
+    def build():
+        missed.wait()                               # both looked these entries up and found no table
+        if me() == "B":
+            a_built.wait(60)                        # B stores its table after A's
+            a_built.clear()
 
-    two_traced_mla_loads(rt, src, dst, row, tracer)
+    def stored():
+        if me() == "A":
+            a_built.set()
+
+    def give_tables():
+        if me() == "B":
+            a_assigned.wait(60)                     # B gives the plan its tables after A
+
+    def sides():
+        if me() == "A":
+            a_assigned.set()
+
+    def returns():
+        if me() == "A":
+            b_stored.wait(60)                       # A launches once B stored its preparation
+        else:
+            b_stored.set()
+
+    two_paused_mla_loads(rt, src, dst, row, {"operands.build_table": build, "operands.table_stored": stored,
+                                             "kvcacheio.bind_tables": give_tables, "kvcacheio.bind_sides": sides,
+                                             "kvcacheio.bind_return": returns})

@@ -1,6 +1,6 @@
-"""Emulator semantics other tests lean on: the two schedules, sticky faults (on the faulting device only), copy checks
-at call and at run time, frees that wait like cudaFree, device memory limits, event timing that is not ready before
-the events complete."""
+"""Emulator semantics other tests lean on: the two schedules, sticky faults (on the faulting device only, and what
+their messages blame), copy checks at call and at run time, frees that wait like cudaFree, device memory limits, event
+timing that is not ready before the events complete."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import contextlib
 import numpy as np
 import pytest
 from helpers.device_kernels import TOUCH, XOR, random_bytes
+from helpers.operands import MODES, dev_idx, device
 
+from kvtier.compat.sglang import kvcacheio as io
 from kvtier.errors import IllegalAddress, KvtierError, RuntimeCallError, WrongDeviceError
 from kvtier.memory import CpuAddress, DeviceAddress, DeviceBuffer, HostBuffer, HostKind
 from kvtier.runtime import create, i64
@@ -225,3 +227,20 @@ def test_bad_emulated_specs_say_what_is_wrong(spec, match):
     with pytest.raises(RuntimeUnavailable, match=match):
         create(spec)
     assert create("emulated:unified:3:lazy").device_count() == 3
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_a_kernel_past_the_end_of_device_memory_is_not_blamed_on_a_cpu_address(spec):
+    """A device-resident index past its tensor (unchecked, as in SGLang) makes the emulated kernel fault at an
+    address inside the emulator's device-memory space (0x5000...). The fault says 'kernels need the device alias of
+    registered host memory, not its CPU address' (emulated_device.py:60-62), sending the reader to hunt an alias bug
+    that is not there, in the one message the emulator exists to make clear. Fix: word the hint by the address's
+    range (device memory: past an allocation; the alias space: unregistered or freed host memory; below
+    ``EMULATED_SPACE``: a CPU address)."""
+    rt = create(spec)
+    n, row = 8, 32
+    a, b = device(rt, (n, row)), device(rt, (n, row), data=False)
+    io.transfer_kv_per_layer_mla(a, b, dev_idx(rt, [0, 1 << 40]), dev_idx(rt, [0, 1]), row)
+    with pytest.raises(IllegalAddress) as caught:
+        rt.synchronize(0)
+    assert "CPU address" not in str(caught.value), str(caught.value)

@@ -36,6 +36,7 @@ from kvtier.errors import InvalidArgument, KvtierError, about
 from kvtier.locks import ForkSafeLock
 from kvtier.memory.alias import span_chunks
 from kvtier.memory.registration import span_generation, split_at_boundaries
+from kvtier.pause_points import reached
 
 
 def _index_values(x: Any, name: str) -> np.ndarray:
@@ -343,6 +344,7 @@ def transfer_kv_direct(src_layers: Sequence[Any], dst_layers: Sequence[Any], src
     named = [(x, f"{side}[{i}]") for side, xs in (("src_layers", src_layers), ("dst_layers", dst_layers))
              for i, x in enumerate(xs)]
     layers = _kept(call, ("direct", len(src_layers)), named, build)
+    reached("direct.before_copies")
     if not indexed.src.size:
         return
     starts, lengths = indexed.get("token runs", _token_runs, indexed.src, indexed.dst)
@@ -406,6 +408,7 @@ def _page_copies(page_first: Sequence[Any], layer_first: Sequence[Any], pf_name:
     shape = ("pages", indexed.page_size, first_layer, to_page_first, len(page_first), len(layer_first))
     layers = _kept(call, shape, named, lambda: _page_ends(call, page_first, layer_first, pf_name, lf_name,
                                                           indexed.page_size, first_layer, to_page_first))
+    reached("direct.before_copies")
     if not indexed.src.size:
         return
     pages, tokens = indexed.get(("pages", to_page_first), _page_starts, indexed, to_page_first)

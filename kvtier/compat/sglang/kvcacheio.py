@@ -49,6 +49,7 @@ from kvtier.errors import InvalidArgument, KvtierError, about
 from kvtier.kernels.launch import ChunkCopy, ChunkSide, PreparedCopy
 from kvtier.memory import DeviceAddress
 from kvtier.memory.registration import span_generation
+from kvtier.pause_points import reached
 
 _is_hip = getattr(torch.version, "hip", None) is not None
 WARPS = 16 if _is_hip else 32
@@ -193,7 +194,9 @@ class Plan:
             if bound is not None:
                 return bound
         tables = self.tables or [pointer_table(call, [entry.address for entry in e]) for e in self.entries]
+        reached("kvcacheio.bind_tables")
         self.tables = tables
+        reached("kvcacheio.bind_sides")
         sides = [ChunkSide(table, *strides) for table, strides in zip(tables, self.strides, strict=True)]
         copy = ChunkCopy(src=sides[0], dst=sides[1], src_index=indices[0], dst_index=indices[1],
                          index_bytes=index_bytes, n_units=n_units, layer_begin=0, n_layers=n_layers, n_pieces=pieces,
@@ -201,7 +204,9 @@ class Plan:
                          unit_major=unit_major)
         prepared = call.launcher.prepare(copy, [(0, n_layers)], device=call.device, max_blocks=block_quota,
                                          threads=warps * 32)
+        reached("kvcacheio.bind_store")
         self.prepared = prepared    # another thread may store its own meanwhile: launch this one
+        reached("kvcacheio.bind_return")
         return prepared
 
 
