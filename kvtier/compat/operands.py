@@ -23,6 +23,7 @@ from kvtier.kernels.launch import KernelLauncher
 from kvtier.locks import ForkSafeLock
 from kvtier.memory import DeviceAddress, get_device_accessible_ptr, resolve_foreign_address, tensor_extent
 from kvtier.memory.registration import registered_span, span_generation
+from kvtier.pause_points import reached
 from kvtier.pools import PointerTable, build_pointer_table
 from kvtier.runtime import Runtime, Stream
 from kvtier.runtime import get as get_runtime
@@ -169,6 +170,7 @@ def kept_plan(call: Call, key: tuple | None, arrays: Sequence[tuple[Any, str]]) 
     with state.lock:
         plan = state.plans.get(key)
         if plan is not None:
+            reached("operands.kept_plan_locked")
             state.plans.move_to_end(key)
     if plan is not None:
         for x, what in arrays:

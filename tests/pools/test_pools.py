@@ -1,4 +1,4 @@
-"""Pool geometry, layouts, slots, budget and page metadata."""
+"""Pool geometry, layouts, slots, budget, page metadata and with-blocks."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers.operands import POISON
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import KvtierError
 from kvtier.pools import HostLayout, HostPool, KVGeometry, PageSlotAllocator, SlotError, host_strides
+from kvtier.runtime import create
 
 
 @pytest.mark.parametrize("row", [64, 576, 656, 1152, 2048])
@@ -152,3 +154,24 @@ def test_payload_order_codes_are_equal_exactly_when_byte_orders_are():
             assert (payload_order(geometry, a) == payload_order(geometry, b)) == same, (geometry, a, b)
     llama99 = KVGeometry.mha(layers=99, kv_heads=4, head_dim=32, itemsize=2, page_size=16)
     assert payload_order(llama99, "layer_first") != payload_order(llama99, "page_head")
+
+
+def test_host_pool_with_block_does_not_replace_the_bodys_exception_with_buffer_in_use():
+    """HostBuffer.__exit__: 'a view still alive when the body raised must not hide the body's exception'. HostPool
+    (HostMemory.__exit__) calls close() unconditionally: a body that made a view of the pool and then raised gets
+    its exception replaced by BufferInUse (the view is alive in the frame while __exit__ runs). Expected: the
+    body's exception propagates, as with a HostBuffer's own with block."""
+    runtime = create("emulated:split")
+    geometry = KVGeometry("mha", 2, 4, row_bytes=64)
+
+    class BodyFailed(Exception):
+        pass
+
+    pool = None
+    with pytest.raises(BodyFailed):
+        with HostPool.allocate(geometry, "layer_first", pages=4, runtime=runtime) as pool:
+            view = pool.buffer.as_tensor()
+            view.fill_(POISON)
+            raise BodyFailed("the body's own error")
+    del view
+    pool.close()
