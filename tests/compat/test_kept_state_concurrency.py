@@ -11,7 +11,6 @@ import random
 import sys
 import threading
 
-import numpy as np
 import pytest
 import torch
 from helpers.operands import (
@@ -22,6 +21,7 @@ from helpers.operands import (
     device,
     fork_operands,
     fresh,
+    host,
     pin_idx,
     poison,
     rnd,
@@ -35,16 +35,6 @@ from kvtier.errors import KvtierError
 from kvtier.memory import HostBuffer, HostKind
 from kvtier.pause_points import armed
 from kvtier.runtime import create
-
-_keep: list = []
-
-
-def host(rt, shape, data=True):
-    buffer = HostBuffer.allocate(int(np.prod(shape)), HostKind.PINNED, runtime=rt)
-    _keep.append(buffer)
-    tensor = buffer.as_tensor(torch.uint8).view(shape)
-    tensor.copy_(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8))
-    return tensor
 
 
 @pytest.mark.parametrize("spec", MODES)
@@ -208,8 +198,8 @@ def test_ok_threads_over_shared_and_own_operands_while_buffers_come_and_go(spec,
             r = random.Random(seed * 100 + k)
             dk = [device(rt, (n, row), False) for _ in range(layers)]
             dv = [device(rt, (n, row), False) for _ in range(layers)]
-            out = host(rt, (n, layers, row), False)
-            out_paged = host(rt, (n // page, layers, page, row), False)
+            out = host(rt, (n, layers, row), data=False)
+            out_paged = host(rt, (n // page, layers, page, row), data=False)
             host_table = torch.tensor([x.data_ptr() for x in hsk], dtype=torch.uint64)
             dk_table = torch.tensor([x.data_ptr() for x in dk], dtype=torch.uint64)
             dk_table_dev = DeviceArray.from_tensor(dk_table, runtime=rt)

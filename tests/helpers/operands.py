@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import math
 import multiprocessing
 import sys
 
@@ -40,6 +41,19 @@ def pin_idx(rt, values, dtype=torch.int64):
     out = buffer.as_tensor(dtype)[:data.numel()].view(data.shape)
     out.copy_(data)
     return out
+
+
+def host(rt, shape, kind=HostKind.PINNED, data=True, *, chunk=None, offset=0):
+    """A uint8 host tensor (fresh random bytes, or poison) over a kvtier HostBuffer of its own, kept alive: the view
+    starts ``offset`` bytes in; ``chunk`` registers the buffer in chunks of that size, so a view can straddle a
+    registration boundary."""
+    nbytes = math.prod(shape)
+    extra = {} if chunk is None else {"register_chunk_bytes": chunk}
+    buffer = HostBuffer.allocate(nbytes + offset, kind, runtime=rt, **extra)
+    _keep.append(buffer)
+    tensor = buffer.as_tensor(torch.uint8)[offset:offset + nbytes].view(shape)
+    tensor.copy_(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8))
+    return tensor
 
 
 def poison(x):
