@@ -170,6 +170,7 @@ def kept_plan(call: Call, key: tuple | None, arrays: Sequence[tuple[Any, str]]) 
     with state.lock:
         plan = state.plans.get(key)
         if plan is not None:
+            reached("operands.kept_plan_locked")
             state.plans.move_to_end(key)
     if plan is not None:
         for x, what in arrays:

@@ -27,6 +27,7 @@ from kvtier.memory.budget import check_host_budget
 from kvtier.memory.collector import COLLECTOR
 from kvtier.memory.lifetime import Drainable, Users
 from kvtier.memory.registration import DEFAULT_REGISTER_CHUNK_BYTES, register_chunks, unregister_chunks
+from kvtier.pause_points import reached
 from kvtier.runtime import HostKind, Runtime
 from kvtier.runtime import get as get_runtime
 
@@ -243,6 +244,7 @@ class HostBuffer:
         import torch
 
         dtype = dtype or torch.uint8
+        reached("host_buffer.as_tensor_checked")
         itemsize = torch.empty((), dtype=dtype).element_size()
         if self.nbytes % itemsize:
             raise KvtierError(f"{self.nbytes} bytes is not a whole number of {dtype} elements")
@@ -250,6 +252,7 @@ class HostBuffer:
             self._check_open()
             self._resources.viewed = self._viewing = True
             try:
+                reached("host_buffer.as_tensor_viewing")
                 return torch.frombuffer(self._anchor, dtype=dtype)
             finally:
                 self._viewing = False

@@ -27,6 +27,7 @@ from kvtier.errors import (
 from kvtier.memory.alias import span_alias
 from kvtier.memory.device_buffer import DeviceBuffer, DeviceRegion
 from kvtier.memory.host_buffer import HostBuffer, HostRegion
+from kvtier.pause_points import reached
 from kvtier.runtime import HostKind, MemoryType, Runtime
 from kvtier.runtime import get as get_runtime
 
@@ -144,6 +145,7 @@ def _tensor(runtime: Runtime, tensor: Any, target: int) -> DeviceAddress:
 def _host_alias(runtime: Runtime, address: int, nbytes: int, target: int, pageable: bool = True) -> DeviceAddress:
     if runtime.host_range(address) is not None:
         return DeviceAddress(span_alias(runtime, address, nbytes, target), target)
+    reached("resolve.host_alias_attributes")
     attrs = runtime.pointer_attributes(address)
     if attrs.type is MemoryType.DEVICE:
         return _on_device(DeviceAddress(address, attrs.device or 0), target)

@@ -25,6 +25,7 @@ from kvtier.errors import (
     RuntimeCallError,
     WrongRuntime,
 )
+from kvtier.pause_points import reached
 from kvtier.runtime.base import (
     MAX_PITCH,
     DeviceAttributes,
@@ -254,6 +255,7 @@ class EmulatedRuntime(Runtime):
 
     def pointer_attributes(self, address: int) -> PointerAttributes:
         mapped = self._find_mapped(address)
+        reached("emulated.pointer_attributes_mapped")
         if mapped is not None and mapped[2].kind is MappingKind.DEVICE_MEMORY:
             return PointerAttributes(MemoryType.DEVICE, mapped[0], address, None)
         host = mapped[1] if mapped is not None else address

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Iterator, TypeVar
 
 from kvtier.errors import InvalidArgument
+from kvtier.pause_points import reached
 
 T = TypeVar("T")
 
@@ -97,5 +98,6 @@ class RangeIndex(Generic[T]):
         if i == len(starts) or starts[i] != start:
             raise KeyError(start)
         self._index = (starts[:i] + starts[i + 1:], ranges[:i] + ranges[i + 1:])
+        reached("ranges.pop")
         self.generation += 1
         return ranges[i]

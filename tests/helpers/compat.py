@@ -90,6 +90,12 @@ def all_poison(tensor, poison: int = 0x5A) -> bool:
     return bool((tensor == poison).all())
 
 
+OS_PAGE = 4096
+"""An OS page: host memory is registered in whole pages, so registration (and chunk) edges fall on it."""
+BYTE_ITEM = 64
+"""The item_size of byte operands in tests about registrations: bytes of one token of one layer (uint8 elements)."""
+
+
 def closing_cleanup(buffer, errors: list):
     """An engine's cleanup, for ``weakref.finalize(engine, ...)``: close the buffer, keeping what it raised."""
     from kvtier.errors import KvtierError

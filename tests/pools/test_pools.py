@@ -1,4 +1,5 @@
-"""Pool geometry, layouts, slots, budget and page metadata; misaligned layer bases and unknown layouts refused."""
+"""Pool geometry, layouts, budget, page metadata and with-blocks; misaligned layer bases and unknown layouts
+refused."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers.operands import POISON
 from helpers.pools import SMALL_MHA
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kvtier.errors import InvalidArgument, KvtierError, MisalignedAddress
 from kvtier.memory import DeviceBuffer
-from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry, PageSlotAllocator, SlotError, host_strides
+from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry, host_strides
+from kvtier.runtime import create
 
 
 @pytest.mark.parametrize("row", [64, 576, 656, 1152, 2048])
@@ -79,41 +80,6 @@ def test_host_budget_is_checked_before_allocating(split):
         HostPool.allocate(g, "page_first", nbytes=1 << 50, runtime=split)
 
 
-def test_slots_prefer_contiguous_runs_and_catch_bad_frees():
-    slots = PageSlotAllocator(16)
-    a = slots.allocate(4)
-    b = slots.allocate(4)
-    assert a == [0, 1, 2, 3] and b == [4, 5, 6, 7]
-    slots.free([1, 2])
-    assert slots.allocate(2) == [1, 2]
-    slots.free(a)
-    with pytest.raises(SlotError, match="double free"):
-        slots.free([0])
-    with pytest.raises(SlotError, match="does not belong"):
-        slots.free([16])
-    with pytest.raises(SlotError, match="twice"):
-        slots.free([4, 4])
-    assert slots.free_pages == 12
-    with pytest.raises(SlotError, match="cannot allocate"):
-        slots.allocate(13)
-
-
-@settings(max_examples=60)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 6)), max_size=40))
-def test_slots_never_hand_out_a_page_twice(ops):
-    slots, held = PageSlotAllocator(32), []
-    for allocate, count in ops:
-        if allocate and slots.can_allocate(count):
-            got = slots.allocate(count)
-            assert not set(got) & set(held) and len(set(got)) == count
-            held += got
-        elif held:
-            give = held[:count]
-            slots.free(give)
-            held = held[count:]
-        assert slots.free_pages == 32 - len(held)
-
-
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
 def test_page_pieces_are_the_page_spans_of_every_page(layout):
     """The vectorised offsets storage views are cut from agree with page_spans / page_metadata, page by page."""
@@ -166,3 +132,24 @@ def test_misaligned_layer_bases_are_refused_at_the_pool(runtime):
 def test_unknown_layout_lists_the_choices(runtime):
     with pytest.raises(InvalidArgument, match="'layer_first', 'page_first', 'page_first_direct', 'page_head'"):
         HostPool.allocate(SMALL_MHA, "page-first", pages=2, runtime=runtime)
+
+
+def test_host_pool_with_block_does_not_replace_the_bodys_exception_with_buffer_in_use():
+    """HostBuffer.__exit__: 'a view still alive when the body raised must not hide the body's exception'. HostPool
+    (HostPoolLifetime.__exit__) calls close() unconditionally: a body that made a view of the pool and then raised gets
+    its exception replaced by BufferInUse (the view is alive in the frame while __exit__ runs). Expected: the
+    body's exception propagates, as with a HostBuffer's own with block."""
+    runtime = create("emulated:split")
+    geometry = KVGeometry("mha", 2, 4, row_bytes=64)
+
+    class BodyFailed(Exception):
+        pass
+
+    pool = None
+    with pytest.raises(BodyFailed):
+        with HostPool.allocate(geometry, "layer_first", pages=4, runtime=runtime) as pool:
+            view = pool.buffer.as_tensor()
+            view.fill_(POISON)
+            raise BodyFailed("the body's own error")
+    del view
+    pool.close()

@@ -336,3 +336,37 @@ def test_a_release_deferred_from_another_thread_as_the_running_op_ends_is_not_st
     assert buffer.closed
     assert rt.host_range(address) is None, "the closed buffer is still registered: its release was stranded"
     assert torch.equal(b.cpu(), a.cpu())
+
+
+def test_a_device_array_collected_while_a_kernel_runs_does_not_run_the_next_kernel_first():
+    """Two compat calls on one stream: K1 copies a -> b, K2 copies b -> c, so c must equal a. While the emulated
+    device runs K1 (``Scheduler._step``, under the runtime's RLock), the garbage collector frees an unrelated
+    DeviceArray that sat in a reference cycle: its finalizer calls ``EmulatedRuntime.device_free``, which re-enters
+    the RLock and drains the device (``_drain_before_free`` -> ``Scheduler.drain``), running K2, queued behind K1,
+    before K1 has written b. c ends up poison: a stream-order violation (wrong bytes) that no GPU can show, since
+    cudaFree cannot run inside a kernel. Any Python allocation inside an emulated kernel may trigger the collector, so
+    any CI test that drops cyclic garbage holding device or host buffers (an exception kept with its traceback, an
+    object graph with back-references) can read stale bytes now and then. Forced: the lazy schedule (K1 and K2 both
+    queued before anything runs) and ``gc.collect()`` at the first chunk of K1, the moment an allocation there could
+    trigger it. (A generator kernel, e.g. the engine's signalled copies, would fault instead: its own generator is
+    re-entered.)"""
+    rt = create("emulated:split:lazy")
+    n, row = 8, 16
+    a, b, c = device(rt, (n, row)), device(rt, (n, row), data=False), device(rt, (n, row), data=False)
+    si, di = dev_idx(rt, list(range(n))), dev_idx(rt, list(range(n)))
+    io.transfer_kv_per_layer_mla(a, b, si, di, row)
+    io.transfer_kv_per_layer_mla(b, c, si, di, row)
+    rt.synchronize(0)
+    poison(b), poison(c)
+
+    class Node:
+        pass
+
+    cyclic = Node()
+    cyclic.me, cyclic.array = cyclic, DeviceArray.from_tensor(torch.ones(16, dtype=torch.uint8), runtime=rt)
+    del cyclic
+    io.transfer_kv_per_layer_mla(a, b, si, di, row)     # K1
+    io.transfer_kv_per_layer_mla(b, c, si, di, row)     # K2, after K1 on the same stream
+    collect_inside_first_kernel(lambda: rt.synchronize(0))
+    assert torch.equal(b.cpu(), a.cpu())
+    assert torch.equal(c.cpu(), a.cpu()), "K2 ran before K1 had written b"

@@ -94,6 +94,7 @@ def _indexed_values(src_indices: Any, dst_indices: Any, page_size: Any) -> Index
     src, dst, page_size = _indices(src_indices, dst_indices, page_size)
     key = (id(src_indices), id(dst_indices), page_size)
     with _indexed_lock:
+        reached("direct.indexed_locked")
         found = _indexed.get(key)
     if found is not None and np.array_equal(found.src, src) and np.array_equal(found.dst, dst):
         return found

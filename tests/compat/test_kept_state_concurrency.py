@@ -1,8 +1,9 @@
-"""Adversary round 8 (issue #15): concurrency and lifetime of kvtier.compat.sglang.kvcacheio's kept state (plans keyed
-on operand identity, kept pointer tables, per-call index binding, the ``*_direct`` memos, the host-range generation),
-and of the emulated runtime under it. Tests not named ``test_ok_*`` fail on a defect (each docstring says what goes
-wrong and why it matters); ``test_ok_*`` tests document attacks that held. Races are forced with trace functions that
-only order threads (or, for the collector, pick the moment it runs), never with sleeps."""
+"""kvtier.compat.sglang.kvcacheio's kept state (plans keyed on operand identity, kept pointer tables, per-call index
+binding, the ``*_direct`` memos, the host-range generation) under threads, forks and in-place rewrites: a live table
+entry is resolved while another thread frees unrelated memory, a fork child never inherits a compat lock held for
+good, and every call copies what its operands and indices say now, while plans are dropped and made again. Races are
+forced at pause points that only order threads, never with sleeps. (Found adversarially, issue #15.)
+"""
 
 from __future__ import annotations
 
@@ -10,61 +11,32 @@ import random
 import sys
 import threading
 
-import numpy as np
 import pytest
 import torch
 from helpers.operands import (
     MODES,
     POISON,
-    collect_inside_first_kernel,
     cpu,
+    dev_idx,
     device,
     fork_operands,
     fresh,
+    host,
     pin_idx,
     poison,
     rnd,
     run_in_fork,
-    source_line,
     start_and_join,
 )
 
 from kvtier.compat import DeviceArray, operands
 from kvtier.compat.sglang import kvcacheio as io
 from kvtier.errors import KvtierError
-from kvtier.memory import HostBuffer, HostKind, resolve
-from kvtier.runtime import create, ranges
-
-_keep: list = []
-
+from kvtier.memory import HostBuffer, HostKind
+from kvtier.pause_points import armed
+from kvtier.runtime import create
 
 
-
-def host(rt, shape, data=True):
-    buffer = HostBuffer.allocate(int(np.prod(shape)), HostKind.PINNED, runtime=rt)
-    _keep.append(buffer)
-    tensor = buffer.as_tensor(torch.uint8).view(shape)
-    tensor.copy_(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8))
-    return tensor
-
-
-
-
-def dev_idx(rt, values, dtype=torch.int64):
-    return DeviceArray.from_tensor(torch.tensor(values, dtype=dtype), runtime=rt)
-
-
-
-
-
-
-
-
-
-
-
-
-# -- defects ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", MODES)
 def test_a_live_table_entry_is_not_refused_while_another_thread_frees_unrelated_device_memory(spec):
     """A raw pointer-table entry is resolved by ``resolve._host_alias``: ``host_range`` (under the runtime lock),
@@ -74,8 +46,8 @@ def test_a_live_table_entry_is_not_refused_while_another_thread_frees_unrelated_
     before it and answers None. So a live, valid device entry is refused as "pageable (or unmapped) host memory"
     because another thread freed an unrelated, lower-addressed DeviceArray at that moment (``add`` in the middle of
     a map, e.g. a unified host alias, does the same). Every SGLang ``transfer_kv_all_layer*`` call resolves its table
-    entries this way, so multi-threaded CI flakes with a NotDeviceAccessible naming a tensor that is alive. Forced:
-    the caller stops after ``host_range``, the freeing thread stops between the two list updates."""
+    entries this way, so multi-threaded CI flakes with a NotDeviceAccessible naming a tensor that is alive. Forced at
+    pause points: the caller stops after ``host_range``, the freeing thread stops where it updates the map."""
     rt = create(spec)
     n, row, layers = 8, 32, 2
     early = DeviceArray.from_tensor(torch.ones(64, dtype=torch.uint8), runtime=rt)     # below every layer
@@ -84,56 +56,43 @@ def test_a_live_table_entry_is_not_refused_while_another_thread_frees_unrelated_
     src_table = torch.tensor([x.data_ptr() for x in src], dtype=torch.uint64)
     dst_table = torch.tensor([x.data_ptr() for x in dst], dtype=torch.uint64)
     si, di = dev_idx(rt, [1, 3]), dev_idx(rt, [0, 5])
-    mid_pop = source_line(ranges.RangeIndex.pop, "self.generation += 1")
-    at_attrs = source_line(resolve._host_alias, "attrs = runtime.pointer_attributes")
-    looked_up = source_line(type(rt).pointer_attributes, "if mapped is not None and")
-    pop_code, alias_code = ranges.RangeIndex.pop.__code__, resolve._host_alias.__code__
-    attrs_code = type(rt).pointer_attributes.__code__
     caller_ready, freer_paused, go = threading.Event(), threading.Event(), threading.Event()
 
-    def tracer(frame, event, arg):
-        if frame.f_code not in (pop_code, alias_code, attrs_code):
-            return None
+    def map_read():
+        if threading.current_thread().name == "caller":
+            go.set()        # the map was read: let the freer finish (the caller needs its lock next)
 
-        def local(frame, event, arg):
-            me = threading.current_thread().name
-            if event == "line" and frame.f_code is attrs_code and frame.f_lineno == looked_up and me == "caller":
-                go.set()        # the map was read: let the freer finish (the caller needs its lock next)
-            elif event == "line" and frame.f_code is pop_code and frame.f_lineno == mid_pop and me == "freer":
-                freer_paused.set()
-                go.wait(60)
-            elif event == "line" and frame.f_code is alias_code and frame.f_lineno == at_attrs and me == "caller" \
-                    and not caller_ready.is_set():
-                caller_ready.set()
-                freer_paused.wait(60)
-            return local
-        return local
+    def mid_pop():
+        if threading.current_thread().name == "freer":
+            freer_paused.set()
+            go.wait(60)
+
+    def before_attributes():
+        if threading.current_thread().name == "caller" and not caller_ready.is_set():
+            caller_ready.set()
+            freer_paused.wait(60)
 
     errors: list[BaseException] = []
 
     def caller():
-        sys.settrace(tracer)
         try:
             io.transfer_kv_all_layer_mla(src_table, dst_table, si, di, row, layers)
         except Exception as error:  # noqa: BLE001
             errors.append(error)
         finally:
-            sys.settrace(None)
             go.set()
 
     def freer():
         caller_ready.wait(60)
-        sys.settrace(tracer)
-        try:
-            early.close()
-        finally:
-            sys.settrace(None)
+        early.close()
 
     threads = [threading.Thread(target=caller, name="caller"), threading.Thread(target=freer, name="freer")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    with (armed("resolve.host_alias_attributes", before_attributes), armed("ranges.pop", mid_pop),
+          armed("emulated.pointer_attributes_mapped", map_read)):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
     rt.synchronize(0)
     assert not errors, f"a live entry was refused: {errors[0]!r}"
     for s, d in zip(src, dst, strict=True):
@@ -149,9 +108,10 @@ def test_a_fork_child_does_not_hang_on_a_lock_a_parent_thread_held_at_fork(which
     forks a worker (multiprocessing's default 'fork' on Linux) while another of its threads is inside a compat call
     gives the child a copy of a lock that is held forever: the child's first compat call blocks for good (here the
     child is still alive 3 s later; without the held lock the same call finishes in milliseconds, see
-    ``test_ok_a_fork_child_calls_after_the_parent_used_the_module``). A hang, where the brief allows working or a
-    clear error. Forced: the parent thread is parked inside ``kept_plan``'s (or ``_indexed_values``') ``with`` block
-    while the parent forks. A fix: re-create the locks in the child (``os.register_at_fork(after_in_child=...)``)."""
+    ``test_ok_a_fork_child_calls_after_the_parent_used_the_module``). A hang, where working or a clear error is
+    expected. Forced at a pause point: the parent thread is parked inside ``kept_plan``'s (or ``_indexed_values``')
+    ``with`` block while the parent forks. A fix: re-create the locks in the child
+    (``os.register_at_fork(after_in_child=...)``)."""
     rt = create("emulated:split")
     n, row = 8, 32
     src, dst, layers, outs, si, di = fork_operands(rt, n, row)
@@ -166,75 +126,48 @@ def test_a_fork_child_does_not_hang_on_a_lock_a_parent_thread_held_at_fork(which
 
     call = kernel if which == "kernel" else direct
     call()
-    if which == "kernel":
-        code, inside = operands.kept_plan.__code__, source_line(operands.kept_plan, "state.plans.move_to_end(key)")
-    else:
-        from kvtier.compat.sglang import direct as direct_module
-        code = direct_module._indexed_values.__code__
-        inside = source_line(direct_module._indexed_values, "found = _indexed.get(key)")
+    inside = "operands.kept_plan_locked" if which == "kernel" else "direct.indexed_locked"
     held, go = threading.Event(), threading.Event()
 
-    def tracer(frame, event, arg):
-        if frame.f_code is not code:
-            return None
+    def park():
+        if threading.current_thread().name == "parked" and not held.is_set():
+            held.set()
+            go.wait(60)
 
-        def local(frame, event, arg):
-            if event == "line" and frame.f_lineno == inside and not held.is_set():
-                held.set()
-                go.wait(60)
-            return local
-        return local
-
-    def parked():
-        sys.settrace(tracer)
-        try:
-            call()
-        finally:
-            sys.settrace(None)
-
-    thread = threading.Thread(target=parked)
-    thread.start()
-    assert held.wait(60)
-    hung, result = run_in_fork(call, meanwhile=lambda: (go.set(), thread.join(60)))
+    thread = threading.Thread(target=call, name="parked")
+    with armed(inside, park):
+        thread.start()
+        assert held.wait(60)
+        hung, result = run_in_fork(call, meanwhile=lambda: (go.set(), thread.join(60)))
     assert not hung, "the fork child hangs in its first compat call: a lock held by a parent thread at fork"
     assert result == "ok"
 
 
-def test_a_device_array_collected_while_a_kernel_runs_does_not_run_the_next_kernel_first():
-    """Two compat calls on one stream: K1 copies a -> b, K2 copies b -> c, so c must equal a. While the emulated
-    device runs K1 (``Scheduler._step``, under the runtime's RLock), the garbage collector frees an unrelated
-    DeviceArray that sat in a reference cycle: its finalizer calls ``EmulatedRuntime.device_free``, which re-enters
-    the RLock and drains the device (``_drain_before_free`` -> ``Scheduler.drain``), running K2, queued behind K1,
-    before K1 has written b. c ends up poison: a stream-order violation (wrong bytes) that no GPU can show, since
-    cudaFree cannot run inside a kernel. Any Python allocation inside an emulated kernel may trigger the collector, so
-    any CI test that drops cyclic garbage holding device or host buffers (an exception kept with its traceback, an
-    object graph with back-references) can read stale bytes now and then. Forced: the lazy schedule (K1 and K2 both
-    queued before anything runs) and ``gc.collect()`` at the first chunk of K1, the moment an allocation there could
-    trigger it. (A generator kernel, e.g. the engine's signalled copies, would fault instead: its own generator is
-    re-entered.)"""
-    rt = create("emulated:split:lazy")
-    n, row = 8, 16
-    a, b, c = device(rt, (n, row)), device(rt, (n, row), data=False), device(rt, (n, row), data=False)
-    si, di = dev_idx(rt, list(range(n))), dev_idx(rt, list(range(n)))
-    io.transfer_kv_per_layer_mla(a, b, si, di, row)
-    io.transfer_kv_per_layer_mla(b, c, si, di, row)
-    rt.synchronize(0)
-    poison(b), poison(c)
+def test_ok_a_fork_child_calls_after_the_parent_used_the_module():
+    """With no parent thread inside a call at fork, a 'fork' child's kernel and *_direct calls (kept plans, tables
+    and memos inherited from the parent) copy the right bytes in its own copy of the emulator's memory, and the
+    parent's memory is untouched by them."""
+    rt = create("emulated:split")
+    n, row = 8, 32
+    src, dst, layers, outs, si, di = fork_operands(rt, n, row)
 
-    class Node:
-        pass
+    def both():
+        io.transfer_kv_per_layer_mla(src, dst, si, di, row)
+        io.transfer_kv_direct(layers, outs, torch.tensor([1, 3]), torch.tensor([0, 5]), 1)
+        rt.synchronize(0)
+        for s, d in ((src, dst), *zip(layers, outs, strict=True)):
+            want = fresh((n, row))
+            want[[0, 5]] = s.cpu()[[1, 3]]
+            if not torch.equal(d.cpu(), want):
+                raise AssertionError("wrong bytes in the child")
 
-    cyclic = Node()
-    cyclic.me, cyclic.array = cyclic, DeviceArray.from_tensor(torch.ones(16, dtype=torch.uint8), runtime=rt)
-    del cyclic
-    io.transfer_kv_per_layer_mla(a, b, si, di, row)     # K1
-    io.transfer_kv_per_layer_mla(b, c, si, di, row)     # K2, after K1 on the same stream
-    collect_inside_first_kernel(lambda: rt.synchronize(0))
-    assert torch.equal(b.cpu(), a.cpu())
-    assert torch.equal(c.cpu(), a.cpu()), "K2 ran before K1 had written b"
+    both()
+    poison(dst), [poison(x) for x in outs]
+    hung, result = run_in_fork(both, timeout=60)
+    assert not hung and result == "ok"
+    assert all(bool((x.cpu() == POISON).all()) for x in (dst, *outs))
 
 
-# -- held up ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", MODES)
 @pytest.mark.parametrize("seed", [1, 2])
 def test_ok_threads_over_shared_and_own_operands_while_buffers_come_and_go(spec, seed):
@@ -265,8 +198,8 @@ def test_ok_threads_over_shared_and_own_operands_while_buffers_come_and_go(spec,
             r = random.Random(seed * 100 + k)
             dk = [device(rt, (n, row), False) for _ in range(layers)]
             dv = [device(rt, (n, row), False) for _ in range(layers)]
-            out = host(rt, (n, layers, row), False)
-            out_paged = host(rt, (n // page, layers, page, row), False)
+            out = host(rt, (n, layers, row), data=False)
+            out_paged = host(rt, (n // page, layers, page, row), data=False)
             host_table = torch.tensor([x.data_ptr() for x in hsk], dtype=torch.uint64)
             dk_table = torch.tensor([x.data_ptr() for x in dk], dtype=torch.uint64)
             dk_table_dev = DeviceArray.from_tensor(dk_table, runtime=rt)
@@ -465,31 +398,6 @@ def test_ok_raw_tables_rewritten_in_place_and_entries_into_freed_memory(spec):
     table[1] = pool[3].data_ptr()
     call(table)
     check([pool[0], pool[3]])
-
-
-def test_ok_a_fork_child_calls_after_the_parent_used_the_module():
-    """With no parent thread inside a call at fork, a 'fork' child's kernel and *_direct calls (kept plans, tables
-    and memos inherited from the parent) copy the right bytes in its own copy of the emulator's memory, and the
-    parent's memory is untouched by them."""
-    rt = create("emulated:split")
-    n, row = 8, 32
-    src, dst, layers, outs, si, di = fork_operands(rt, n, row)
-
-    def both():
-        io.transfer_kv_per_layer_mla(src, dst, si, di, row)
-        io.transfer_kv_direct(layers, outs, torch.tensor([1, 3]), torch.tensor([0, 5]), 1)
-        rt.synchronize(0)
-        for s, d in ((src, dst), *zip(layers, outs, strict=True)):
-            want = fresh((n, row))
-            want[[0, 5]] = s.cpu()[[1, 3]]
-            if not torch.equal(d.cpu(), want):
-                raise AssertionError("wrong bytes in the child")
-
-    both()
-    poison(dst), [poison(x) for x in outs]
-    hung, result = run_in_fork(both, timeout=60)
-    assert not hung and result == "ok"
-    assert all(bool((x.cpu() == POISON).all()) for x in (dst, *outs))
 
 
 @pytest.mark.parametrize("spec", MODES)
