@@ -794,3 +794,19 @@ def test_family_per_layer_loads_with_and_without_layer_signals_move_the_same_byt
             transfer.wait_layer(layer)
         assert sorted(transfer.layer_events) == [0, 1, 2, 3]
         assert_image(image.read(), model.load(poisoned, data, [3, 0, 4], [5, 1, 2], "page", layers=[3, 0, 2]))
+
+
+@pytest.mark.parametrize("pool, layout, supported", [
+    (lambda g, layout, rt: StateHostPool.allocate(g["state"], layout, slots=2, runtime=rt), "layer_first",
+     "'page_first', 'page_first_direct'"),
+    (lambda g, layout, rt: PagedRowHostPool.allocate(g["rows"], layout, pages=2, runtime=rt), "page_first_direct",
+     "'layer_first', 'page_first'"),
+])
+def test_family_host_pools_name_the_host_layouts_they_keep(split, pool, layout, supported):
+    """One layout vocabulary (HostLayout) for every pool: a family pool given a layout it does not keep says which
+    it keeps; an unknown name lists every layout."""
+    geometries = {"state": StateGeometry.mamba(2, (3,), (2,)), "rows": rows("dsa_indexer")}
+    with pytest.raises(InvalidArgument, match=f"cannot be '{layout}': choose one of {supported}"):
+        pool(geometries, layout, split)
+    with pytest.raises(InvalidArgument, match="unknown host layout 'rows'"):
+        pool(geometries, "rows", split)

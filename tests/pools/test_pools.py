@@ -7,11 +7,9 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kvtier.errors import KvtierError
-from kvtier.pools import HostLayout, HostPool, KVGeometry, PageSlotAllocator, SlotError, host_strides
+from kvtier.pools import HostLayout, HostPool, KVGeometry, host_strides
 
 
 @pytest.mark.parametrize("row", [64, 576, 656, 1152, 2048])
@@ -75,41 +73,6 @@ def test_host_budget_is_checked_before_allocating(split):
     g = KVGeometry.mla(61, latent_bytes=1152, page_size=64)
     with pytest.raises(KvtierError, match="exceeds the budget"):
         HostPool.allocate(g, "page_first", nbytes=1 << 50, runtime=split)
-
-
-def test_slots_prefer_contiguous_runs_and_catch_bad_frees():
-    slots = PageSlotAllocator(16)
-    a = slots.allocate(4)
-    b = slots.allocate(4)
-    assert a == [0, 1, 2, 3] and b == [4, 5, 6, 7]
-    slots.free([1, 2])
-    assert slots.allocate(2) == [1, 2]
-    slots.free(a)
-    with pytest.raises(SlotError, match="double free"):
-        slots.free([0])
-    with pytest.raises(SlotError, match="does not belong"):
-        slots.free([16])
-    with pytest.raises(SlotError, match="twice"):
-        slots.free([4, 4])
-    assert slots.free_pages == 12
-    with pytest.raises(SlotError, match="cannot allocate"):
-        slots.allocate(13)
-
-
-@settings(max_examples=60)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 6)), max_size=40))
-def test_slots_never_hand_out_a_page_twice(ops):
-    slots, held = PageSlotAllocator(32), []
-    for allocate, count in ops:
-        if allocate and slots.can_allocate(count):
-            got = slots.allocate(count)
-            assert not set(got) & set(held) and len(set(got)) == count
-            held += got
-        elif held:
-            give = held[:count]
-            slots.free(give)
-            held = held[count:]
-        assert slots.free_pages == 32 - len(held)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
