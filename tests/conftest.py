@@ -29,16 +29,20 @@ NO_GPU = "no usable CUDA GPU"
 # -- leftovers: a test run must leave nothing of kvtier's behind ------------------------------------------------------
 # The session gets a temporary directory (and an shm directory) of its own, inherited by every subprocess, so what a
 # run leaves is told apart from what other runs on the same machine make at the same time. In the shared default shm
-# directory, files named after this process (the creator's pid) count too.
+# directory, files named after this process (the creator's pid) count too. Under pytest-xdist (``-n 2``) each worker
+# has directories of its own and reports what it found to the controller, which fails the run.
 _private: dict[str, str] = {}
+_reported: list[str] = []
+PRIVATE_SHM = "KVTIER_TEST_PRIVATE_SHM"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())   # tmp_path stays where pytest keeps it
     _private["tmp"] = tempfile.mkdtemp(prefix="kvtier-test-session-")
     os.environ["TMPDIR"] = tempfile.tempdir = _private["tmp"]
-    if not os.environ.get(SHM_DIR_ENV_VAR):
+    if not os.environ.get(SHM_DIR_ENV_VAR) or os.environ.get(PRIVATE_SHM):
         _private["shm"] = os.environ[SHM_DIR_ENV_VAR] = f"/dev/shm/kvtier-test-session-{uuid.uuid4().hex[:12]}"
+        os.environ[PRIVATE_SHM] = "1"
 
 
 def leftovers() -> list[str]:
@@ -50,11 +54,19 @@ def leftovers() -> list[str]:
     return sorted(str(entry) for entry in found)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """An xdist worker finished: keep what it left behind (it cannot fail the run itself)."""
+    _reported.extend(getattr(node, "workeroutput", {}).get("kvtier_left", []))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or "tmp" not in _private:
         return
     gc.collect()                                       # buffers only garbage holds give their files back first
-    left = leftovers()
+    left = leftovers() + _reported
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["kvtier_left"] = left
     if left:
         _private["left"] = "\n".join(left[:20] + ([f"… and {len(left) - 20} more"] if len(left) > 20 else []))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

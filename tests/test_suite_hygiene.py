@@ -12,8 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
+import pytest
+from helpers.paths import ROOT, TESTS
+
 INNER = '''
 import os, tempfile
 import pytest
@@ -53,8 +54,10 @@ def inner_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_a_run_that_leaves_kvtier_files_fails_and_names_them(tmp_path):
-    done = inner_run(tmp_path, "-k", "leaves")
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "two xdist workers"])
+def test_a_run_that_leaves_kvtier_files_fails_and_names_them(tmp_path, workers):
+    """Run alone or spread over xdist workers (each with directories of its own, reporting to the controller)."""
+    done = inner_run(tmp_path, "-k", "leaves", *workers)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "2 passed" in done.stdout and "kvtier files left behind" in done.stdout
     assert "kvtier-left-behind" in done.stdout and "kvtier-shm-left-behind" in done.stdout

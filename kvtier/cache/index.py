@@ -78,10 +78,6 @@ class Node:
         """Pinned on the host tier: busy, or storage is reading its host pages (device pages may still go)."""
         return self.busy or self.storing is not None
 
-    @property
-    def host_valid(self) -> bool:
-        return self.host is not None and self.writing is None
-
     def path(self) -> Iterator[Node]:
         """This node and its ancestors up to (not including) the root."""
         node: Node | None = self

@@ -13,8 +13,7 @@ from kvtier.pools.geometry import (
 )
 from kvtier.pools.host_pool import HostPool
 from kvtier.pools.pointer_table import PointerTable, build_pointer_table
-from kvtier.pools.slots import PageSlotAllocator, SlotError
 
-__all__ = ["DevicePool", "HostLayout", "HostPool", "KVGeometry", "PageSlotAllocator", "PointerTable", "PoolKind",
-           "SlotError", "Strides", "build_pointer_table", "device_strides", "host_strides", "payload_order",
+__all__ = ["DevicePool", "HostLayout", "HostPool", "KVGeometry", "PointerTable", "PoolKind",
+           "Strides", "build_pointer_table", "device_strides", "host_strides", "payload_order",
            "valid_payload_order"]

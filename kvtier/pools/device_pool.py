@@ -25,7 +25,7 @@ ALIGNMENT = 16
 """Layer bases must allow the transfer kernel's 16-byte vector accesses."""
 
 
-class DeviceMemory:
+class DevicePoolLifetime:
     """The lifetime every device pool shares: the device buffers under its operands (one closed by someone else
     closes the pool), the engines queued over it (closing waits for them), what it owns (freed on close) and what it
     holds (engine tensors, dropped on close)."""
@@ -84,7 +84,7 @@ class DeviceMemory:
         self.close()
 
 
-class DevicePool(DeviceMemory):
+class DevicePool(DevicePoolLifetime):
     def __init__(self, geometry: KVGeometry, pages: int, device: int, runtime: Runtime, layers: list[list[Any]],
                  owned: Sequence[DeviceBuffer] = ()) -> None:
         """``layers[t][layer]``: an operand the resolver understands (a DeviceBuffer, a region, a CUDA tensor)."""

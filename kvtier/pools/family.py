@@ -23,8 +23,8 @@ import numpy as np
 from kvtier.checks import integer
 from kvtier.errors import InvalidArgument
 from kvtier.memory import DeviceAddress, DeviceBuffer, DeviceRegion, HostBuffer, HostKind, get_device_accessible_ptr
-from kvtier.pools.device_pool import DeviceMemory, check_range
-from kvtier.pools.host_pool import HostMemory
+from kvtier.pools.device_pool import DevicePoolLifetime, check_range
+from kvtier.pools.host_pool import HostPoolLifetime
 from kvtier.runtime import Runtime
 
 UNITS = ("slot", "page", "token")
@@ -78,7 +78,7 @@ def item_pieces(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> 
     return chunk, pieces, stride
 
 
-class FamilyDevicePool(DeviceMemory):
+class FamilyDevicePool(DevicePoolLifetime):
     """Device arrays of a family pool: per part, a base per layer and a placement. Engines own their tensors; a pool
     made from tensors holds them until it is closed, so torch cannot hand their memory to others meanwhile."""
 
@@ -134,7 +134,7 @@ def allocate_parts(sizes: dict[str, list[int]], device: int, runtime: Runtime
     return made, owned
 
 
-class FamilyHostPool(HostMemory):
+class FamilyHostPool(HostPoolLifetime):
     """A family pool's host copy: one HostBuffer, every unit's items of every layer at offsets a layout decides.
 
     ``offsets[name]`` maps a part to (base of layer position i, page stride, unit stride): layout functions of each

@@ -31,6 +31,16 @@ class HostLayout(Choice):
     PAGE_FIRST_DIRECT = "page_first_direct"
     PAGE_HEAD = "page_head"
 
+    @classmethod
+    def of(cls, value: HostLayout | str, supported: tuple[HostLayout, ...], what: str) -> HostLayout:
+        """``value`` as a layout a pool of one kind supports (the model-family pools keep a subset), refused with the
+        supported names otherwise: one layout vocabulary, checked where a pool is made."""
+        layout = cls(value)
+        if layout not in supported:
+            choices = ", ".join(repr(member.value) for member in supported)
+            raise InvalidArgument(f"{what} cannot be {layout.value!r}: choose one of {choices}")
+        return layout
+
 
 @dataclass(frozen=True)
 class KVGeometry:

@@ -21,7 +21,7 @@ from kvtier.pools.geometry import HostLayout, KVGeometry, Strides, host_strides
 from kvtier.runtime import Runtime
 
 
-class HostMemory:
+class HostPoolLifetime:
     """The lifetime every host pool shares: it is its buffer's (closing waits for the engines queued over it)."""
 
     buffer: HostBuffer
@@ -52,7 +52,7 @@ class HostMemory:
         self.buffer.__exit__(exc_type, exc, traceback)
 
 
-class HostPool(HostMemory):
+class HostPool(HostPoolLifetime):
     def __init__(self, geometry: KVGeometry, layout: HostLayout, pages: int, buffer: HostBuffer) -> None:
         self.geometry, self.layout, self.pages, self.buffer = geometry, HostLayout(layout), pages, buffer
         self.strides: Strides = host_strides(geometry, self.layout, pages)

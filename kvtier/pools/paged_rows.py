@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.checks import Choice, integer
+from kvtier.checks import integer
 from kvtier.errors import InvalidArgument
 from kvtier.memory import HostKind
 from kvtier.memory.registration import DEFAULT_REGISTER_CHUNK_BYTES
@@ -32,14 +32,12 @@ from kvtier.pools.family import (
     host_units,
     region_of,
 )
+from kvtier.pools.geometry import HostLayout
 from kvtier.runtime import Runtime
 from kvtier.runtime import get as get_runtime
 
-
-class RowLayout(Choice):
-    __what__ = "page-row host layout"
-    LAYER_FIRST = "layer_first"
-    PAGE_FIRST = "page_first"
+ROW_LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST)
+"""The host layouts a page-row pool keeps."""
 
 
 @dataclass(frozen=True)
@@ -155,17 +153,17 @@ class PagedRowHostPool(FamilyHostPool):
     page_stride: int
 
     @classmethod
-    def allocate(cls, geometry: PagedRowGeometry, layout: RowLayout | str = RowLayout.PAGE_FIRST, *,
+    def allocate(cls, geometry: PagedRowGeometry, layout: HostLayout | str = HostLayout.PAGE_FIRST, *,
                  pages: int | None = None, nbytes: int | None = None, kind: HostKind | str = HostKind.REGISTERED,
                  runtime: Runtime | None = None, register_chunk_bytes: int = DEFAULT_REGISTER_CHUNK_BYTES,
                  name: str | None = None) -> PagedRowHostPool:
-        layout = RowLayout(layout)
+        layout = HostLayout.of(layout, ROW_LAYOUTS, "a page-row host pool's layout")
         g = geometry
         count = host_units(pages, None, nbytes, g.bytes_per_page, "pages")
         stored = len(g.stored_layers)
-        granularity = g.page_bytes if layout is RowLayout.LAYER_FIRST else g.bytes_per_page
+        granularity = g.page_bytes if layout is HostLayout.LAYER_FIRST else g.bytes_per_page
         buffer = cls.make_buffer(count * g.bytes_per_page, kind, runtime, register_chunk_bytes, granularity, name)
-        if layout is RowLayout.LAYER_FIRST:
+        if layout is HostLayout.LAYER_FIRST:
             bases, stride = [i * count * g.page_bytes for i in range(stored)], g.page_bytes
         else:
             bases, stride = [i * g.page_bytes for i in range(stored)], g.bytes_per_page
@@ -199,9 +197,6 @@ class PagedRowDevicePool(FamilyDevicePool):
         parts = {**_placements(g, "page", resolved, page_stride), **_placements(g, "token", resolved, page_stride)}
         self.page_stride = page_stride
         super().__init__(g, pages, device, runtime, parts, keep=[*keep, *layers], owned=owned, operands=layers)
-
-    def parts_for(self, unit: str) -> list[tuple[Part, Placement]]:
-        return [self.part(p.name) for p in self.geometry.parts(unit)]
 
     @classmethod
     def allocate(cls, geometry: PagedRowGeometry, pages: int, device: int, *, runtime: Runtime | None = None,

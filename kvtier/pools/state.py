@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.checks import Choice, integer
+from kvtier.checks import integer
 from kvtier.errors import InvalidArgument
 from kvtier.memory import HostKind
 from kvtier.memory.registration import DEFAULT_REGISTER_CHUNK_BYTES
@@ -29,16 +29,15 @@ from kvtier.pools.family import (
     host_units,
     item_pieces,
 )
+from kvtier.pools.geometry import HostLayout
 from kvtier.runtime import Runtime
 from kvtier.runtime import get as get_runtime
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
-class StateLayout(Choice):
-    __what__ = "state host layout"
-    PAGE_FIRST = "page_first"
-    PAGE_FIRST_DIRECT = "page_first_direct"
+STATE_LAYOUTS = (HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT)
+"""The host layouts a state host pool keeps."""
 
 
 @dataclass(frozen=True)
@@ -102,14 +101,14 @@ class StateGeometry:
         raise InvalidArgument(f"{self.name} state has no tensor {name!r}")
 
 
-def host_offsets(geometry: StateGeometry, layout: StateLayout | str) -> dict[str, tuple[list[int], int, int]]:
+def host_offsets(geometry: StateGeometry, layout: HostLayout | str) -> dict[str, tuple[list[int], int, int]]:
     """Per tensor: the buffer offset of each layer's item in slot 0, and the slot stride."""
-    g, layout = geometry, StateLayout(layout)
+    g, layout = geometry, HostLayout.of(layout, STATE_LAYOUTS, "a state host pool's layout")
     offsets: dict[str, tuple[list[int], int, int]] = {}
     before = 0
     per_layer = sum(t.nbytes for t in g.tensors)
     for t in g.tensors:
-        if layout is StateLayout.PAGE_FIRST:
+        if layout is HostLayout.PAGE_FIRST:
             bases = [layer * per_layer + before for layer in range(g.layers)]
         else:
             bases = [g.layers * before + layer * t.nbytes for layer in range(g.layers)]
@@ -120,11 +119,11 @@ def host_offsets(geometry: StateGeometry, layout: StateLayout | str) -> dict[str
 
 class StateHostPool(FamilyHostPool):
     @classmethod
-    def allocate(cls, geometry: StateGeometry, layout: StateLayout | str = StateLayout.PAGE_FIRST, *,
+    def allocate(cls, geometry: StateGeometry, layout: HostLayout | str = HostLayout.PAGE_FIRST, *,
                  slots: int | None = None, nbytes: int | None = None, kind: HostKind | str = HostKind.REGISTERED,
                  runtime: Runtime | None = None, register_chunk_bytes: int = DEFAULT_REGISTER_CHUNK_BYTES,
                  name: str | None = None) -> StateHostPool:
-        layout = StateLayout(layout)
+        layout = HostLayout.of(layout, STATE_LAYOUTS, "a state host pool's layout")
         count = host_units(None, slots, nbytes, geometry.slot_bytes, "slots")
         buffer = cls.make_buffer(count * geometry.slot_bytes, kind, runtime, register_chunk_bytes,
                                  geometry.slot_bytes, name)

@@ -817,3 +817,19 @@ def test_family_backup_with_more_entries_than_the_device_pool_and_odd_calls(runt
                      lambda: engine.load([0], [0], unit="bogus"), lambda: engine.capture_load([0], [0], layer=-1)):
             with pytest.raises(InvalidArgument):
                 call()
+
+
+@pytest.mark.parametrize("pool, layout, supported", [
+    (lambda g, layout, rt: StateHostPool.allocate(g["state"], layout, slots=2, runtime=rt), "layer_first",
+     "'page_first', 'page_first_direct'"),
+    (lambda g, layout, rt: PagedRowHostPool.allocate(g["rows"], layout, pages=2, runtime=rt), "page_first_direct",
+     "'layer_first', 'page_first'"),
+])
+def test_family_host_pools_name_the_host_layouts_they_keep(split, pool, layout, supported):
+    """One layout vocabulary (HostLayout) for every pool: a family pool given a layout it does not keep says which
+    it keeps; an unknown name lists every layout."""
+    geometries = {"state": StateGeometry.mamba(2, (3,), (2,)), "rows": rows("dsa_indexer")}
+    with pytest.raises(InvalidArgument, match=f"cannot be '{layout}': choose one of {supported}"):
+        pool(geometries, layout, split)
+    with pytest.raises(InvalidArgument, match="unknown host layout 'rows'"):
+        pool(geometries, "rows", split)
