@@ -64,8 +64,8 @@ def test_a_pool_closed_inside_an_engines_own_call_is_not_freed_under_it(which, b
     illegal-address error that kills the context, or — if the allocator handed the memory out again — silent writes
     into another tensor). The engine's lock deferred only the engine's own close (job.py:226 ``_EngineLock``); a
     pool's close is not deferred. Fix: have ``DevicePoolLifetime.close`` / ``HostBuffer.close`` ask each user whether
-    this thread is inside one of its calls (``user._lock.held_here()``) and, if so, mark the pool closing and hand
-    the rest of the close to the user's ``pending`` (run as the call returns), or have the engine re-check its pools just
+    this thread is inside one of its calls (``user._lock.held_here()``) and, if so, mark the pool closing and hand the
+    rest of the close to the user's ``pending`` (run as the call returns), or have the engine re-check its pools just
     before it queues (after the last point a finalizer can run) and raise BufferClosed having queued nothing."""
     rt = create("emulated:split")
     g, dev, host_pool, engine = small_engine(rt, backend)
