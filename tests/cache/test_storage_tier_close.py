@@ -6,24 +6,12 @@ from __future__ import annotations
 
 import pytest
 from helpers.cache import P, build, prompt, serve
-from helpers.storage import Hooked
+from helpers.storage import Hooked, slow_cache
 
 from kvtier.cache import page_keys
 from kvtier.storage import SharedPages, StorageError
 
 PAGES = 4                                           # per prompt: one node each (prompts share nothing)
-
-
-def slow_cache(rt, shared, **settings):
-    made = {}
-
-    def storage(ns):
-        made["store"] = Hooked(ns, shared=shared)
-        made["store"].delay = 0.02                  # the writer lags the backups: writes queue up
-        return made["store"]
-
-    cache, model, dev, host = build(rt, device_pages=64, host_pages=128, storage=storage, **settings)
-    return cache, model, dev, host, made["store"]
 
 
 def stored_pages(store, cache, tokens) -> int:

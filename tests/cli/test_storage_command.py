@@ -4,14 +4,11 @@ is one line on stderr and exit code 2 from the real command, and makes nothing."
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.paths import ROOT
+from helpers.cli import kvtier
 from helpers.storage import GEOMETRY, namespace
 
 from kvtier.cache import page_keys
@@ -71,19 +68,13 @@ def test_operators_list_total_and_clear(kind, tmp_path, capsys, request):
     assert "16 lowercase hex digits" in capsys.readouterr().err
 
 
-def kvtier(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """The real ``kvtier`` command, as a user starts it, in ``cwd``."""
-    return subprocess.run([sys.executable, "-m", "kvtier", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
 def refused_in_one_line(done: subprocess.CompletedProcess[str], command: str, words: str) -> None:
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.startswith(f"kvtier {command}: ") and words in done.stderr, done.stderr
 
 
-SMALL_DEMO = ["--runtime", "emulated:split", "demo", "--users", "1", "--turns", "1", "--system-tokens", "64",
+TINY_DEMO = ["--runtime", "emulated:split", "demo", "--users", "1", "--turns", "1", "--system-tokens", "64",
               "--user-tokens", "16", "--reply-tokens", "16"]
 
 
@@ -94,7 +85,7 @@ SMALL_DEMO = ["--runtime", "emulated:split", "demo", "--users", "1", "--turns", 
     ("redis://127.0.0.1:1/notanumber", "the path '/notanumber' must be a database number"),
 ])
 def test_demo_with_a_bad_storage_spec_is_one_line_and_makes_nothing(tmp_path, spec, words):
-    refused_in_one_line(kvtier(*SMALL_DEMO, "--storage", spec, cwd=tmp_path), "demo", words)
+    refused_in_one_line(kvtier(*TINY_DEMO, "--storage", spec, cwd=tmp_path), "demo", words)
     assert list(tmp_path.iterdir()) == [], "a refused spec made something"
 
 

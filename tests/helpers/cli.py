@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from helpers.paths import ROOT
 
@@ -26,9 +27,10 @@ def environment() -> dict[str, str]:
     return env
 
 
-def kvtier(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def kvtier(*args: str, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """The real ``kvtier`` command, as a user starts it, in ``cwd``."""
     return subprocess.run([sys.executable, "-m", "kvtier", *args], capture_output=True, text=True, timeout=timeout,
-                          env=environment(), cwd=ROOT)
+                          env=environment(), cwd=cwd)
 
 
 class Running:

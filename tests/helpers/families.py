@@ -17,7 +17,8 @@ POISON = 0xEE
 
 
 
-def landed(runtime: Any) -> None:
+def synced(runtime: Any) -> None:
+    """Wait for the pageable copies the copy API may still have in flight on the legacy stream of device 0."""
     runtime.legacy_stream(0).synchronize()
 
 
@@ -25,14 +26,14 @@ def landed(runtime: Any) -> None:
 def write_device(runtime: Any, address: DeviceAddress, data: np.ndarray) -> None:
     data = np.ascontiguousarray(data)
     runtime.memcpy(address, CpuAddress(data.ctypes.data), data.nbytes)
-    landed(runtime)
+    synced(runtime)
 
 
 
-def read_device(runtime: Any, address: DeviceAddress, nbytes: int) -> np.ndarray:
+def read_at(runtime: Any, address: DeviceAddress, nbytes: int) -> np.ndarray:
     out = np.empty(nbytes, np.uint8)
     runtime.memcpy(CpuAddress(out.ctypes.data), address, nbytes)
-    landed(runtime)
+    synced(runtime)
     return out
 
 
@@ -58,7 +59,7 @@ class DeviceImage:
         return data
 
     def read(self) -> dict[Any, np.ndarray]:
-        return {key: read_device(self.runtime, address, nbytes) for key, (address, nbytes) in self.spans.items()}
+        return {key: read_at(self.runtime, address, nbytes) for key, (address, nbytes) in self.spans.items()}
 
 
 
@@ -73,18 +74,6 @@ def host_view(pool: Any) -> np.ndarray:
     return pool.buffer.as_tensor().numpy()
 
 
-
-def fill_host(pool: Any, value: int | None = None) -> np.ndarray:
-    view = host_view(pool)
-    view[:] = random_bytes(view.size) if value is None else value
-    snapshot = view.copy()
-    del view
-    return snapshot
-
-
-
-def host_bytes(pool: Any) -> np.ndarray:
-    return host_view(pool).copy()
 
 
 

@@ -156,3 +156,12 @@ def at_first_event(rt, action):
 
     rt.create_event = hooked
     return lambda: setattr(rt, "create_event", original), fired
+
+
+def host_page_rows(host, snapshot, tensor, layer, slot):
+    """Host slot ``slot`` of (tensor, layer) as the device page it loads into: its token rows, wherever the layout
+    puts them."""
+    g = host.geometry
+    start = tensor * host.tensor_bytes + slot * host.strides.page + layer * host.strides.layer
+    return np.concatenate([snapshot[start + t * host.strides.slot:start + t * host.strides.slot + g.row_bytes]
+                           for t in range(g.page_size)])

@@ -229,3 +229,17 @@ def second(runtime, storage, salt, **settings):
     cache, model, dev, host = build(runtime, storage=storage, **settings)
     model.salt = salt
     return cache, model, dev, host
+
+
+def slow_cache(rt, shared, delay=0.02, **settings):
+    """(cache, model, dev, host, store): a cache over a ``Hooked`` store on ``shared`` whose writes each take
+    ``delay`` seconds, so writes queue up behind the backups."""
+    made = {}
+
+    def storage(ns):
+        made["store"] = Hooked(ns, shared=shared)
+        made["store"].delay = delay
+        return made["store"]
+
+    cache, model, dev, host = build(rt, device_pages=64, host_pages=128, storage=storage, **settings)
+    return cache, model, dev, host, made["store"]

@@ -18,12 +18,11 @@ from helpers.families import (
     DeviceImage,
     assert_image,
     closing,
-    fill_host,
-    host_bytes,
     state_backup_expected,
     state_load_expected,
     state_pools,
 )
+from helpers.pools import fill_host, host_bytes
 from helpers.runtimes import is_split
 
 from kvtier.errors import AddressDomainError, BufferClosed, IllegalAddress, InvalidArgument, KvtierError
@@ -335,7 +334,7 @@ def row_pools(runtime: Any, g: PagedRowGeometry, *, pages: int = 6, host_pages: 
         yield dev, host, engine, RowModel(g, pages, pad, layout, host_pages)
 
 
-def tokens(rng: np.random.Generator, pages: int, page_size: int, count: int) -> np.ndarray:
+def scattered_tokens(rng: np.random.Generator, pages: int, page_size: int, count: int) -> np.ndarray:
     """``count`` distinct random tokens, guaranteed not to be whole aligned pages."""
     while True:
         chosen = rng.choice(pages * page_size, count, replace=False)
@@ -384,12 +383,12 @@ def test_page_rows_round_trip_tokens(runtime, kind, stored, pad, layout):
         for count in (1, 3, 7):
             device = image.fill()
             before = fill_host(host)
-            src, dst = tokens(rng, pages, 4, count), tokens(rng, host_pages, 4, count)
+            src, dst = scattered_tokens(rng, pages, 4, count), scattered_tokens(rng, host_pages, 4, count)
             engine.backup(src, dst, unit="token").wait()
             after = host_bytes(host)
             np.testing.assert_array_equal(after, model.backup(device, before, src, dst, "token"))
             poisoned = image.poison()
-            hsrc, ddst = tokens(rng, host_pages, 4, count), tokens(rng, pages, 4, count)
+            hsrc, ddst = scattered_tokens(rng, host_pages, 4, count), scattered_tokens(rng, pages, 4, count)
             transfer = engine.load(hsrc, ddst, unit="token")
             transfer.wait()
             assert sorted(transfer.layer_events) == list(range(g.layers))
@@ -799,7 +798,7 @@ def test_family_per_layer_loads_with_and_without_layer_signals_move_the_same_byt
 def test_family_backup_with_more_entries_than_the_device_pool_and_odd_calls(runtime):
     """Sources may repeat on a backup, so a backup may name far more units than the index ring was sized for
     (two transfers of the whole device pool): the bytes still land. Empty and layer-subset calls behave."""
-    from helpers.families import STATES, DeviceImage, fill_host, host_bytes, state_backup_expected, state_pools
+    from helpers.families import STATES, DeviceImage, state_backup_expected, state_pools
 
     g = STATES["fp32"](2)
     with state_pools(runtime, g, slots=2, host_slots=300) as (dev, host, engine, model):

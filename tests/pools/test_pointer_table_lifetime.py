@@ -14,27 +14,12 @@ import threading
 import pytest
 import torch
 from helpers.compat import two_paused_mla_loads
+from helpers.operands import MODES, POISON, dev_idx, device
 
-from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio as io
 from kvtier.kernels.launch import ChunkCopy, ChunkSide, KernelLauncher
 from kvtier.pools.pointer_table import build_pointer_table
 from kvtier.runtime import create
-
-POISON = 0x5A
-MODES = ["emulated:split", "emulated:unified"]
-
-
-def rnd(shape):
-    return torch.randint(1, 255, shape, dtype=torch.uint8)
-
-
-def device(rt, shape, data=True):
-    return DeviceArray.from_tensor(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8), runtime=rt)
-
-
-def dev_idx(rt, values):
-    return DeviceArray.from_tensor(torch.tensor(values, dtype=torch.int64), runtime=rt)
 
 
 @pytest.mark.parametrize("spec", MODES)

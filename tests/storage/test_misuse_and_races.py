@@ -12,7 +12,18 @@ import time
 import numpy as np
 import pytest
 from helpers.cache import BOUND, P, build, close_all, joined, load_and_check, prompt, serve, spawn
-from helpers.storage import GEOMETRY, PAGE, Hooked, namespace, random_pages, read_pages, second, stores_of, warm
+from helpers.storage import (
+    GEOMETRY,
+    PAGE,
+    Hooked,
+    namespace,
+    random_pages,
+    read_pages,
+    second,
+    slow_cache,
+    stores_of,
+    warm,
+)
 
 from kvtier.cache import page_keys
 from kvtier.cache.metrics import REASONS
@@ -298,18 +309,6 @@ def test_a_host_pool_closed_while_a_prefetch_reads_into_it(rt):
 
 
 # -- close with queued writes --------------------------------------------------------------------------------------
-def slow_cache(rt, shared, delay=0.02, **settings):
-    made = {}
-
-    def storage(ns):
-        made["store"] = Hooked(ns, shared=shared)
-        made["store"].delay = delay
-        return made["store"]
-
-    cache, model, dev, host = build(rt, device_pages=64, host_pages=128, storage=storage, **settings)
-    return cache, model, dev, host, made["store"]
-
-
 @pytest.mark.parametrize("cancels", [(False, False), (True, True), (False, True), (True, False)])
 def test_close_from_two_threads_at_once_accounts_for_every_page(rt, cancels):
     shared = SharedPages()

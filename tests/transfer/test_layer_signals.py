@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.pools import engine_on, fill_host, host_page_offsets, launch_names
+from helpers.pools import engine_on, fill_host, host_page_offsets, host_page_rows, launch_names
 
 from kvtier.errors import AddressDomainError, InvalidArgument, KvtierError
 from kvtier.kernels import ChunkCopy, ChunkSide, KernelLauncher
@@ -25,15 +25,6 @@ SEEDS = range(10)
 
 # 8 layers of 64-byte rows: a per-layer load from a page_first host walks layers two at a time (signal_group 2)
 GROUPED = KVGeometry.mla(8, latent_bytes=64, page_size=16)
-
-
-def _host_page(host, snapshot, tensor, layer, slot):
-    """Host slot ``slot`` of (tensor, layer) as the device page it loads into: its token rows, wherever the layout
-    puts them."""
-    g = host.geometry
-    start = tensor * host.tensor_bytes + slot * host.strides.page + layer * host.strides.layer
-    return np.concatenate([snapshot[start + t * host.strides.slot:start + t * host.strides.slot + g.row_bytes]
-                           for t in range(g.page_size)])
 
 
 def _stale_layer_reads(seed: int, layout: str, backend: str = "kernel", G: KVGeometry = G) -> int:  # noqa: N803
@@ -67,7 +58,7 @@ def _stale_layer_reads(seed: int, layout: str, backend: str = "kernel", G: KVGeo
                 for page, slot in zip(pages.tolist(), second_slots.tolist(), strict=True):
                     runtime.memcpy_async(out.cpu_address + offset, base + page * G.page_bytes, G.page_bytes,
                                          stream=consumer)
-                    expected.append((offset, _host_page(host, snapshot, tensor, layer, slot)))
+                    expected.append((offset, host_page_rows(host, snapshot, tensor, layer, slot)))
                     offset += G.page_bytes
         consumer.synchronize()
         stale = sum(not np.array_equal(view[at:at + G.page_bytes], want) for at, want in expected)

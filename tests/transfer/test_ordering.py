@@ -44,7 +44,7 @@ def _model_writes(runtime, pool, stream, pages, staging):
     return expected
 
 
-def _host_page(host, snapshot, tensor, layer, slot):
+def _page_bytes(host, snapshot, tensor, layer, slot):
     start = tensor * host.tensor_bytes + slot * host.strides.page + layer * host.strides.layer
     return snapshot[start:start + G.page_bytes]
 
@@ -73,7 +73,7 @@ def _stale_backups(backend: str, seed: int, after: str) -> int:
         model.synchronize()
         snapshot = host_bytes(host)
         pairs = list(zip(pages, slots, strict=True))
-        return sum(not np.array_equal(_host_page(host, snapshot, t, layer, slot), expected[(t, layer, page)])
+        return sum(not np.array_equal(_page_bytes(host, snapshot, t, layer, slot), expected[(t, layer, page)])
                    for t in range(G.tensors) for layer in range(G.layers) for page, slot in pairs)
 
 
@@ -121,7 +121,7 @@ def test_loads_land_after_the_model_is_done_with_the_pages_and_before_it_reads_t
             model.synchronize()
             for tensor, layer, out in reads:
                 for k, slot in enumerate((4, 1)):
-                    expected = _host_page(host, snapshot, tensor, layer, slot)
+                    expected = _page_bytes(host, snapshot, tensor, layer, slot)
                     np.testing.assert_array_equal(out[k * G.page_bytes:(k + 1) * G.page_bytes], expected,
                                                   err_msg=f"seed {seed}")
 
@@ -227,7 +227,7 @@ def test_backup_after_a_long_torch_kernel_and_a_write_is_fresh(cuda, backend, af
                 for layer, value in enumerate(row):
                     rows = value.view(torch.uint8).cpu().numpy().reshape(pages, -1)
                     for page, slot in zip(chosen, slots, strict=True):
-                        np.testing.assert_array_equal(_host_page(host, snapshot, tensor, layer, slot), rows[page])
+                        np.testing.assert_array_equal(_page_bytes(host, snapshot, tensor, layer, slot), rows[page])
     finally:
         engine.close(), host.close(), dev.close()
 
@@ -259,7 +259,7 @@ def test_load_after_a_long_torch_kernel_lands_last_and_torch_reads_it(cuda, back
                 for layer, value in enumerate(row):
                     got = value.cpu().numpy().reshape(pages, -1)
                     for slot, page in zip(slots, targets, strict=True):
-                        np.testing.assert_array_equal(got[page], _host_page(host, snapshot, tensor, layer, slot))
+                        np.testing.assert_array_equal(got[page], _page_bytes(host, snapshot, tensor, layer, slot))
     finally:
         engine.close(), host.close(), dev.close()
 
