@@ -157,3 +157,9 @@ def two_traced_mla_loads(rt, src, dst, row: int, tracer, poison: int = 0x5A) -> 
     got = dst.cpu()
     assert torch.equal(got[[0, 1, 2]], want[[0, 1, 2]]), "thread A's pairs were not copied (it launched B's)"
     assert torch.equal(got, want)
+
+
+def two_mla_loads(rt, src, dst, row: int, poison: int = 0x5A) -> None:
+    """:func:`two_traced_mla_loads` with no trace function: the test orders threads "A" and "B" at pause points it
+    armed (``kvtier.pause_points``)."""
+    two_traced_mla_loads(rt, src, dst, row, None, poison)

@@ -6,9 +6,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import math
 import multiprocessing
+import secrets
 import sys
 
+import numpy as np
 import torch
 
 from kvtier.compat import DeviceArray
@@ -42,6 +45,23 @@ def pin_idx(rt, values, dtype=torch.int64):
     return out
 
 
+def host_buffer(rt, shape, kind=HostKind.PINNED, data=True, **extra):
+    """(a kvtier HostBuffer of its own, a uint8 tensor of ``shape`` over it holding random bytes or the poison);
+    ``extra``: register_chunk_bytes, granularity. The caller keeps the buffer (and may close it)."""
+    nbytes = math.prod(shape)
+    buffer = HostBuffer.allocate(nbytes, kind, runtime=rt, **extra)
+    tensor = buffer.as_tensor(torch.uint8)[:nbytes].view(shape)
+    tensor.copy_(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8))
+    return buffer, tensor
+
+
+def host(rt, shape, kind=HostKind.PINNED, data=True, **extra):
+    """A uint8 host tensor over a kvtier HostBuffer of its own, kept open for the rest of the run."""
+    buffer, tensor = host_buffer(rt, shape, kind, data, **extra)
+    _keep.append(buffer)
+    return tensor
+
+
 def poison(x):
     if isinstance(x, DeviceArray):
         x.copy_(torch.full(x.shape, POISON, dtype=torch.uint8))
@@ -55,6 +75,12 @@ def cpu(x):
 
 def fresh(shape):
     return torch.full(shape, POISON, dtype=torch.uint8)
+
+
+def fresh_rng() -> tuple[np.random.Generator, int]:
+    """A generator seeded afresh, and its seed (for the failure message: a failing draw can be replayed)."""
+    seed = secrets.randbits(32)
+    return np.random.default_rng(seed), seed
 
 
 def all_poison(x):

@@ -152,3 +152,25 @@ def test_payload_order_codes_are_equal_exactly_when_byte_orders_are():
             assert (payload_order(geometry, a) == payload_order(geometry, b)) == same, (geometry, a, b)
     llama99 = KVGeometry.mha(layers=99, kv_heads=4, head_dim=32, itemsize=2, page_size=16)
     assert payload_order(llama99, "layer_first") != payload_order(llama99, "page_head")
+
+
+def test_slot_free_of_a_float_page_changes_nothing():
+    """free([1.7]) silently frees page 1 (int() truncation): a caller's bad index releases a live slot.
+    (found adversarially)"""
+    slots = PageSlotAllocator(8)
+    assert slots.allocate(3) == [0, 1, 2]
+    with pytest.raises(KvtierError):
+        slots.free([1.7])
+    assert slots.free_pages == 5
+
+
+def test_slot_allocator_refuses_non_integer_counts():
+    """PageSlotAllocator(2.5) is built; allocate(2.5) dies with a bare TypeError; allocate(True) takes a page.
+    (found adversarially)"""
+    with pytest.raises(KvtierError):
+        PageSlotAllocator(2.5)
+    slots = PageSlotAllocator(8)
+    for count in (2.5, True):
+        with pytest.raises(KvtierError):
+            slots.allocate(count)
+    assert slots.free_pages == 8

@@ -36,6 +36,7 @@ from kvtier.errors import InvalidArgument, KvtierError, about
 from kvtier.locks import ForkSafeLock
 from kvtier.memory.alias import span_chunks
 from kvtier.memory.registration import span_generation, split_at_boundaries
+from kvtier.pause_points import reached
 
 
 def _index_values(x: Any, name: str) -> np.ndarray:
@@ -229,6 +230,7 @@ def _kept(call: Call, shape: tuple, operands: Sequence[tuple[Any, str]], build: 
     found = kept_plan(call, key, [(x, name) for x, name in operands if isinstance(x, DeviceArray)])
     if found is None:
         found = build()
+        reached("direct.plan_built")
         keep_plan(call, key, found)
     return found
 

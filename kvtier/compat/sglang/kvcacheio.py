@@ -49,6 +49,7 @@ from kvtier.errors import InvalidArgument, KvtierError, about
 from kvtier.kernels.launch import ChunkCopy, ChunkSide, PreparedCopy
 from kvtier.memory import DeviceAddress
 from kvtier.memory.registration import span_generation
+from kvtier.pause_points import reached
 
 _is_hip = getattr(torch.version, "hip", None) is not None
 WARPS = 16 if _is_hip else 32
@@ -199,7 +200,9 @@ class Plan:
                          chunk_bytes, self.n_tensors, n_layers, unit_major=unit_major)
         prepared = call.launcher.prepare(copy, [(0, n_layers)], device=call.device, max_blocks=block_quota,
                                          threads=warps * 32)
+        reached("kvcacheio.bind_storing")
         self.prepared = prepared    # another thread may store its own meanwhile: launch this one
+        reached("kvcacheio.bind_returning")
         return prepared
 
 
