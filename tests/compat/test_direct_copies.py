@@ -13,7 +13,18 @@ import numpy as np
 import pytest
 import torch
 from helpers.compat import byte_operands
-from helpers.operands import MODES, POISON, cpu, device, fresh_rng, host, no_automatic_collection, poison, rnd
+from helpers.operands import (
+    MODES,
+    POISON,
+    cpu,
+    device,
+    fresh_rng,
+    host,
+    host_buffer,
+    no_automatic_collection,
+    poison,
+    rnd,
+)
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio as io
@@ -186,8 +197,8 @@ def test_ok_direct_over_small_chunks_with_a_page_granularity_both_ways_land_exac
     rt = create(mode)
     pages, layers, page, d = 12, 2, 4, 512      # a host page (all its layers) is 4096 bytes: a whole OS page
     page_bytes = layers * page * d
-    whole = host(rt, (2, pages, layers, page, d), kind=HostKind.REGISTERED, register_chunk_bytes=3 * page_bytes,
-                 granularity=page_bytes)
+    buffer, whole = host_buffer(rt, (2, pages, layers, page, d), kind=HostKind.REGISTERED,
+                                register_chunk_bytes=3 * page_bytes, granularity=page_bytes)
     hk, hv = whole[0], whole[1]
     tokens = 32
     lf = [device(rt, (tokens, d)) for _ in range(2 * layers)]

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from helpers.compat import two_mla_loads
+from helpers.compat import two_paused_mla_loads
 from helpers.operands import (
     MODES,
     POISON,
@@ -34,7 +34,6 @@ from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio as io
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.memory import HostBuffer, HostKind
-from kvtier.pause_points import armed
 from kvtier.runtime import create
 
 
@@ -65,8 +64,7 @@ def test_two_threads_preparing_one_kept_plan_each_launch_their_own_indices(spec)
         else:
             b_stored.set()
 
-    with armed("kvcacheio.bind_storing", storing), armed("kvcacheio.bind_returning", returning):
-        two_mla_loads(rt, src, dst, row)
+    two_paused_mla_loads(rt, src, dst, row, {"kvcacheio.bind_store": storing, "kvcacheio.bind_return": returning})
 
 
 @pytest.mark.parametrize("spec", MODES)

@@ -4,6 +4,7 @@ pointer tables of ``data_ptr()``s, where SGLang keeps them. Random data or a poi
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import sys
@@ -14,6 +15,7 @@ import torch
 from helpers.operands import start_and_join
 from kvtier.compat import DeviceArray
 from kvtier.memory import HostBuffer, HostKind
+from kvtier.pause_points import armed
 
 
 class Operands:
@@ -159,7 +161,34 @@ def two_traced_mla_loads(rt, src, dst, row: int, tracer, poison: int = 0x5A) -> 
     assert torch.equal(got, want)
 
 
-def two_mla_loads(rt, src, dst, row: int, poison: int = 0x5A) -> None:
-    """:func:`two_traced_mla_loads` with no trace function: the test orders threads "A" and "B" at pause points it
-    armed (``kvtier.pause_points``)."""
-    two_traced_mla_loads(rt, src, dst, row, None, poison)
+def two_paused_mla_loads(rt, src, dst, row: int, points: dict, poison: int = 0x5A) -> None:
+    """Threads "A" and "B" each run one ``transfer_kv_per_layer_mla`` of their own three rows of ``src`` into
+    ``dst`` while ``points`` (pause point name -> action, run in whichever thread reaches it) force an interleaving;
+    then every byte of ``dst`` must hold both loads over ``poison``: a thread that launched the other's indices, or
+    over a freed table, fails here."""
+    from kvtier.compat.sglang import kvcacheio as io
+
+    jobs = {"A": ([1, 2, 3], [0, 1, 2]), "B": ([7, 8, 9], [10, 11, 12])}
+    indices = {k: tuple(DeviceArray.from_tensor(torch.tensor(v), runtime=rt) for v in pair) for k, pair in jobs.items()}
+    errors: list[BaseException] = []
+
+    def work(name):
+        try:
+            io.transfer_kv_per_layer_mla(src, dst, *indices[name], row)
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    with contextlib.ExitStack() as stack:
+        for name, action in points.items():
+            stack.enter_context(armed(name, action))
+        start_and_join([threading.Thread(target=work, args=(name,), name=name) for name in "AB"], 20)
+    gc.collect()
+    rt.synchronize(0)
+    assert not errors
+    want = torch.full(tuple(dst.shape), poison, dtype=torch.uint8)
+    source = src.cpu()
+    for s, d in jobs.values():
+        want[d] = source[s]
+    got = dst.cpu()
+    assert torch.equal(got[[0, 1, 2]], want[[0, 1, 2]]), "thread A's pairs were not copied (it launched B's)"
+    assert torch.equal(got, want)

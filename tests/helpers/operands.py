@@ -45,20 +45,16 @@ def pin_idx(rt, values, dtype=torch.int64):
     return out
 
 
-def host_buffer(rt, shape, kind=HostKind.PINNED, data=True, **extra):
-    """(a kvtier HostBuffer of its own, a uint8 tensor of ``shape`` over it holding random bytes or the poison);
-    ``extra``: register_chunk_bytes, granularity. The caller keeps the buffer (and may close it)."""
+def host(rt, shape, kind=HostKind.PINNED, data=True, *, chunk=None, offset=0):
+    """A uint8 host tensor (fresh random bytes, or poison) over a kvtier HostBuffer of its own, kept alive: the view
+    starts ``offset`` bytes in; ``chunk`` registers the buffer in chunks of that size, so a view can straddle a
+    registration boundary."""
     nbytes = math.prod(shape)
-    buffer = HostBuffer.allocate(nbytes, kind, runtime=rt, **extra)
-    tensor = buffer.as_tensor(torch.uint8)[:nbytes].view(shape)
-    tensor.copy_(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8))
-    return buffer, tensor
-
-
-def host(rt, shape, kind=HostKind.PINNED, data=True, **extra):
-    """A uint8 host tensor over a kvtier HostBuffer of its own, kept open for the rest of the run."""
-    buffer, tensor = host_buffer(rt, shape, kind, data, **extra)
+    extra = {} if chunk is None else {"register_chunk_bytes": chunk}
+    buffer = HostBuffer.allocate(nbytes + offset, kind, runtime=rt, **extra)
     _keep.append(buffer)
+    tensor = buffer.as_tensor(torch.uint8)[offset:offset + nbytes].view(shape)
+    tensor.copy_(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8))
     return tensor
 
 
@@ -75,6 +71,16 @@ def cpu(x):
 
 def fresh(shape):
     return torch.full(shape, POISON, dtype=torch.uint8)
+
+
+def host_buffer(rt, shape, kind=HostKind.PINNED, data=True, **extra):
+    """(a kvtier HostBuffer of its own, a uint8 tensor of ``shape`` over it holding fresh random bytes or the poison);
+    ``extra``: register_chunk_bytes, granularity. The caller keeps the buffer alive (and may close it)."""
+    nbytes = math.prod(shape)
+    buffer = HostBuffer.allocate(nbytes, kind, runtime=rt, **extra)
+    tensor = buffer.as_tensor(torch.uint8)[:nbytes].view(shape)
+    tensor.copy_(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8))
+    return buffer, tensor
 
 
 def fresh_rng() -> tuple[np.random.Generator, int]:

@@ -200,9 +200,9 @@ class Plan:
                          chunk_bytes, self.n_tensors, n_layers, unit_major=unit_major)
         prepared = call.launcher.prepare(copy, [(0, n_layers)], device=call.device, max_blocks=block_quota,
                                          threads=warps * 32)
-        reached("kvcacheio.bind_storing")
+        reached("kvcacheio.bind_store")
         self.prepared = prepared    # another thread may store its own meanwhile: launch this one
-        reached("kvcacheio.bind_returning")
+        reached("kvcacheio.bind_return")
         return prepared
 
 
