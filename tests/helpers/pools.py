@@ -12,6 +12,9 @@ from kvtier.memory import CpuAddress, HostKind
 from kvtier.pools import DevicePool, HostPool, KVGeometry
 from kvtier.transfer import TransferEngine
 
+SMALL_MHA = KVGeometry.mha(2, kv_heads=2, head_dim=32, itemsize=2, page_size=16)
+"""Two layers, two heads of 64 bytes, 16-token pages (2 KiB per tensor and layer): small, and 16-byte aligned."""
+
 
 def _layers(pool: DevicePool):
     for tensor in range(pool.geometry.tensors):

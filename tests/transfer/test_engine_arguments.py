@@ -7,14 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.pools import fill_device, poison_device, read_device
+from helpers.pools import SMALL_MHA, fill_device, poison_device, read_device
 
 from kvtier.errors import InvalidArgument, KvtierError
-from kvtier.pools import DevicePool, HostPool, KVGeometry
+from kvtier.pools import DevicePool, HostPool
 from kvtier.runtime import create
 from kvtier.transfer import TransferEngine
-
-SMALL_MHA = KVGeometry.mha(2, kv_heads=2, head_dim=32, itemsize=2, page_size=4)
 
 
 def _round_trip(engine: TransferEngine, dev: DevicePool) -> None:
