@@ -129,38 +129,6 @@ def index_overwrite(runtime):
     return m, dst, src, src_idx, dst_idx, computed, m.keep[-2]
 
 
-def two_traced_mla_loads(rt, src, dst, row: int, tracer, poison: int = 0x5A) -> None:
-    """Threads "A" and "B" each run one ``transfer_kv_per_layer_mla`` of their own three rows of ``src`` into
-    ``dst`` under ``tracer`` (which forces an interleaving); then every byte of ``dst`` must hold both loads over
-    ``poison``: a thread that launched the other's indices, or over a freed table, fails here."""
-    from kvtier.compat.sglang import kvcacheio as io
-
-    jobs = {"A": ([1, 2, 3], [0, 1, 2]), "B": ([7, 8, 9], [10, 11, 12])}
-    indices = {k: tuple(DeviceArray.from_tensor(torch.tensor(v), runtime=rt) for v in pair) for k, pair in jobs.items()}
-    errors: list[BaseException] = []
-
-    def work(name):
-        sys.settrace(tracer)
-        try:
-            io.transfer_kv_per_layer_mla(src, dst, *indices[name], row)
-        except Exception as error:  # noqa: BLE001
-            errors.append(error)
-        finally:
-            sys.settrace(None)
-
-    start_and_join([threading.Thread(target=work, args=(name,), name=name) for name in "AB"], 20)
-    gc.collect()
-    rt.synchronize(0)
-    assert not errors
-    want = torch.full(tuple(dst.shape), poison, dtype=torch.uint8)
-    source = src.cpu()
-    for s, d in jobs.values():
-        want[d] = source[s]
-    got = dst.cpu()
-    assert torch.equal(got[[0, 1, 2]], want[[0, 1, 2]]), "thread A's pairs were not copied (it launched B's)"
-    assert torch.equal(got, want)
-
-
 def two_paused_mla_loads(rt, src, dst, row: int, points: dict, poison: int = 0x5A) -> None:
     """Threads "A" and "B" each run one ``transfer_kv_per_layer_mla`` of their own three rows of ``src`` into
     ``dst`` while ``points`` (pause point name -> action, run in whichever thread reaches it) force an interleaving;
@@ -182,6 +150,38 @@ def two_paused_mla_loads(rt, src, dst, row: int, points: dict, poison: int = 0x5
         for name, action in points.items():
             stack.enter_context(armed(name, action))
         start_and_join([threading.Thread(target=work, args=(name,), name=name) for name in "AB"], 20)
+    gc.collect()
+    rt.synchronize(0)
+    assert not errors
+    want = torch.full(tuple(dst.shape), poison, dtype=torch.uint8)
+    source = src.cpu()
+    for s, d in jobs.values():
+        want[d] = source[s]
+    got = dst.cpu()
+    assert torch.equal(got[[0, 1, 2]], want[[0, 1, 2]]), "thread A's pairs were not copied (it launched B's)"
+    assert torch.equal(got, want)
+
+
+def two_traced_mla_loads(rt, src, dst, row: int, tracer, poison: int = 0x5A) -> None:
+    """Threads "A" and "B" each run one ``transfer_kv_per_layer_mla`` of their own three rows of ``src`` into
+    ``dst`` under ``tracer`` (which forces an interleaving); then every byte of ``dst`` must hold both loads over
+    ``poison``: a thread that launched the other's indices, or over a freed table, fails here."""
+    from kvtier.compat.sglang import kvcacheio as io
+
+    jobs = {"A": ([1, 2, 3], [0, 1, 2]), "B": ([7, 8, 9], [10, 11, 12])}
+    indices = {k: tuple(DeviceArray.from_tensor(torch.tensor(v), runtime=rt) for v in pair) for k, pair in jobs.items()}
+    errors: list[BaseException] = []
+
+    def work(name):
+        sys.settrace(tracer)
+        try:
+            io.transfer_kv_per_layer_mla(src, dst, *indices[name], row)
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+        finally:
+            sys.settrace(None)
+
+    start_and_join([threading.Thread(target=work, args=(name,), name=name) for name in "AB"], 20)
     gc.collect()
     rt.synchronize(0)
     assert not errors
