@@ -15,6 +15,7 @@ from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, capture_refused
 from kvtier.kernels import KernelLauncher
 from kvtier.memory.lifetime import wait_then
+from kvtier.pause_points import reached
 from kvtier.pools import DevicePool, HostPool
 from kvtier.pools.geometry import KVGeometry
 from kvtier.runtime import Event, Runtime, Stream
@@ -311,6 +312,7 @@ class PoolUser:
         """Wait for queued work, then free what the engine owns. Idempotent. Asked for in the middle of one of the
         engine's own calls on this thread, it happens as that call returns (no new call is taken meanwhile). Refused
         while a stream of the device captures (the wait is not allowed then): the engine stays open."""
+        reached("job.close")
         if self._lock.held_here() and not self._closed:
             if not self._closing:
                 self._closing = True

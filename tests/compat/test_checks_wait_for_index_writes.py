@@ -8,7 +8,8 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from helpers.compat import all_poison, index_overwrite
+from helpers.compat import index_overwrite
+from helpers.operands import all_poison
 
 from kvtier.compat.sglang import kvcacheio
 from kvtier.errors import InvalidArgument, KvtierError

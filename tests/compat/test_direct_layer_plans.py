@@ -1,11 +1,13 @@
 """The ``*_direct`` compat functions keep what a call over a set of tensors checked and resolved (each layer's two
 ends: base, bytes, registration edges) apart from the indices, so a new request over the same pools costs a bounds
 check per side. These tests hold that reuse to the same answers a fresh call gives: new indices checked in full,
-registrations changed since followed, bad operands refused even when there is nothing to copy. Also attacked
-(found adversarially, issue #15): operands that keep their ``data_ptr()`` but change shape, dtype or storage, host
-memory unregistered under a kept plan, MLA and K/V lists, other layers and page sizes over one tensor set, another
-thread's requests while a call is paused holding its plan (a pause point), index tensors rewritten in place, more
-operand sets and index pairs than are kept, host buffers in small registration chunks, DeviceArrays closed since."""
+registrations changed since followed (also when they change while another thread is planning), bad operands refused
+even when there is nothing to copy; copies kept with index values belong to the call's runtime and to how its tensors
+split into page-first and layer-first lists. Also attacked (found adversarially, issue #15): operands that keep their
+``data_ptr()`` but change shape, dtype or storage, host memory unregistered under a kept plan, MLA and K/V lists, other
+layers and page sizes over one tensor set, another thread's requests while a call is paused holding its plan (a pause
+point), index tensors rewritten in place, more operand sets and index pairs than are kept, host buffers in small
+registration chunks, DeviceArrays closed since."""
 
 from __future__ import annotations
 
@@ -15,13 +17,26 @@ import threading
 import numpy as np
 import pytest
 import torch
-from helpers.operands import MODES, POISON, at_point, cpu, device, host, in_thread, poison, rnd
+from helpers.operands import (
+    MODES,
+    POISON,
+    at_point,
+    cpu,
+    device,
+    host,
+    host_buffer,
+    in_thread,
+    no_automatic_collection,
+    poison,
+    rnd,
+)
 
 from kvtier.compat.operands import TABLES_KEPT
 from kvtier.compat.sglang import direct
 from kvtier.compat.sglang import kvcacheio as io
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.memory import HostBuffer, HostKind
+from kvtier.pause_points import armed
 from kvtier.runtime import create
 
 PAGES, LAYERS, PAGE, ROW = 8, 3, 4, 32
@@ -556,3 +571,155 @@ def test_ok_small_registration_chunks_cut_every_new_requests_pages_both_ways(mod
                 for layer in range(layers):
                     want[s, layer] = cpu(lf[t * layers + layer])[dd * page:(dd + 1) * page]
             assert torch.equal(pf[t], want), f"request {request} backup tensor {t}"
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_a_direct_pf_lf_mla_call_does_not_reuse_the_copies_of_a_kv_call_over_the_same_tensors(spec):
+    """``Indexed.call_plans`` keys a ``_page_copies`` call's kept copies by ``(device, "pages", first_layer,
+    to_page_first, *operand keys of page_first + layer_first)``: the split between the page-first list and the
+    layer-first list is not in the key. A K/V call ``pf=[A, B], lf=[C, D]`` and an MLA call ``pf=[A], lf=[B, C, D]``
+    (same index tensors) flatten to the same key, so the MLA call replays the K/V call's copies: B is left as it was,
+    C gets A's layer 0 (should be layer 1) and D gets B's page (should be A's layer 2). The MLA call should copy
+    A's layers 0, 1, 2 into B, C, D, as it does on a fresh runtime. Fixed: the key holds both lists' lengths.
+    (found adversarially, issue #15)"""
+    rt = create(spec)
+    pages, tokens, row = 4, 4, 16
+    a = host(rt, (pages, 3, 1, row))          # page_first_direct, 3 layers, page_size 1
+    b = host(rt, (tokens, 1, 1, row))         # page-first (1 layer) here, layer-first [tokens, row] there
+    c, d = device(rt, (tokens, row), data=False), device(rt, (tokens, row), data=False)
+    src_idx, dst_idx = torch.tensor([2, 0]), torch.tensor([1, 3])
+    io.transfer_kv_per_layer_direct_pf_lf([a, b], [c, d], src_idx, dst_idx, 0, 1)      # K/V
+    rt.synchronize(0)
+    b_before = b.clone()
+    poison(c), poison(d)
+    io.transfer_kv_per_layer_direct_pf_lf([a], [b, c, d], src_idx, dst_idx, 0, 1)      # MLA, 3 layers
+    rt.synchronize(0)
+    want_b, want_c = b_before.clone(), torch.full((tokens, row), POISON, dtype=torch.uint8)
+    want_d = want_c.clone()
+    for s, t in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
+        want_b[t, 0, 0] = a[s, 0, 0]
+        want_c[t] = a[s, 1, 0]
+        want_d[t] = a[s, 2, 0]
+    assert torch.equal(b, want_b), "dst layer 0 (b) did not get A's layer 0"
+    assert torch.equal(c.cpu(), want_c), "dst layer 1 (c) did not get A's layer 1"
+    assert torch.equal(d.cpu(), want_d), "dst layer 2 (d) did not get A's layer 2"
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_ok_direct_indices_rewritten_through_numpy(spec):
+    """*_direct: CPU index tensors rewritten through .numpy() between calls are compared by value, not trusted."""
+    rt = create(spec)
+    N, D = 32, 16
+    buffer, src = host_buffer(rt, (N, D))
+    dst = device(rt, (N, D), data=False)
+    si, di = torch.tensor([1, 2, 3, 9]), torch.tensor([4, 5, 6, 20])
+    io.transfer_kv_direct([src], [dst], si, di, 1)
+    si.numpy()[:] = [10, 11, 12, 30]
+    di.numpy()[:] = [0, 7, 8, 21]
+    io.transfer_kv_direct([src], [dst], si, di, 1)
+    expected = torch.full((N, D), POISON, dtype=torch.uint8)
+    for s, d in [(1, 4), (2, 5), (3, 6), (9, 20), (10, 0), (11, 7), (12, 8), (30, 21)]:
+        expected[d] = src[s]
+    assert torch.equal(dst.cpu(), expected)
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_ok_direct_same_index_objects_other_function_and_page_size(spec):
+    """The same index tensors through transfer_kv_direct (page_size 1) then the pf_lf direct load (page_size 4)."""
+    rt = create(spec)
+    P, L, PS, D = 8, 2, 4, 8
+    buffer, pf = host_buffer(rt, (P, L, PS, D))
+    lf = [device(rt, (P * PS, D), data=False) for _ in range(L)]
+    si, di = torch.tensor([8, 9, 10, 11, 20, 21, 22, 23]), torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])
+    flat_buffer, flat = host_buffer(rt, (P * PS, D))
+    io.transfer_kv_direct([flat], [lf[0]], si, di, 1)
+    for layer in range(L):
+        io.transfer_kv_per_layer_direct_pf_lf([pf], [lf[layer]], si, di, layer, PS)
+    for layer in range(L):
+        expected = torch.full((P * PS, D), POISON, dtype=torch.uint8)
+        for s, d in zip(si.tolist(), di.tolist(), strict=True):
+            expected[d] = pf[s // PS, layer, s % PS]
+        assert torch.equal(lf[layer].cpu(), expected)
+
+
+def test_ok_direct_index_tensors_shared_by_two_runtimes():
+    """The same CPU index tensors drive per-layer direct loads on a split and a unified runtime in turn: the copies
+    kept with the index values belong to the runtime they were planned on, and each runtime's load lands right."""
+    P, PS, L, D = 6, 4, 2, 16
+    si = torch.tensor([p * PS + i for p in (4, 1, 5) for i in range(PS)])
+    di = torch.tensor([p * PS + i for p in (0, 3, 2) for i in range(PS)])
+    sides = []
+    for spec in MODES:
+        rt = create(spec)
+        buffer, pf = host_buffer(rt, (P, L, PS, D))
+        lf = [device(rt, (P * PS, D), data=False) for _ in range(L)]
+        sides.append((rt, buffer, pf, lf))
+    for _ in range(2):
+        for rt, _, pf, lf in sides:
+            for layer in range(L):
+                io.transfer_kv_per_layer_direct_pf_lf([pf], [lf[layer]], si, di, layer, PS)
+            rt.synchronize(0)
+            for layer in range(L):
+                expected = torch.full((P * PS, D), POISON, dtype=torch.uint8)
+                for s, d in zip(si.tolist(), di.tolist(), strict=True):
+                    expected[d] = pf[s // PS, layer, s % PS]
+                assert torch.equal(lf[layer].cpu(), expected)
+
+
+@no_automatic_collection()
+def test_direct_plans_kept_after_a_registration_change_are_those_of_the_new_registrations():
+    """``Indexed.call_plans`` (kvtier/compat/sglang/direct.py:76-95, the store at :90; now ``_kept``) read the
+    host-range generation, emptied its plans if it changed, then ran ``build()`` and stored the result,
+    ``self.plans[full] = build()``, with no generation attached to the plan itself. A thread whose ``build()``
+    resolved the copies before a registration change and stores them after another thread emptied the plans for the
+    new generation puts a plan of the old registrations into the new generation's dict, and every later call over
+    the same tensors reuses it. Forced here: thread 1 plans a layer over host memory registered as one range and is
+    held at the end of ``build`` (the pause point between the build and its store); the memory is registered again
+    as two ranges; the main thread's call plans with the copy cut at the new boundary; thread 1 stores its uncut
+    plan. The next call on the main thread, same tensors and indices, queues a copy across two
+    registrations and is refused (the emulator: cudaErrorInvalidValue; CUDA's driver refuses it likewise, possibly
+    after queuing the batch entries before it), and so is every later call until some buffer is registered or
+    closed. Fix: keep the generation with each plan (``self.plans[full] = (generation, plans)``, reused only when it
+    still matches), or store only if ``self.plans_at`` is still the generation read before ``build()``.
+    (found adversarially, issue #15)"""
+    rt = create("emulated:split")
+    n, row = 8, 64
+    memory = np.random.default_rng().integers(1, 256, n * row, dtype=np.uint8)
+    address = memory.ctypes.data
+    rt.host_register(address, n * row)
+    src = torch.from_numpy(memory).view(n, row)
+    dst = device(rt, (n, row), data=False)
+    si, di = torch.tensor([2, 3, 4, 5]), torch.tensor([0, 1, 2, 3])   # one run over tokens 2..5 of the host
+    paused, resume = threading.Event(), threading.Event()
+    errors: list = []
+
+    def hold_the_first_build():
+        if threading.current_thread() is thread and not paused.is_set():
+            paused.set()
+            resume.wait(60)
+
+    def first():
+        try:
+            io.transfer_kv_direct([src], [dst], si, di, 1)
+        except KvtierError as error:   # its registration changed under it: a refusal is fair here
+            errors.append(error)
+    thread = threading.Thread(target=first, daemon=True)
+    with armed("direct.plan_built", hold_the_first_build):
+        thread.start()
+        assert paused.wait(60)
+        try:
+            rt.host_unregister(address)                         # the same memory, now two registrations meeting at
+            rt.host_register(address, 4 * row)                  # token 4: a copy over tokens 2..5 must be cut there
+            rt.host_register(address + 4 * row, 4 * row)
+            io.transfer_kv_direct([src], [dst], si, di, 1)
+            rt.synchronize(0)
+        finally:
+            resume.set()
+            thread.join(60)
+    poison(dst)
+    io.transfer_kv_direct([src], [dst], si, di, 1)          # same tensors, same indices, no registration change
+    want = torch.full((n, row), POISON, dtype=torch.uint8)
+    want[di] = src[si]
+    assert torch.equal(dst.cpu(), want)
+    rt.host_unregister(address + 4 * row)
+    rt.host_unregister(address)

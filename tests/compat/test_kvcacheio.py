@@ -493,6 +493,17 @@ def test_device_array_answers_the_tensor_api_the_compat_layer_reads(split):
         array.close()
 
 
+def test_device_array_from_a_zero_dim_tensor(rt):
+    """DeviceArray.from_tensor(torch.tensor(5)) crashes inside copy_ with torch's RuntimeError ("self.dim() cannot
+    be 0 to view Long as Byte"). Expected: a 0-d DeviceArray holding 5 (or a kvtier InvalidArgument).
+    (found adversarially, issue #15)"""
+    try:
+        array = DeviceArray.from_tensor(torch.tensor(5), runtime=rt)
+    except KvtierError:
+        return
+    assert array.cpu().item() == 5
+
+
 def test_a_new_table_tensor_at_a_freed_ones_address_is_read_again(split):
     """Raw tables are read once per tensor and version. A new tensor over the same bytes (a freed table's address
     reused, version 0 again) with other entries must be read again: keyed on the address and version alone, the

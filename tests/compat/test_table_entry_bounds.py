@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.compat import BYTE_ITEM, OS_PAGE, all_poison
+from helpers.compat import BYTE_ITEM, OS_PAGE
 from helpers.compat import byte_operands as Mem
-from helpers.operands import POISON
+from helpers.operands import POISON, all_poison
 
 from kvtier.compat.sglang import kvcacheio
 from kvtier.errors import InvalidArgument

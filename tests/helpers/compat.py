@@ -86,10 +86,6 @@ def byte_operands(runtime, poison: int = 0x5A) -> Operands:
     return Operands(runtime, dtype=torch.uint8, poison=poison)
 
 
-def all_poison(tensor, poison: int = 0x5A) -> bool:
-    return bool((tensor == poison).all())
-
-
 OS_PAGE = 4096
 """An OS page: host memory is registered in whole pages, so registration (and chunk) edges fall on it."""
 BYTE_ITEM = 64

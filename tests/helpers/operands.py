@@ -7,8 +7,10 @@ import contextlib
 import gc
 import math
 import multiprocessing
+import secrets
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,8 +74,25 @@ def fresh(shape):
     return torch.full(shape, POISON, dtype=torch.uint8)
 
 
-def all_poison(x):
-    return bool((cpu(x) == POISON).all())
+def host_buffer(rt, shape, kind=HostKind.PINNED, data=True, **extra):
+    """(a kvtier HostBuffer of its own, a uint8 tensor of ``shape`` over it holding fresh random bytes or the poison);
+    ``extra``: register_chunk_bytes, granularity. The caller keeps the buffer alive (and may close it)."""
+    nbytes = math.prod(shape)
+    buffer = HostBuffer.allocate(nbytes, kind, runtime=rt, **extra)
+    tensor = buffer.as_tensor(torch.uint8)[:nbytes].view(shape)
+    tensor.copy_(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8))
+    return buffer, tensor
+
+
+def fresh_rng() -> tuple[np.random.Generator, int]:
+    """A generator seeded afresh, and its seed (for the failure message: a failing draw can be replayed)."""
+    seed = secrets.randbits(32)
+    return np.random.default_rng(seed), seed
+
+
+def all_poison(x, poison: int = POISON) -> bool:
+    """Whether every byte of ``x`` (a tensor or a DeviceArray) still holds ``poison``."""
+    return bool((cpu(x) == poison).all())
 
 
 def _fork_child(queue, call):

@@ -95,12 +95,15 @@ def launch_names(runtime, monkeypatch) -> list[str]:
     return names
 
 
-def small_engine(rt, backend: str = "kernel", layout: str = "layer_first"):
+def small_engine(rt, backend: str = "kernel", layout: str = "layer_first", *, heads: int = 1,
+                 register_chunk_bytes: int | None = None):
     """(geometry, device pool of 8 pages, host pool of 10, engine) of 3 layers of 4-token pages, a staging area of
-    3 pages: small enough that a transfer of 6 pages runs in pieces."""
-    g = KVGeometry("mha", 3, 4, 128, 1)
+    3 pages: small enough that a transfer of 6 pages runs in pieces. ``register_chunk_bytes``: the host pool is
+    registered in chunks of that size."""
+    g = KVGeometry("mha", 3, 4, 128, heads)
     dev = DevicePool.allocate(g, 8, 0, runtime=rt)
-    host_pool = HostPool.allocate(g, layout, pages=10, runtime=rt)
+    extra = {} if register_chunk_bytes is None else {"register_chunk_bytes": register_chunk_bytes}
+    host_pool = HostPool.allocate(g, layout, pages=10, runtime=rt, **extra)
     engine = TransferEngine(dev, host_pool, backend=backend, staging_bytes=3 * g.bytes_per_page)
     return g, dev, host_pool, engine
 

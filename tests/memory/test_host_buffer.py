@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+import torch
+from helpers.compat import byte_operands
 from helpers.device_kernels import random_bytes
+from helpers.operands import POISON
 from helpers.paths import child_env
 
+from kvtier.compat.sglang import kvcacheio
 from kvtier.errors import BufferClosed, BufferInUse, HugePagesUnavailable, InvalidArgument, KvtierError
 from kvtier.memory import DeviceBuffer, HostBuffer, HostKind, get_device_accessible_ptr
+from kvtier.runtime import create
 
 
 @pytest.mark.parametrize("kind", [HostKind.PINNED, HostKind.REGISTERED, HostKind.SHM, HostKind.PAGEABLE])
@@ -186,3 +193,26 @@ def test_ok_a_fork_child_closing_and_exiting_leaves_the_parents_buffers_alone():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "FORK True" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["emulated:split:2:lazy", "emulated:unified:2:lazy"])
+def test_closing_a_registered_host_buffer_does_not_unmap_it_under_a_queued_compat_copy(mode):
+    """A compat call queues a kernel writing into a view of a 'registered' HostBuffer (kvtier's default kind); the
+    caller drops its view and closes the buffer. close() waits for its engine users, but the compat call never
+    registered as one, so close() unregisters the memory at once and the still-queued kernel faults
+    (IllegalAddress: 'not mapped on this device'; the device is poisoned). A 'pinned' buffer is fine only because
+    cudaFreeHost drains the device. Expected: close() waits for the queued compat work (or refuses with
+    BufferInUse); the device never faults. (found adversarially, issue #15)"""
+    runtime = create(mode)
+    m = byte_operands(runtime)
+    tokens, item = 8, 16
+    src = m.device((tokens, item))
+    buffer = HostBuffer.allocate(tokens * item, HostKind.REGISTERED, runtime=runtime)
+    view = buffer.as_tensor(torch.uint8).view(tokens, item)
+    view.fill_(POISON)
+    kvcacheio.transfer_kv_per_layer_mla(src, view, m.indices(list(range(tokens))), m.indices(list(range(tokens))), item)
+    del view
+    gc.collect()
+    with contextlib.suppress(BufferInUse):
+        buffer.close()
+    runtime.synchronize(0)          # faults: the kernel ran on memory close() had already unregistered

@@ -8,7 +8,15 @@ import pytest
 import torch
 from helpers.runtimes import is_split
 
-from kvtier.errors import AddressDomainError, InvalidDevice, NotDeviceAccessible, RegistrationError, WrongDeviceError
+from kvtier.errors import (
+    AddressDomainError,
+    InvalidDevice,
+    KvtierError,
+    NotDeviceAccessible,
+    RegistrationError,
+    WrongDeviceError,
+    WrongRuntime,
+)
 from kvtier.memory import (
     CpuAddress,
     DeviceAddress,
@@ -18,6 +26,7 @@ from kvtier.memory import (
     get_device_accessible_ptr,
     tensor_extent,
 )
+from kvtier.runtime import create
 
 
 def _bytes_at(address, nbytes):
@@ -183,3 +192,25 @@ def test_strided_view_past_the_buffer_end_is_refused(runtime):
         inside = wider.view(4, 4096)[:2, :16]
         assert get_device_accessible_ptr(inside, 0, runtime=runtime) == get_device_accessible_ptr(buf, 0)
         del wider, past, inside
+
+
+def test_buffer_of_another_runtime_is_a_wrong_runtime_error():
+    """The message reads 'buffer belongs to <EmulatedRuntime emulated:split>, not <EmulatedRuntime emulated:split>'
+    (a plain KvtierError); streams and events of another runtime raise WrongRuntime. (found adversarially)"""
+    owner, other = create("emulated:split"), create("emulated:split")
+    with HostBuffer.allocate(4096, runtime=owner) as host:
+        with pytest.raises(WrongRuntime):
+            get_device_accessible_ptr(host, 0, runtime=other)
+
+
+def test_empty_view_of_a_registered_buffer_is_not_called_pageable():
+    """An empty slice of a registered buffer is refused as '0x0 is pageable host memory'. (found adversarially)"""
+    rt = create("emulated:split")
+    with HostBuffer.allocate(8192, runtime=rt) as host:
+        view = host.as_tensor()[100:100]
+        try:
+            get_device_accessible_ptr(view, 0, runtime=rt)
+        except KvtierError as exc:
+            assert "pageable" not in str(exc)
+        finally:
+            del view

@@ -1,6 +1,6 @@
 """Emulator semantics other tests lean on: the two schedules, sticky faults (on the faulting device only, and what
-their messages blame), copy checks at call and at run time, frees that wait like cudaFree, device memory limits, event
-timing that is not ready before the events complete."""
+their messages blame), copy checks at call and at run time, frees that wait like cudaFree, device memory limits,
+accesses running across mappings, event timing that is not ready before the events complete."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import contextlib
 
 import numpy as np
 import pytest
+import torch
 from helpers.device_kernels import TOUCH, XOR, random_bytes
-from helpers.operands import MODES, dev_idx, device
+from helpers.operands import MODES, POISON, dev_idx, device
 
 from kvtier.compat.sglang import kvcacheio as io
 from kvtier.errors import IllegalAddress, KvtierError, RuntimeCallError, WrongDeviceError
@@ -244,3 +245,26 @@ def test_a_kernel_past_the_end_of_device_memory_is_not_blamed_on_a_cpu_address(s
     with pytest.raises(IllegalAddress) as caught:
         rt.synchronize(0)
     assert "CPU address" not in str(caught.value), str(caught.value)
+
+
+def test_the_unified_emulator_reads_an_index_tensor_across_two_registration_chunks():
+    """In ``emulated:unified`` the chunks of a HostBuffer registered in pieces continue each other (alias == CPU
+    address), and kvtier's resolver rightly accepts an index tensor (or a tensor item) crossing a chunk boundary, as
+    real unified-addressing hardware reads it fine. The emulated kernel, though, read the 32 index bytes through
+    ``AddressMap.translate``, which needed one mapping: it raised IllegalAddress on the stream and poisoned device 0
+    for the rest of the process. Fixed: an access may run into the next mappings where they continue the last in
+    both address and backing. (found adversarially, issue #15)"""
+    rt = create("emulated:unified")
+    n, row = 16, 32
+    buffer = HostBuffer.allocate(2 * 4096, HostKind.REGISTERED, runtime=rt, register_chunk_bytes=4096)
+    assert len(buffer.chunks) == 2
+    idx = buffer.as_tensor(torch.int64)
+    idx.copy_(torch.arange(1024) % n)
+    src, dst = device(rt, (n, row)), device(rt, (n, row), data=False)
+    s_idx, d_idx = idx[510:514], idx[600:604]                  # s_idx crosses the chunk boundary at 4096 bytes
+    io.transfer_kv_per_layer_mla(src, dst, s_idx, d_idx, row)
+    rt.synchronize(0)
+    want = torch.full((n, row), POISON, dtype=torch.uint8)
+    want[d_idx.tolist()] = src.cpu()[s_idx.tolist()]
+    assert torch.equal(dst.cpu(), want)
+    del s_idx, d_idx, idx

@@ -1,6 +1,7 @@
-"""Pools, engines and captured graphs have a lifecycle: closing waits for the transfers that use the memory, and every
-use after close raises at the call, before anything is queued or allocated. A device fault is sticky: every later
-transfer on the device raises. The events a Transfer hands out are the Transfer's: closing them breaks nothing."""
+"""Pools, engines and captured graphs have a lifecycle: closing waits for the transfers that use the memory (also a
+close from another thread, or from the queuing thread itself in the middle of a transfer), and every use after close
+raises at the call, before anything is queued or allocated. A device fault is sticky: every later transfer on the
+device raises. The events a Transfer hands out are the Transfer's: closing them breaks nothing."""
 
 from __future__ import annotations
 
@@ -10,12 +11,24 @@ import threading
 import numpy as np
 import pytest
 from helpers.device_kernels import TOUCH
-from helpers.pools import engine_on, fill_device, fill_host, host_bytes, host_page, poison_device, read_device
+from helpers.operands import no_automatic_collection
+from helpers.pools import (
+    engine_on,
+    fill_device,
+    fill_host,
+    host_bytes,
+    host_page,
+    poison_device,
+    read_device,
+    small_engine,
+)
 from helpers.runtimes import EMULATED_MODES
 
 from kvtier.errors import BufferClosed, BufferInUse, IllegalAddress, KvtierError
 from kvtier.memory import CpuAddress, DeviceBuffer, HostBuffer
+from kvtier.pause_points import armed
 from kvtier.pools import DevicePool, HostPool, KVGeometry
+from kvtier.runtime import create
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer import BACKENDS, TransferEngine
 
@@ -298,3 +311,186 @@ def test_closing_a_transfers_events_leaves_them_working(mode):
                     for token in range(G.page_size)]
             assert np.array_equal(out.reshape(dev.pages, -1)[page], np.concatenate(rows))
         consumer.close()
+
+
+@pytest.mark.parametrize("backend", ["direct", "batch", "staged"])
+@pytest.mark.parametrize("direction", ["backup", "load"])
+@no_automatic_collection()
+def test_an_engine_closed_from_its_own_queuing_thread_mid_transfer_is_not_used_after_close(backend, direction,
+                                                                                            monkeypatch):
+    """``engine.close()`` reached on the thread that is inside ``engine.backup``/``load`` (a SIGTERM handler doing a
+    graceful shutdown, or a finalizer run by a collection inside the call: both run between bytecodes of the queuing
+    thread), forced deterministically from the first ``memcpy_run_sets_async`` of the transfer. ``PoolUser`` guards
+    both with one ``threading.RLock`` (transfer/job.py:238), so the close re-enters, drains, marks the engine closed
+    and frees its streams and the staging area (job.py:286 ``_release``) under the transfer still queuing, which then
+    carries on with them: the direct/batch backends queue on a destroyed stream (RuntimeCallError 'stream ... is
+    destroyed'), the staged backend queues its DMA over the freed staging buffer (staged.py:174; refused here only
+    because the emulator checks the address when queued: on CUDA a freed ``cudaMalloc`` block reused meanwhile is read
+    or written), and where the close lands inside a relayout, the error is replaced by 'fence of a lease this ring did
+    not hand out' from a ``finally`` (staged.py:124). kvtier's host buffers defer a close requested inside their own
+    use; the engine did not. Fix: count the queuing calls in progress (under the lock) and let a close that
+    finds one on its own thread mark the engine closing and return, the outermost call finishing the close once its
+    work is queued (or raise BufferInUse); a transfer that is then refused raises BufferClosed before queuing
+    anything. (found adversarially, issue #15)"""
+    rt = create("emulated:split")
+    g, dev, host_pool, engine = small_engine(rt, backend, "layer_first")
+    try:
+        data = fill_device(dev)
+        host_before = fill_host(host_pool)
+        if direction == "load":
+            poison_device(dev)
+        queue = rt.memcpy_run_sets_async
+        calls = []
+
+        def hooked(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                engine.close()      # what a signal handler or a finalizer on this thread does
+            return queue(*args, **kwargs)
+
+        monkeypatch.setattr(rt, "memcpy_run_sets_async", hooked)
+        pages = np.arange(6)
+        try:
+            transfer = engine.backup(pages, pages) if direction == "backup" else engine.load(pages, pages)
+            transfer.wait()
+        except BufferClosed:
+            monkeypatch.undo()
+            rt.synchronize(0)
+            if direction == "backup":
+                assert np.array_equal(host_bytes(host_pool), host_before), "a refused backup wrote the host pool"
+            else:
+                assert all((read_device(dev, t, layer) == 0xEE).all() for t in range(g.tensors)
+                           for layer in range(g.layers)), "a refused load wrote the device pool"
+            return
+        monkeypatch.undo()
+        rt.synchronize(0)
+        assert engine.closed    # accepted: then it must have landed whole, and the engine be closed after it
+        after = host_bytes(host_pool)
+        for t in range(g.tensors):
+            for layer in range(g.layers):
+                pool_pages = read_device(dev, t, layer)
+                for p in pages:
+                    at = t * host_pool.tensor_bytes + layer * host_pool.strides.layer + p * host_pool.strides.page
+                    expected = data[(t, layer)][p] if direction == "backup" else host_before[at:at + g.page_bytes]
+                    got = after[at:at + g.page_bytes] if direction == "backup" else pool_pages[p]
+                    assert np.array_equal(got, expected), (t, layer, p)
+    finally:
+        monkeypatch.undo()
+        engine.close(), host_pool.close(), dev.close()
+
+
+@pytest.mark.parametrize("backend", ["direct", "batch", "staged"])
+@no_automatic_collection()
+def test_ok_an_engine_closed_from_another_thread_mid_transfer_closes_after_it_lands(backend, monkeypatch):
+    """Thread A is held inside the first ``memcpy_run_sets_async`` of a per-layer load (an event in a hook); thread B
+    calls ``engine.close()`` and is seen at a pause point entering it while A holds the engine's lock; A is then let
+    go. The load lands whole, the close returns once it has, the engine is closed, and a later load raises
+    BufferClosed."""
+    rt = create("emulated:split:lazy")
+    g, dev, host_pool, engine = small_engine(rt, backend, "page_first", register_chunk_bytes=12288)
+    try:
+        fill_device(dev)
+        host_data = fill_host(host_pool)
+        poison_device(dev)
+        queue = rt.memcpy_run_sets_async
+        inside, go, closing = threading.Event(), threading.Event(), threading.Event()
+
+        def hooked(*args, **kwargs):
+            if threading.current_thread() is loader and not inside.is_set():
+                inside.set()
+                assert go.wait(60)
+            return queue(*args, **kwargs)
+
+        monkeypatch.setattr(rt, "memcpy_run_sets_async", hooked)
+        out: dict = {}
+
+        def load():
+            try:
+                out["transfer"] = engine.load(np.arange(8), np.arange(8))
+                out["transfer"].wait()
+            except BaseException as error:  # noqa: BLE001 - reported below
+                out["load"] = error
+
+        def close():
+            try:
+                engine.close()
+            except BaseException as error:  # noqa: BLE001 - reported below
+                out["close"] = error
+
+        loader = threading.Thread(target=load)
+        closer = threading.Thread(target=close)
+        with armed("job.close", closing.set):
+            loader.start()
+            assert inside.wait(60)
+            closer.start()
+            assert closing.wait(60)
+            go.set()
+            loader.join(60)
+            closer.join(60)
+        assert not loader.is_alive() and not closer.is_alive()
+        assert "load" not in out and "close" not in out, out
+        assert engine.closed and out["transfer"].done()
+        monkeypatch.undo()
+        reference = HostPool.allocate(g, "page_first", pages=10, runtime=rt)
+        reference.buffer.as_tensor().numpy()[:] = host_data
+        fresh = DevicePool.allocate(g, 8, 0, runtime=rt)
+        check = TransferEngine(fresh, reference, backend="kernel")
+        check.load(np.arange(8), np.arange(8)).wait()
+        for t in range(g.tensors):
+            for layer in range(g.layers):
+                assert np.array_equal(read_device(dev, t, layer), read_device(fresh, t, layer))
+        check.close(), reference.close(), fresh.close()
+        with pytest.raises(BufferClosed):
+            engine.load([0], [0])
+    finally:
+        monkeypatch.undo()
+        engine.close(), host_pool.close(), dev.close()
+
+
+class _Engine(TransferEngine):
+    drained = False
+
+    def drain(self) -> None:
+        super().drain()
+        self.drained = True
+
+
+@pytest.mark.parametrize("backend", ["kernel", "direct", "staged", "batch"])
+def test_host_pool_close_refuses_or_waits_for_a_concurrent_backup(backend):
+    """HostPool.close() drains its engines one by one, then unregisters and unmaps the buffer without holding them
+    off: a backup another thread submits after its engine was drained passes the open check, is queued, and runs
+    against unregistered memory (device fault; on a GPU a DMA into unmapped memory). The hook below is that other
+    thread: a second user of the pool (a second engine, say) being drained when the submission arrives. (found
+    adversarially)"""
+    for _ in range(50):
+        rt = create("emulated:split:1:lazy")
+        dev = DevicePool.allocate(G, 6, 0, runtime=rt)
+        host = HostPool.allocate(G, "page_first", pages=8, runtime=rt)
+        engine = _Engine(dev, host, backend=backend)
+        fill_device(dev)
+        submitted = []
+
+        class OtherUser:
+            def __init__(self, engine: _Engine, submitted: list) -> None:
+                self.engine, self.submitted = engine, submitted
+
+            def drain(self) -> None:
+                if self.engine.drained:  # our engine was drained already: this is the window
+                    try:
+                        self.submitted.append(self.engine.backup([0, 1], [2, 3]))
+                    except BufferClosed:
+                        self.submitted.append(None)
+
+        other = OtherUser(engine, submitted)
+        host.add_user(other)
+        host.close()
+        if not submitted:
+            engine.close(), dev.close()
+            continue
+        try:
+            engine.close()  # waits for the late backup: IllegalAddress (its host memory was unregistered)
+            rt.synchronize(0)
+        finally:
+            dev.close()
+        return
+    pytest.skip("drain order never put the engine first")

@@ -231,6 +231,7 @@ def _kept(call: Call, shape: tuple, operands: Sequence[tuple[Any, str]], build: 
     found = kept_plan(call, key, [(x, name) for x, name in operands if isinstance(x, DeviceArray)])
     if found is None:
         found = build()
+        reached("direct.plan_built")
         keep_plan(call, key, found)
     return found
 

@@ -1,11 +1,13 @@
-"""Adversary round 7 (issue #15): kept plans of kvtier.compat.sglang.kvcacheio that bind each call's own index
-tensors (``Plan.bind`` / ``KernelLauncher.rebind``) and the *_direct functions' kept bases and copies. The three tests
-not named ``test_ok_*`` failed on defects, since fixed; ``test_ok_*`` tests document cases that held up."""
+"""The kernel functions keep a call's checked plan for the next call over the same operands and numbers
+(``Plan.bind`` / ``KernelLauncher.rebind`` bind each call's own index tensors to it). A kept plan copies exactly what
+a fresh one copies: index tensors of every kind, dtype, length and storage offset; threads binding at once; out of
+range indices refused after in-range calls; host operands closed, replaced or re-pointed in place (``set_``,
+``resize_``, ``as_strided``) followed or refused by name. Destinations are poisoned and checked byte for byte."""
 
 from __future__ import annotations
 
 import ctypes
-import inspect
+import gc
 import random
 import sys
 import threading
@@ -13,78 +15,26 @@ import threading
 import numpy as np
 import pytest
 import torch
-from helpers.compat import two_traced_mla_loads
-from helpers.operands import MODES, POISON, cpu, device, pin_idx, poison, rnd
+from helpers.compat import two_paused_mla_loads
+from helpers.operands import (
+    MODES,
+    POISON,
+    cpu,
+    dev_idx,
+    device,
+    host,
+    host_buffer,
+    no_automatic_collection,
+    pin_idx,
+    poison,
+    rnd,
+)
 
 from kvtier.compat import DeviceArray
 from kvtier.compat.sglang import kvcacheio as io
-from kvtier.compat.sglang.kvcacheio import Plan
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.memory import HostBuffer, HostKind
 from kvtier.runtime import create
-
-
-def host(rt, shape, data=True, keep=None):
-    buffer = HostBuffer.allocate(int(np.prod(shape)), HostKind.PINNED, runtime=rt)
-    tensor = buffer.as_tensor(torch.uint8).view(shape)
-    tensor.copy_(rnd(shape) if data else torch.full(shape, POISON, dtype=torch.uint8))
-    if keep is not None:
-        keep.append(buffer)
-    return tensor
-
-
-
-
-def dev_idx(rt, values, dtype=torch.int64):
-    return DeviceArray.from_tensor(torch.tensor(values, dtype=dtype), runtime=rt)
-
-
-_keep: list = []
-
-
-
-
-
-
-
-
-# -- defects ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec", MODES)
-def test_a_direct_pf_lf_mla_call_does_not_reuse_the_copies_of_a_kv_call_over_the_same_tensors(spec):
-    """``Indexed.call_plans`` keys a ``_page_copies`` call's kept copies by ``(device, "pages", first_layer,
-    to_page_first, *operand keys of page_first + layer_first)``: the split between the page-first list and the
-    layer-first list is not in the key. A K/V call ``pf=[A, B], lf=[C, D]`` and an MLA call ``pf=[A], lf=[B, C, D]``
-    (same index tensors) flatten to the same key, so the MLA call replays the K/V call's copies: B is left as it was,
-    C gets A's layer 0 (should be layer 1) and D gets B's page (should be A's layer 2). The MLA call should copy
-    A's layers 0, 1, 2 into B, C, D, as it does on a fresh runtime. Fixed: the key holds both lists' lengths."""
-    rt = create(spec)
-    pages, tokens, row = 4, 4, 16
-    a = host(rt, (pages, 3, 1, row), keep=_keep)          # page_first_direct, 3 layers, page_size 1
-    b = host(rt, (tokens, 1, 1, row), keep=_keep)         # page-first (1 layer) here, layer-first [tokens, row] there
-    c, d = device(rt, (tokens, row), data=False), device(rt, (tokens, row), data=False)
-    src_idx, dst_idx = torch.tensor([2, 0]), torch.tensor([1, 3])
-    io.transfer_kv_per_layer_direct_pf_lf([a, b], [c, d], src_idx, dst_idx, 0, 1)      # K/V
-    rt.synchronize(0)
-    b_before = b.clone()
-    poison(c), poison(d)
-    io.transfer_kv_per_layer_direct_pf_lf([a], [b, c, d], src_idx, dst_idx, 0, 1)      # MLA, 3 layers
-    rt.synchronize(0)
-    want_b, want_c = b_before.clone(), torch.full((tokens, row), POISON, dtype=torch.uint8)
-    want_d = want_c.clone()
-    for s, t in zip(src_idx.tolist(), dst_idx.tolist(), strict=True):
-        want_b[t, 0, 0] = a[s, 0, 0]
-        want_c[t] = a[s, 1, 0]
-        want_d[t] = a[s, 2, 0]
-    assert torch.equal(b, want_b), "dst layer 0 (b) did not get A's layer 0"
-    assert torch.equal(c.cpu(), want_c), "dst layer 1 (c) did not get A's layer 1"
-    assert torch.equal(d.cpu(), want_d), "dst layer 2 (d) did not get A's layer 2"
-
-
-def _bind_lines():
-    lines, start = inspect.getsourcelines(Plan.bind)
-    store = next(i for i, line in enumerate(lines) if "self.prepared = " in line and "prepare(" not in line)
-    ret = next(i for i, line in enumerate(lines) if i > store and line.strip().startswith("return"))
-    return start + store, start + ret
 
 
 @pytest.mark.parametrize("spec", MODES)
@@ -93,63 +43,30 @@ def test_two_threads_preparing_one_kept_plan_each_launch_their_own_indices(spec)
     and their own indices both reach ``Plan.bind``'s prepare; ``self.prepared = prepare(...)`` followed by
     ``return self.prepared`` re-reads the shared attribute, so a thread whose store is overwritten by the other's
     before its return launched the OTHER thread's indices: its destination rows stayed poison and the other's pairs
-    were copied twice. (The interleaving is forced with a trace function that only orders the two threads, between
-    the store of the prepared copy and the return; a GIL switch there gives the same.) Fixed: bind returns the copy
-    it prepared."""
+    were copied twice. (The interleaving is forced at two pause points that only order the two threads, before
+    and after the store of the prepared copy; a GIL switch there gives the same.) Fixed: bind returns the copy it
+    prepared. (found adversarially, issue #15)"""
     rt = create(spec)
     n, row = 32, 16
     src, dst = device(rt, (n, row)), device(rt, (n, row), data=False)
     io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, []), dev_idx(rt, []), row)   # a plan, nothing prepared
-    store, ret = _bind_lines()
-    code = Plan.bind.__code__
     both, a_stored, b_stored = threading.Barrier(2, timeout=60), threading.Event(), threading.Event()
 
-    def tracer(frame, event, arg):
-        if frame.f_code is not code:
-            return None
+    def storing():
+        both.wait()                     # both threads found nothing prepared
+        if threading.current_thread().name == "B":
+            a_stored.wait(60)
 
-        def local(frame, event, arg):
-            me = threading.current_thread().name
-            if event == "line" and frame.f_lineno == store:
-                both.wait()                     # both threads found nothing prepared
-                if me == "B":
-                    a_stored.wait(60)
-            elif event == "line" and frame.f_lineno == ret:
-                if me == "A":
-                    a_stored.set()
-                    b_stored.wait(60)
-                else:
-                    b_stored.set()
-            return local
-        return local
+    def returning():
+        if threading.current_thread().name == "A":
+            a_stored.set()
+            b_stored.wait(60)
+        else:
+            b_stored.set()
 
-    two_traced_mla_loads(rt, src, dst, row, tracer)
+    two_paused_mla_loads(rt, src, dst, row, {"kvcacheio.bind_store": storing, "kvcacheio.bind_return": returning})
 
 
-def test_the_unified_emulator_reads_an_index_tensor_across_two_registration_chunks():
-    """(Not from the reuse; found on the way.) In ``emulated:unified`` the chunks of a HostBuffer registered in
-    pieces continue each other (alias == CPU address), and kvtier's resolver rightly accepts an index tensor (or a
-    tensor item) crossing a chunk boundary, as real unified-addressing hardware reads it fine. The emulated kernel,
-    though, read the 32 index bytes through ``AddressMap.translate``, which needed one mapping: it raised
-    IllegalAddress on the stream and poisoned device 0 for the rest of the process. Fixed: an access may run into
-    the next mappings where they continue the last in both address and backing."""
-    rt = create("emulated:unified")
-    n, row = 16, 32
-    buffer = HostBuffer.allocate(2 * 4096, HostKind.REGISTERED, runtime=rt, register_chunk_bytes=4096)
-    assert len(buffer.chunks) == 2
-    idx = buffer.as_tensor(torch.int64)
-    idx.copy_(torch.arange(1024) % n)
-    src, dst = device(rt, (n, row)), device(rt, (n, row), data=False)
-    s_idx, d_idx = idx[510:514], idx[600:604]                  # s_idx crosses the chunk boundary at 4096 bytes
-    io.transfer_kv_per_layer_mla(src, dst, s_idx, d_idx, row)
-    rt.synchronize(0)
-    want = torch.full((n, row), POISON, dtype=torch.uint8)
-    want[d_idx.tolist()] = src.cpu()[s_idx.tolist()]
-    assert torch.equal(dst.cpu(), want)
-    del s_idx, d_idx, idx
-
-
-# -- held up ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", MODES)
 def test_ok_one_plan_bound_to_index_tensors_of_every_kind_dtype_and_length(spec):
     """Same operands, calls alternating int64/int32, DeviceArray/pinned indices, 0/1/few/all pairs, absent (-1,
@@ -185,7 +102,7 @@ def test_ok_out_of_range_indices_after_in_range_calls_are_refused_untouched(spec
     checks-off calls, device indices past the end (refused, nothing copied)."""
     rt = create(spec)
     n, layers, row = 16, 3, 32
-    hk, hv = host(rt, (n, layers, row), keep=_keep), host(rt, (n, layers, row), keep=_keep)
+    hk, hv = host(rt, (n, layers, row)), host(rt, (n, layers, row))
     dk, dv = device(rt, (n, row), data=False), device(rt, (n, row), data=False)
 
     def call(si, di, layer=1):
@@ -219,14 +136,14 @@ def test_ok_index_views_with_a_storage_offset_bind_their_own_address(spec):
     a whole 2-D index array, all on one plan: each copy reads its own view. A strided index view is refused."""
     rt = create(spec)
     n, layers, row = 16, 3, 32
-    hk, hv = host(rt, (n, layers, row), keep=_keep), host(rt, (n, layers, row), keep=_keep)
+    hk, hv = host(rt, (n, layers, row)), host(rt, (n, layers, row))
     dk, dv = device(rt, (n, row), data=False), device(rt, (n, row), data=False)
-    cases = []
+    cases, keep = [], []
     for dtype in (torch.int64, torch.int32):
         size = torch.empty((), dtype=dtype).element_size()
         b1 = HostBuffer.allocate(64 * size, HostKind.PINNED, runtime=rt)
         b2 = HostBuffer.allocate(64 * size, HostKind.PINNED, runtime=rt)
-        _keep.extend([b1, b2])
+        keep.extend([b1, b2])
         s_all, d_all = b1.as_tensor(dtype), b2.as_tensor(dtype)
         s_all.copy_((torch.arange(64) % n).to(dtype))
         d_all.copy_(((torch.arange(64) * 7 + 3) % n).to(dtype))
@@ -244,6 +161,91 @@ def test_ok_index_views_with_a_storage_offset_bind_their_own_address(spec):
         assert torch.equal(dk.cpu(), want)
     with pytest.raises(InvalidArgument):
         io.transfer_kv_per_layer_pf_lf(hk, dk, hv, dv, cases[3][0][0:8:2], cases[3][1][0:8:2], 0, row, layers * row)
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_ok_page_head_and_cut_chunks_rebound_across_index_counts(spec):
+    """ph_lf (head pieces) and 12 KiB items (cut into pieces by the launcher) kept plans bound to 0/1/3/all pairs,
+    both index kinds and dtypes, random layers: exact bytes every time. Also 40,000 pairs then 1 on one plan."""
+    rng = random.Random(3)
+    rt = create(spec)
+    pages, heads, page_size, layers, head_dim = 4, 2, 4, 3, 16
+    item, n = heads * head_dim, pages * page_size
+    hk = host(rt, (pages, heads, page_size, layers, head_dim))
+    hv = host(rt, (pages, heads, page_size, layers, head_dim))
+    dk, dv = device(rt, (n, item), data=False), device(rt, (n, item), data=False)
+    makers = [dev_idx, pin_idx, lambda r, v: dev_idx(r, v, torch.int32), lambda r, v: pin_idx(r, v, torch.int32)]
+    for step in range(12):
+        count = rng.choice([0, 1, 3, n])
+        si, di = rng.sample(range(n), count), rng.sample(range(n), count)
+        if step % 3 == 0 and count:
+            si[0] = -1
+        make, layer = rng.choice(makers), rng.randrange(layers)
+        poison(dk), poison(dv)
+        io.transfer_kv_per_layer_ph_lf(hk, dk, hv, dv, make(rt, si), make(rt, di), layer, item, layers * item,
+                                       page_size, heads)
+        rt.synchronize(0)
+        for h, d in ((hk, dk), (hv, dv)):
+            want = torch.full((n, item), POISON, dtype=torch.uint8)
+            for x, y in zip(si, di, strict=True):
+                if x >= 0 and y >= 0:
+                    want[y] = h[x // page_size, :, x % page_size, layer, :].reshape(-1)
+            assert torch.equal(d.cpu(), want)
+    big, rows = 12288, 8
+    src, dst = device(rt, (rows, big)), device(rt, (rows, big), data=False)
+    for count in (1, 5, 2, 8):
+        si, di = rng.sample(range(rows), count), rng.sample(range(rows), count)
+        poison(dst)
+        io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, si), dev_idx(rt, di), big)
+        rt.synchronize(0)
+        want = torch.full((rows, big), POISON, dtype=torch.uint8)
+        want[di] = src.cpu()[si]
+        assert torch.equal(dst.cpu(), want)
+    many = 40000
+    src, dst = device(rt, (50000, 16)), device(rt, (50000, 16), data=False)
+    g = torch.Generator().manual_seed(0)
+    si, di = torch.randperm(50000, generator=g)[:many], torch.randperm(50000, generator=g)[:many]
+    io.transfer_kv_per_layer_mla(src, dst, DeviceArray.from_tensor(si, runtime=rt),
+                                 DeviceArray.from_tensor(di, runtime=rt), 16)
+    rt.synchronize(0)
+    want = torch.full((50000, 16), POISON, dtype=torch.uint8)
+    want[di] = src.cpu()[si]
+    assert torch.equal(dst.cpu(), want)
+    poison(dst)
+    io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, [5]), dev_idx(rt, [6]), 16)
+    rt.synchronize(0)
+    want = torch.full((50000, 16), POISON, dtype=torch.uint8)
+    want[6] = src.cpu()[5]
+    assert torch.equal(dst.cpu(), want)
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_ok_threads_with_different_operands(spec):
+    """Two threads repeating kept plans over different operands at once: each gets its own bytes."""
+    rt = create(spec)
+    N, D = 64, 16
+    errors = []
+
+    def worker(seed):
+        try:
+            src, dst = device(rt, (N, D)), device(rt, (N, D), data=False)
+            perm = torch.randperm(N, generator=torch.Generator().manual_seed(seed))
+            si = DeviceArray.from_tensor(perm[:16].clone(), runtime=rt)
+            di = DeviceArray.from_tensor(perm[16:32].clone(), runtime=rt)
+            for _ in range(30):
+                io.transfer_kv_per_layer_mla(src, dst, si, di, D)
+            expected = torch.full((N, D), POISON, dtype=torch.uint8)
+            expected[perm[16:32]] = src.cpu()[perm[:16]]
+            assert torch.equal(dst.cpu(), expected)
+        except BaseException as error:   # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
 
 
 @pytest.mark.parametrize("spec", MODES)
@@ -330,56 +332,81 @@ def test_ok_a_host_buffer_replaced_by_a_smaller_one_at_the_same_address_is_refus
 
 
 @pytest.mark.parametrize("spec", MODES)
-def test_ok_page_head_and_cut_chunks_rebound_across_index_counts(spec):
-    """ph_lf (head pieces) and 12 KiB items (cut into pieces by the launcher) kept plans bound to 0/1/3/all pairs,
-    both index kinds and dtypes, random layers: exact bytes every time. Also 40,000 pairs then 1 on one plan."""
-    rng = random.Random(3)
+def test_ok_host_buffer_closed_and_replaced_under_a_kept_plan(spec):
+    """A kept _copy plan over a host view: closing its buffer and allocating another (pinned/registered/shm) makes
+    the next call plan again (host generation), so the new buffer gets the right bytes."""
     rt = create(spec)
-    pages, heads, page_size, layers, head_dim = 4, 2, 4, 3, 16
-    item, n = heads * head_dim, pages * page_size
-    hk = host(rt, (pages, heads, page_size, layers, head_dim), keep=_keep)
-    hv = host(rt, (pages, heads, page_size, layers, head_dim), keep=_keep)
-    dk, dv = device(rt, (n, item), data=False), device(rt, (n, item), data=False)
-    makers = [dev_idx, pin_idx, lambda r, v: dev_idx(r, v, torch.int32), lambda r, v: pin_idx(r, v, torch.int32)]
-    for step in range(12):
-        count = rng.choice([0, 1, 3, n])
-        si, di = rng.sample(range(n), count), rng.sample(range(n), count)
-        if step % 3 == 0 and count:
-            si[0] = -1
-        make, layer = rng.choice(makers), rng.randrange(layers)
-        poison(dk), poison(dv)
-        io.transfer_kv_per_layer_ph_lf(hk, dk, hv, dv, make(rt, si), make(rt, di), layer, item, layers * item,
-                                       page_size, heads)
+    N, D = 32, 16
+    dev = device(rt, (N, D))
+    si = pin_idx(rt, [1, 3, 5, 7])
+    di = pin_idx(rt, [2, 4, 6, 8])
+    for kind in (HostKind.PINNED, HostKind.REGISTERED, HostKind.SHM):
+        buffer, dst = host_buffer(rt, (N, D), kind, data=False)
+        io.transfer_kv_per_layer_mla(dev, dst, si, di, D)
         rt.synchronize(0)
-        for h, d in ((hk, dk), (hv, dv)):
-            want = torch.full((n, item), POISON, dtype=torch.uint8)
-            for x, y in zip(si, di, strict=True):
-                if x >= 0 and y >= 0:
-                    want[y] = h[x // page_size, :, x % page_size, layer, :].reshape(-1)
-            assert torch.equal(d.cpu(), want)
-    big, rows = 12288, 8
-    src, dst = device(rt, (rows, big)), device(rt, (rows, big), data=False)
-    for count in (1, 5, 2, 8):
-        si, di = rng.sample(range(rows), count), rng.sample(range(rows), count)
+        expected = torch.full((N, D), POISON, dtype=torch.uint8)
+        expected[[2, 4, 6, 8]] = dev.cpu()[[1, 3, 5, 7]]
+        assert torch.equal(dst, expected)
+        del dst
+        gc.collect()
+        buffer.close()
+
+
+@pytest.mark.parametrize("spec", MODES)
+def test_ok_device_array_closed_under_a_kept_plan_is_refused(spec):
+    rt = create(spec)
+    N, D = 16, 16
+    src, dst = device(rt, (N, D)), device(rt, (N, D), data=False)
+    si, di = DeviceArray.from_tensor(torch.tensor([1, 2]), runtime=rt), DeviceArray.from_tensor(torch.tensor([3, 4]),
+                                                                                                 runtime=rt)
+    io.transfer_kv_per_layer_mla(src, dst, si, di, D)
+    dst.close()
+    with pytest.raises(KvtierError, match="dst"):
+        io.transfer_kv_per_layer_mla(src, dst, si, di, D)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@no_automatic_collection()
+def test_ok_host_operands_changed_in_place_under_kept_plans_are_followed(mode):
+    """The same host tensor object re-pointed between calls that would reuse a kept plan: ``set_`` onto another
+    HostBuffer's storage, ``resize_`` to fewer tokens (an index past the new end then refused untouched), an
+    ``as_strided`` view of the kept operand with its ``data_ptr`` but a smaller shape; for the kernel path
+    (``transfer_kv_per_layer_mla``) and the direct path (``transfer_kv_direct``). Each call copies from or to the
+    memory the tensor names at that call."""
+    rt = create(mode)
+    n, row = 8, 32
+    for direct in (False, True):
+        src, other = host(rt, (n, row)), host(rt, (n, row))
+        dst = device(rt, (n, row), data=False)
+        si, di = pin_idx(rt, [1, 6]), pin_idx(rt, [0, 7])
+
+        def call(s, d, a=si, b=di, direct=direct):
+            if direct:   # the same index objects every call: their kept plans are the ones attacked
+                io.transfer_kv_direct([s], [d], a, b, 1)
+            else:
+                io.transfer_kv_per_layer_mla(s, d, a, b, row)
+
+        def check(s, pairs, dst=dst):
+            rt.synchronize(0)
+            want = torch.full((n, row), POISON, dtype=torch.uint8)
+            for a, b in pairs:
+                want[b] = s[a]
+            assert torch.equal(dst.cpu(), want)
+        moving = src.view(n, row)
+        call(moving, dst)
+        check(src, [(1, 0), (6, 7)])
         poison(dst)
-        io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, si), dev_idx(rt, di), big)
+        moving.set_(other.untyped_storage(), other.storage_offset(), other.shape, other.stride())
+        call(moving, dst)
+        check(other, [(1, 0), (6, 7)])
+        poison(dst)
+        moving.resize_(4, row)                                # now 4 tokens of ``other``: token 6 is gone
+        with pytest.raises(InvalidArgument):
+            call(moving, dst)
         rt.synchronize(0)
-        want = torch.full((rows, big), POISON, dtype=torch.uint8)
-        want[di] = src.cpu()[si]
-        assert torch.equal(dst.cpu(), want)
-    many = 40000
-    src, dst = device(rt, (50000, 16)), device(rt, (50000, 16), data=False)
-    g = torch.Generator().manual_seed(0)
-    si, di = torch.randperm(50000, generator=g)[:many], torch.randperm(50000, generator=g)[:many]
-    io.transfer_kv_per_layer_mla(src, dst, DeviceArray.from_tensor(si, runtime=rt),
-                                 DeviceArray.from_tensor(di, runtime=rt), 16)
-    rt.synchronize(0)
-    want = torch.full((50000, 16), POISON, dtype=torch.uint8)
-    want[di] = src.cpu()[si]
-    assert torch.equal(dst.cpu(), want)
-    poison(dst)
-    io.transfer_kv_per_layer_mla(src, dst, dev_idx(rt, [5]), dev_idx(rt, [6]), 16)
-    rt.synchronize(0)
-    want = torch.full((50000, 16), POISON, dtype=torch.uint8)
-    want[6] = src.cpu()[5]
-    assert torch.equal(dst.cpu(), want)
+        assert (dst.cpu() == POISON).all()
+        view = src.as_strided((4, row), (row, 1))            # src's data_ptr, a smaller shape than the kept plan's
+        with pytest.raises(InvalidArgument):
+            call(view, dst)
+        call(view, dst, pin_idx(rt, [3, 1]), pin_idx(rt, [2, 5]))
+        check(src, [(3, 2), (1, 5)])
