@@ -78,11 +78,11 @@ class CacheRequest:
         ``load_back=False``) queue the load-back of the host part. Nothing waits for the load here: see ``wait`` and
         ``stream_wait``. On an error the request is closed, holding nothing."""
         self._need((NEW,), "open")
-        if self.prefetch is not None:
-            self.fetched_tokens = self.prefetch.settle()
-        self.match = self.cache.match_prefix(self.tokens, lock=True, device_only=self.device_only)
-        self._phase = OPEN
         try:
+            if self.prefetch is not None:
+                self.fetched_tokens = self.prefetch.settle()
+            self.match = self.cache.match_prefix(self.tokens, lock=True, device_only=self.device_only)
+            self._phase = OPEN
             self._refresh_waits()
             if self._load_at_open:
                 self._load_back()

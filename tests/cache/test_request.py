@@ -239,10 +239,13 @@ def test_a_request_settles_its_prefetch_and_loads_what_storage_had(runtime):
 
 def test_a_request_on_a_closed_cache_is_refused(runtime):
     cache, model, dev, host = build(runtime)
-    request = cache.request(prompt(2 * P)).open()
+    request, late = cache.request(prompt(2 * P)).open(), cache.request(prompt(2 * P))
     close_all(cache, dev, host)
     with pytest.raises(BufferClosed):
         cache.request(prompt(P))
+    with pytest.raises(BufferClosed):
+        late.open()
+    assert late.closed
     request.close()                                         # the closed cache took its lock back already
 
 
