@@ -1,14 +1,16 @@
 """``KVCache``: the radix index over a device pool and a host pool, with write policies, eviction, layer-wise
 load-back, a background controller and metrics.
 
-How an engine uses it, per request::
+How an engine uses it, per request (:mod:`kvtier.cache.request`)::
 
-    match = cache.match_prefix(tokens, lock=True)   # device hit, then host-only hit, pinned; no bytes move
-    load = cache.load_back(match)               # host part → new device pages, one event per layer (or None)
-    pages = cache.allocate(n)                   # device pages for the rest; evicts as needed
-    ... model writes KV into match/load pages + pages; layer i waits with load.stream_wait(layer=i) ...
-    cache.insert(tokens, all_pages)             # the tree takes the pages (duplicates are freed)
-    cache.unlock(match)
+    with cache.request(tokens) as request:      # matched and locked; host part loading, one event per layer
+        pages = request.allocate()              # device pages for the rest; evicts as needed
+        ... layer i: request.stream_wait(layer=i), reads request.prefix_pages, writes KV into pages ...
+        request.insert()                        # the tree takes the pages (duplicates are freed)
+    # unlocked; pages not inserted went back (on an exception too)
+
+Underneath are the steps a request takes: ``match_prefix(tokens, lock=True)``, ``load_back(match)``,
+``allocate(n)``, ``insert(tokens, pages)``, ``free(pages)``, ``unlock(match)``.
 
 The cache owns every page of both pools: device pages are handed out by ``allocate`` and come back through
 ``insert`` (kept), ``free`` (returned) or eviction. It never touches a device address: pages are numbers, and the
@@ -36,6 +38,7 @@ from kvtier.cache.index import Match, Node, RadixIndex
 from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.operation import BACKUP, LOAD, LoadBack, Operation
 from kvtier.cache.rates import H200_TABLE, RateTable
+from kvtier.cache.request import CacheRequest
 from kvtier.cache.settings import AUTO, COPY_ENGINE_BACKENDS, CacheSettings, WritePolicy
 from kvtier.cache.state_tier import StateTier
 from kvtier.cache.storage_tier import Prefetch, StorageTier
@@ -235,6 +238,18 @@ class KVCache:
                 prefetch._finish("no_storage")
                 return prefetch
             return self._storage.prefetch(tokens)
+
+    def request(self, tokens: Any, *, load_back: bool = True, device_only: bool = False, force: bool = False,
+                prefetch: bool = True) -> CacheRequest:
+        """One request's use of the cache, as a context manager (:class:`~kvtier.cache.request.CacheRequest`):
+        entering settles its storage prefetch (started here, when the cache has storage and ``prefetch``), matches
+        and locks ``tokens`` and queues the load-back of the host part (``load_back=False``: later, with
+        ``request.load_back()``; ``force``: past the recompute estimate); leaving gives back its lock and the pages
+        it did not insert. ``device_only``: match only what needs no load-back."""
+        with self._lock:
+            self._check_open()
+        return CacheRequest(self, tokens, load_back=load_back, device_only=device_only, force=force,
+                            prefetch=prefetch)
 
     def lock(self, match: Match) -> None:
         """Pin a match (prefer ``match_prefix(..., lock=True)``: between the two calls another thread may evict)."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.cache import CacheSettings, KVCache, Namespace, OutOfPages, RateTable, page_keys
+from kvtier.cache import CacheRequest, CacheSettings, KVCache, Namespace, OutOfPages, RateTable, page_keys
 from kvtier.cli import INTERRUPTED
 from kvtier.cli.demo_model import DeviceOnlyBaseline, StandInModel, StandInState
 from kvtier.cli.demo_progress import Reporter, StorageWatch, stop_on_interrupt
@@ -209,56 +209,49 @@ def serve_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline
     page = cache.page_size
     full = np.concatenate([prompt, reply])
     keys = page_keys(cache.namespace, full)
-    fetched = cache.prefetch(prompt).settle() if cache.storage is not None else 0
-    match = cache.match_prefix(prompt, lock=True)
-    try:
-        prefix = match.device_pages
-        for op in match.pending:
-            op.wait()
-        if match.host_tokens:
-            load = cache.load_back(match)
-            if load is None:
-                tally.declined += 1
-            else:
-                load.wait()
-                prefix = load.prefix_pages
-                tally.loaded += load.loaded_tokens
-                if verify:
-                    loaded = prefix[len(match.device_pages):]
-                    tally.pages_checked += len(loaded)
-                    tally.mismatched_pages += model.mismatches(keys[len(match.device_pages):len(prefix)], loaded)
+    with cache.request(prompt) as request:          # storage prefetch settled, matched, host part loading
+        request.wait()
+        check_loaded(request, model, tally, keys, verify)
+        prefix = request.prefix_pages
         cached = len(prefix) * page
         whole = len(prompt) // page
         try:
-            new = cache.allocate(whole - len(prefix))
+            new = request.allocate()
         except OutOfPages:
             tally.out_of_pages += 1
             return
         model.write(keys[len(prefix):whole], new)
-        cache.insert(prompt, np.concatenate([prefix, new]))
+        request.insert()
         tally.requests += 1
         tally.prompt_tokens += len(prompt)
-        tally.device_hit += match.device_tokens
-        tally.host_hit += cached - match.device_tokens
-        tally.storage_hit += min(fetched, cached - match.device_tokens)
+        tally.device_hit += request.device_tokens
+        tally.host_hit += cached - request.device_tokens
+        tally.storage_hit += min(request.fetched_tokens, cached - request.device_tokens)
         tally.computed += len(prompt) - cached
         tally.baseline_computed += len(prompt) - baseline.serve(prompt)
-    finally:
-        cache.unlock(match)
     cache.drain()                                    # the prompt's backups land while the model decodes
     if len(reply):                                   # decode: the reply's KV joins the history
-        history = cache.match_prefix(full, lock=True)
-        try:
-            for op in history.pending:
-                op.wait()
-            extra = cache.allocate(len(full) // page - len(history.device_pages))
-            model.write(keys[len(history.device_pages):], extra)
-            cache.insert(full, np.concatenate([history.device_pages, extra]))
-        except OutOfPages:
-            tally.out_of_pages += 1
-        finally:
-            cache.unlock(history)
+        with cache.request(full, load_back=False, prefetch=False) as history:
+            history.wait()
+            try:
+                extra = history.allocate()
+                model.write(keys[len(history.prefix_pages):], extra)
+                history.insert()
+            except OutOfPages:
+                tally.out_of_pages += 1
         cache.drain()                                # and the reply's while the user reads it
+
+
+def check_loaded(request: CacheRequest, model: StandInModel, tally: Tally, keys: list[bytes], verify: bool) -> None:
+    """Count the request's load-back (or that it was declined) and check every page it loaded, byte for byte."""
+    tally.declined += request.declined
+    if request.load is None:
+        return
+    tally.loaded += request.loaded_tokens
+    if verify:
+        prefix, start = request.prefix_pages, len(request.match.device_pages)
+        tally.pages_checked += len(prefix) - start
+        tally.mismatched_pages += model.mismatches(keys[start:len(prefix)], prefix[start:])
 
 
 def serve_hybrid_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyBaseline, tally: Tally,
@@ -269,71 +262,44 @@ def serve_hybrid_turn(cache: KVCache, model: StandInModel, baseline: DeviceOnlyB
     page = cache.page_size
     prompt = prompt[:len(prompt) // page * page]
     keys = page_keys(cache.namespace, np.concatenate([prompt, reply]))
-    match = cache.match_prefix(prompt, lock=True)
-    try:
-        prefix, state = match.device_pages, match.device_state
-        for op in match.pending:
-            op.wait()
-        if match.host_tokens or (match.cached_tokens and state is None):
-            load = cache.load_back(match)
-            if load is None:
-                tally.declined += 1
-                cache.unlock(match)
-                match = cache.match_prefix(prompt, lock=True, device_only=True)
-                prefix, state = match.device_pages, match.device_state
-            else:
-                load.wait()
-                prefix, state = load.prefix_pages, load.device_state
-                tally.loaded += load.loaded_tokens
-                if verify:
-                    loaded = prefix[len(match.device_pages):]
-                    tally.pages_checked += len(loaded)
-                    tally.mismatched_pages += model.mismatches(keys[len(match.device_pages):len(prefix)], loaded)
+    with cache.request(prompt) as request:
+        request.wait()
+        check_loaded(request, model, tally, keys, verify)
+        prefix, state = request.prefix_pages, request.state
         if verify and len(prefix):
             assert model.state is not None and state is not None
             tally.states_checked += 1
             tally.mismatched_states += not model.state.matches(keys[len(prefix) - 1], state)
-        if not insert_with_state(cache, model, tally, prompt, prefix, keys):
+        if not insert_with_state(request, model, tally, keys):
             return
+        served = len(prefix) * page
         tally.requests += 1
         tally.prompt_tokens += len(prompt)
-        tally.device_hit += min(match.device_tokens, len(prefix) * page)
-        tally.host_hit += len(prefix) * page - min(match.device_tokens, len(prefix) * page)
-        tally.computed += len(prompt) - len(prefix) * page
+        tally.device_hit += min(request.device_tokens, served)
+        tally.host_hit += served - min(request.device_tokens, served)
+        tally.computed += len(prompt) - served
         tally.baseline_computed += len(prompt) - baseline.serve(prompt)
-    finally:
-        cache.unlock(match)
     cache.drain()
     full = np.concatenate([prompt, reply])
     full = full[:len(full) // page * page]
     if len(full) > len(prompt):                      # decode: the reply's KV and the state after it join
-        history = cache.match_prefix(full, lock=True, device_only=True)
-        try:
-            for op in history.pending:
-                op.wait()
-            insert_with_state(cache, model, tally, full, history.device_pages, keys)
-        finally:
-            cache.unlock(history)
+        with cache.request(full, load_back=False, device_only=True, prefetch=False) as history:
+            history.wait()
+            insert_with_state(history, model, tally, keys)
         cache.drain()
 
 
-def insert_with_state(cache: KVCache, model: StandInModel, tally: Tally, tokens: np.ndarray, prefix: np.ndarray,
-                      keys: list[bytes]) -> bool:
-    """Prefill ``tokens`` past ``prefix`` (KV and the state after the last token) and insert both."""
+def insert_with_state(request: CacheRequest, model: StandInModel, tally: Tally, keys: list[bytes]) -> bool:
+    """Prefill the request's tokens past its prefix (KV and the state after the last token) and insert both."""
     assert model.state is not None
-    whole = len(tokens) // cache.page_size
+    whole = len(request.tokens) // request.cache.page_size
     try:
-        slot = cache.allocate_state()
+        slot = request.allocate_state()
+        new = request.allocate()
     except OutOfPages:
         tally.out_of_pages += 1
         return False
-    try:
-        new = cache.allocate(whole - len(prefix))
-    except OutOfPages:
-        cache.free_state(slot)
-        tally.out_of_pages += 1
-        return False
-    model.write(keys[len(prefix):whole], new)
+    model.write(keys[len(request.prefix_pages):whole], new)
     model.state.write(keys[whole - 1], slot)
-    cache.insert(tokens, np.concatenate([prefix, new]), state=slot)
+    request.insert()
     return True

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier.cache import LoadBack, Match
+from kvtier.cache import CacheRequest, LoadBack, Match
 from kvtier.errors import InvalidArgument
 from kvtier.integrations.cache_layers import KVTierCache, KVTierLayer, Read
 from kvtier.integrations.paged import CachedRow
@@ -35,17 +35,26 @@ class Turn:
 
 
 class PromptUse:
-    """One prompt of a request: its tokens (padding removed), the left padding before them in the batch, its locked
-    match, and its load-back (None: none needed, or declined)."""
+    """One prompt of a request: its tokens (padding removed), the left padding before them in the batch, and its
+    use of the cache (``cached``: matched on all but the last token, locked until the request is released)."""
 
-    def __init__(self, tokens: np.ndarray, pad: int, match: Match) -> None:
-        self.tokens, self.pad, self.match = tokens, pad, match
-        self.load: LoadBack | None = None
+    def __init__(self, tokens: np.ndarray, pad: int, cached: CacheRequest) -> None:
+        self.tokens, self.pad, self.cached = tokens, pad, cached
+
+    @property
+    def match(self) -> Match:
+        assert self.cached.match is not None
+        return self.cached.match
+
+    @property
+    def load(self) -> LoadBack | None:
+        """Its load-back (None: none needed, not needed by the rows' common length, or declined)."""
+        return self.cached.load
 
     @property
     def prefix(self) -> np.ndarray:
         """Device pages of the cached prefix: the match's device part, then what the load-back filled."""
-        return self.load.prefix_pages if self.load is not None else self.match.device_pages
+        return self.cached.prefix_pages
 
 
 class Request:
@@ -62,7 +71,7 @@ class Request:
             served = max(0, self.cached_tokens - prompt.pad)
             rows.append(CachedRow(i, self.cached_tokens - served, served,
                                   owner.paged.index(prompt.prefix[:-(-served // page)])))
-            device = min(served, prompt.match.device_tokens)
+            device = min(served, prompt.cached.device_tokens)
             self.turns.append(Turn(len(prompt.tokens), device, served - device, len(prompt.tokens) - served))
         self._stream: Any = None
         if not overlap:
@@ -73,29 +82,20 @@ class Request:
 
     def _queue_loads(self) -> int:
         """Queue the load-backs the rows read into and return the positions every row serves from the cache. A
-        declined load-back shortens its row's prefix to the device part, and so maybe every row's; one that found
-        nothing left to load (a row before it is loading the prompts' shared pages) is matched again, to find them
-        on the device."""
-        cache = self._owner.cache
+        declined load-back shortens its row's prefix to the device part, and so maybe every row's; one whose host
+        part a row before it is loading (shared pages) finds it on the device (``CacheRequest.load_back``)."""
         cached = [prompt.match.cached_tokens for prompt in self.prompts]
-        rematched: set[int] = set()
+        asked: set[int] = set()
         while True:
             length = min(prompt.pad + tokens for prompt, tokens in zip(self.prompts, cached, strict=True))
             short = [i for i, prompt in enumerate(self.prompts)
-                     if prompt.load is None and length - prompt.pad > prompt.match.device_tokens]
+                     if i not in asked and length - prompt.pad > prompt.cached.device_tokens]
             if not short:
                 return length
-            i, prompt = short[0], self.prompts[short[0]]
-            prompt.load = cache.load_back(prompt.match)
-            if prompt.load is not None:
-                continue
-            if i not in rematched and any(other.load is not None for other in self.prompts):
-                rematched.add(i)
-                stale, prompt.match = prompt.match, cache.match_prefix(prompt.tokens[:-1], lock=True)
-                cache.unlock(stale)
-                cached[i] = prompt.match.cached_tokens
-            else:
-                cached[i] = prompt.match.device_tokens
+            i = short[0]
+            asked.add(i)
+            self.prompts[i].cached.load_back()
+            cached[i] = self.prompts[i].cached.cached_tokens
 
     @property
     def turn(self) -> Turn:
@@ -133,19 +133,17 @@ class Request:
     def _wait(self, layer: int | None = None) -> None:
         """Order what follows after the loads this request reads (all of them, or one layer's): on the GPU when the
         pages are the model's tensors, else on the CPU."""
-        loads = [op for prompt in self.prompts for op in prompt.match.pending] + \
-            [prompt.load for prompt in self.prompts if prompt.load is not None]
         if self._owner.paged.on_device:
             if self._stream is None:                    # the model's stream, wrapped once per request
                 import torch
 
                 self._stream = self._owner.cache.device_pool.runtime.as_stream(
                     torch.cuda.current_stream(self._owner.paged.device))
-            for op in loads:
-                op.stream_wait(self._stream, layer=layer)
+            for prompt in self.prompts:
+                prompt.cached.stream_wait(self._stream, layer=layer)
         else:
-            for op in loads:
-                op.wait() if layer is None else op.wait_layer(layer)
+            for prompt in self.prompts:
+                prompt.cached.wait(layer)
 
     def _empty(self, rows: int) -> Any:
         import torch
@@ -165,7 +163,7 @@ class Request:
             return 0
         try:
             inserts = self._inserts(sequences)
-            return sum(self._owner._insert(tokens, prompt.prefix, prompt.pad, self.cache, row)
+            return sum(self._owner._insert(tokens, prompt.cached, prompt.pad, self.cache, row)
                        for prompt, tokens, row in inserts)
         finally:
             self.release()
@@ -201,11 +199,17 @@ class Request:
         return inserts
 
     def release(self) -> None:
-        """Unlock without inserting (idempotent)."""
+        """Unlock without inserting (idempotent); pages allocated for an insert that failed go back."""
         if self._open:
             self._open = False
+            failure: BaseException | None = None
             for prompt in self.prompts:
-                self._owner.cache.unlock(prompt.match)
+                try:
+                    prompt.cached.close()
+                except BaseException as error:  # noqa: BLE001 - the other prompts are closed first
+                    failure = failure or error
+            if failure is not None:
+                raise failure
 
     def __enter__(self) -> Request:
         return self

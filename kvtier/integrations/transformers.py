@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.cache import CacheSettings, KVCache, Namespace, OutOfPages
+from kvtier.cache import CacheRequest, CacheSettings, KVCache, Namespace, OutOfPages
 from kvtier.errors import InvalidArgument
 from kvtier.integrations.arguments import UNSERVED_GENERATE, Prompt, cache_keyword, checked_generate, prompts_of
 from kvtier.integrations.cache_layers import KVTierCache, KVTierLayer
@@ -176,18 +176,20 @@ class KVTierGeneration:
         return self._request(prompts_of(self.model, input_ids, attention_mask), overlap)
 
     def _request(self, prompts: list[Prompt], overlap: bool) -> Request:
-        if self.cache.storage is not None:
-            for fetch in [self.cache.prefetch(prompt.tokens[:-1]) for prompt in prompts]:
-                fetch.settle()
         uses: list[PromptUse] = []
         try:
-            for prompt in prompts:
+            for prompt in prompts:                      # every prompt's storage prefetch starts here
                 uses.append(PromptUse(prompt.tokens, prompt.pad,
-                                      self.cache.match_prefix(prompt.tokens[:-1], lock=True)))
+                                      self.cache.request(prompt.tokens[:-1], load_back=False)))
+            for use in uses:                            # and lands before any prompt matches
+                if use.cached.prefetch is not None:
+                    use.cached.prefetch.settle()
+            for use in uses:
+                use.cached.open()
             request = Request(self, uses, overlap)
         except BaseException:
             for use in uses:
-                self.cache.unlock(use.match)
+                use.cached.close()
             raise
         self.turns.extend(request.turns)
         return request
@@ -210,10 +212,12 @@ class KVTierGeneration:
             request.finish(output)
         return output
 
-    def _insert(self, sequence: np.ndarray, prefix: np.ndarray, pad: int, past: KVTierCache, row: int) -> int:
-        """Insert the whole pages of ``sequence`` past ``prefix`` (its cached pages), whose KV is row ``row`` of
-        ``past`` from position ``pad`` on."""
+    def _insert(self, sequence: np.ndarray, cached: CacheRequest, pad: int, past: KVTierCache, row: int) -> int:
+        """Insert the whole pages of ``sequence`` past the prompt's cached prefix, whose KV is row ``row`` of
+        ``past`` from position ``pad`` on. A write that raises leaves the pages to ``cached``, which gives them back
+        when the request is released."""
         page = self.cache.page_size
+        prefix = cached.prefix_pages
         stored = past.get_seq_length() - pad
         whole = min(stored, len(sequence)) // page
         whole = min(whole, self.cache.device.pages)        # a sequence longer than the pool keeps what fits
@@ -221,21 +225,17 @@ class KVTierGeneration:
             return 0
         past.settle()
         try:
-            new = self.cache.allocate(whole - len(prefix))
+            new = cached.allocate(whole - len(prefix))
         except OutOfPages:                                  # the output stands; this prompt is just not cached
             self.skipped_inserts += 1
             return 0
         start, end = pad + len(prefix) * page, pad + whole * page
-        try:
-            index = self.paged.index(new)
-            for layer, states in enumerate(past.kvtier_layers):
-                assert states.keys is not None and states.values is not None
-                self.paged.write(layer, index, states.keys[row:row + 1, :, start:end],
-                                 states.values[row:row + 1, :, start:end])
-            self.cache.insert(sequence[:whole * page], np.concatenate([prefix, new]))
-        except BaseException:
-            self.cache.free(new)                        # a failed write (e.g. out of memory) gives its pages back
-            raise
+        index = self.paged.index(new)
+        for layer, states in enumerate(past.kvtier_layers):
+            assert states.keys is not None and states.values is not None
+            self.paged.write(layer, index, states.keys[row:row + 1, :, start:end],
+                             states.values[row:row + 1, :, start:end])
+        cached.insert(sequence[:whole * page])
         return (whole - len(prefix)) * page
 
     def close(self) -> None:

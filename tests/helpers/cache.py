@@ -77,41 +77,28 @@ def build(runtime, *, device_pages=16, host_pages=32, geometry=TINY, layout="pag
 
 
 def serve(cache: KVCache, model: KVModel, tokens, *, force: bool = True) -> tuple[Match, int]:
-    """One request as an engine runs it; returns the match and how many pages were served from the cache, after
-    checking every served byte."""
-    page = cache.page_size
+    """One request as an engine runs it (``cache.request``); returns the match and how many pages were served from the
+    cache, after checking every served byte."""
     tokens = np.asarray(tokens)
-    match = cache.match_prefix(tokens, lock=True)
-    try:
-        for op in match.pending:
-            op.wait()
+    with cache.request(tokens, force=force, prefetch=False) as request:
+        request.wait()
+        match = request.match
         assert not model.mismatches(tokens, match.device_pages), "device hit served wrong KV"
-        prefix = match.device_pages
-        load = cache.load_back(match, force=force)
-        if load is not None:
-            load.wait()
-            prefix = load.prefix_pages
+        prefix = request.prefix_pages
+        if request.load is not None:
             assert not model.mismatches(tokens, prefix), "load-back served wrong KV"
-        whole = len(tokens) // page
-        new = cache.allocate(whole - len(prefix))
+        new = request.allocate()
         model.write(tokens, new, first_page=len(prefix))
-        cache.insert(tokens, np.concatenate([prefix, new]))
-    finally:
-        cache.unlock(match)
+        request.insert()
     return match, len(prefix)
 
 
 def load_and_check(cache: KVCache, model: KVModel, tokens) -> Match:
     """Match ``tokens``, load its host part back (forced) and check every byte of the whole cached prefix."""
-    match = cache.match_prefix(tokens, lock=True)
-    try:
-        load = cache.load_back(match, force=True)
-        if load is not None:
-            load.wait()
-        assert not model.mismatches(tokens, load.prefix_pages if load is not None else match.device_pages)
-    finally:
-        cache.unlock(match)
-    return match
+    with cache.request(tokens, force=True, prefetch=False) as request:
+        request.wait()
+        assert not model.mismatches(tokens, request.prefix_pages)
+    return request.match
 
 
 def close_all(cache: KVCache, dev: DevicePool, host: HostPool) -> None:

@@ -57,30 +57,22 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.evict(device_pages=12)
 
     def _serve(self, tokens, load):
-        cache = self.cache
-        match = cache.match_prefix(tokens, lock=True)
-        try:
-            for op in match.pending:
-                op.wait()
-            self._served_bytes_are_right(tokens, match.device_pages)
-            prefix = match.device_pages
+        with self.cache.request(tokens, load_back=load, force=True, prefetch=False) as request:
+            request.wait()
+            self._served_bytes_are_right(tokens, request.match.device_pages)
             if load:
-                loaded = cache.load_back(match, force=True)
+                loaded = request.load
                 event("load-back" if loaded is not None else "no load-back")
                 if loaded is not None:
                     event(f"load-back of {'one page' if len(loaded.device_pages) == 1 else 'several pages'}")
-                    loaded.wait()
-                    prefix = loaded.prefix_pages
-                    self._served_bytes_are_right(tokens, prefix)
+                    self._served_bytes_are_right(tokens, request.prefix_pages)
             try:
-                new = cache.allocate(len(tokens) // P - len(prefix))
+                new = request.allocate()
             except OutOfPages:
                 return
-            self.model.write(tokens, new, first_page=len(prefix))
-            cache.insert(tokens, np.concatenate([prefix, new]))
+            self.model.write(tokens, new, first_page=len(request.prefix_pages))
+            request.insert()
             self.inserted.update(page_keys(self.model.namespace, tokens))
-        finally:
-            cache.unlock(match)
 
     @precondition(lambda self: len(self.held) < 3)
     @rule(tokens=TOKENS)

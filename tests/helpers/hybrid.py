@@ -80,29 +80,20 @@ class Hybrid:
         state snapshot. Returns (match, tokens served from the cache)."""
         cache, model = self.cache, self.model
         tokens = np.asarray(tokens)
-        match = cache.match_prefix(tokens, lock=True)
-        try:
-            for op in match.pending:
-                op.wait()
-            prefix, state = match.device_pages, match.device_state
-            load = cache.load_back(match, force=force)
-            if load is not None:
-                load.wait()
-                prefix, state = load.prefix_pages, load.device_state
-            elif match.host_tokens or (match.cached_tokens and state is None):
-                raise AssertionError("the match needed a load-back that did not happen")
+        with cache.request(tokens, force=force, prefetch=False) as request:
+            request.wait()
+            assert not request.declined, "the match needed a load-back that did not happen"
+            match, prefix, state = request.match, request.prefix_pages, request.state
             served = len(prefix) * P
             assert served == match.cached_tokens
             assert not model.mismatches(tokens, prefix), "served wrong KV"
             if served:
                 assert state is not None and model.state_ok(tokens[:served], state), "served a wrong state"
-            slot = cache.allocate_state()
-            new = cache.allocate(len(tokens) // P - len(prefix))
+            slot = request.allocate_state()
+            new = request.allocate()
             model.write(tokens, new, first_page=len(prefix))
             model.write_state(tokens, slot)
-            cache.insert(tokens, np.concatenate([prefix, new]), state=slot)
-        finally:
-            cache.unlock(match)
+            request.insert()
         return match, served
 
     def close(self):
