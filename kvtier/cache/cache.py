@@ -43,6 +43,7 @@ from kvtier.cache.storage_tier import Prefetch, StorageTier
 from kvtier.cache.tiers import CALLER, FREE, HELD, TREE, MustWait, Tiers
 from kvtier.checks import index_array, integer, positive_number
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
+from kvtier.locks import named_lock
 from kvtier.pools import DevicePool, HostPool, payload_order
 from kvtier.pools.state import StateDevicePool, StateHostPool
 from kvtier.storage import StorageBackend
@@ -116,12 +117,12 @@ class KVCache:
         self.geometry, self.page_size = namespace.geometry, namespace.page_size
         self.rates = rates or H200_TABLE
         self.load_backend, self.backup_backend = self._choose_backends()
-        self._lock = threading.RLock()
+        self._lock = named_lock("cache", reentrant=True)
         self._closing = self._closed = False
         self._done = threading.Event()
         self.metrics = CacheMetrics()
         self._engines: dict[str, TransferEngine] = {}
-        self._fence_lock = threading.Lock()
+        self._fence_lock = named_lock("cache.fence")
         self._fence_stream: Any = None
         self.states = StateTier(*state_pools, kv_layers=self.geometry.layers, layer_map=layer_map,
                                 max_blocks=settings.max_blocks) if state_pools else None

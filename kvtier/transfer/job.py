@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ import numpy as np
 from kvtier.checks import index_array, integer
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, capture_refused
 from kvtier.kernels import KernelLauncher
+from kvtier.locks import named_lock
 from kvtier.memory.lifetime import wait_then
 from kvtier.pools import DevicePool, HostPool
 from kvtier.pools.geometry import KVGeometry
@@ -233,7 +233,7 @@ class _EngineLock:
     call is still queuing on: it is kept, and runs once that thread lets go of the lock."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
+        self._lock = named_lock("engine", reentrant=True)
         self._depth = 0
         self._after: list[Callable[[], None]] = []
 

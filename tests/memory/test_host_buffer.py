@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.device_kernels import random_bytes
+from helpers.operands import no_automatic_collection
 
 from kvtier.errors import BufferClosed, BufferInUse, HugePagesUnavailable, KvtierError
 from kvtier.memory import HostBuffer, HostKind, get_device_accessible_ptr
@@ -124,3 +125,24 @@ def test_region_bounds(runtime):
             buf.region(4096, 4097)
         with pytest.raises(KvtierError):
             get_device_accessible_ptr(buf.region(8192, 1), 0)
+
+
+def test_close_collects_the_garbage_holding_views_before_it_takes_the_buffers_lock(split):
+    """The collection close() runs to free views only garbage holds runs finalizers, which take other locks (a
+    buffer's release takes the runtime's). Run under the buffer's lock, it ordered the host_buffer lock before the
+    runtime's, while a finalizer closing a buffer inside an emulated kernel takes them the other way round: the
+    lock-order mode found the cycle (docs/lifetime.md)."""
+    buffer = HostBuffer.allocate(1 << 16, runtime=split)
+    held = []
+
+    class Garbage:
+        def __del__(self):
+            held.append(buffer._lock._is_owned())
+
+    with no_automatic_collection():
+        garbage = Garbage()
+        garbage.me, garbage.view = garbage, buffer.as_tensor()
+        del garbage
+        buffer.close()
+    assert buffer.closed
+    assert held == [False], "the collection ran under the buffer's lock"
