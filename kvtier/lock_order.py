@@ -170,7 +170,7 @@ class LockOrder:
                 if found is None:
                     return
             cycles = self.collector_cycles if regular is None else self.inversions
-            inversion = Inversion(edge, regular or found)
+            inversion = Inversion(edge, regular or found or ())
             if (*key, regular is None) not in self._reported:
                 self._reported.add((*key, regular is None))
                 cycles.append(inversion)
@@ -198,10 +198,10 @@ def _phase(phase: str, info: dict) -> None:
 
 def _held() -> list[RecordingLock]:
     try:
-        return _local.held  # type: ignore[no-any-return]
+        return _local.held
     except AttributeError:
         _local.held = []
-        return _local.held  # type: ignore[no-any-return]
+        return _local.held
 
 
 class RecordingLock:

@@ -78,7 +78,7 @@ def test_elapsed_ms_of_events_not_yet_complete_raises_not_ready_as_cuda_does():
 
 def test_kvcache_after_accepts_a_transfer_like_every_engine():
     """A ``Transfer`` is now a valid ``after=`` ("a Transfer is a valid after=": ``order_after`` in
-    kvtier/transfer/job.py, which says "Every engine orders through here"). ``KVCache`` takes ``after=`` on
+    kvtier/transfer/ordering.py, which says "Every engine orders through here"). ``KVCache`` takes ``after=`` on
     ``insert``/``free``/``backup``/``load_back`` but converts it in its own ``KVCache._markers``, which knows events and
     streams only: ``cache.insert(tokens, pages, after=load)`` with ``load`` a Transfer raises
     ``WrongRuntime("emulated:split needs one of its own streams, got Transfer(...)")`` — a message that calls the

@@ -12,7 +12,7 @@ from kvtier.memory import DeviceBuffer
 from kvtier.pools import build_pointer_table
 from kvtier.runtime import create
 from kvtier.runtime.emulated import EmulatedRuntime
-from kvtier.transfer.job import after_events
+from kvtier.transfer.ordering import after_events
 
 MODES = ["split", "unified"]
 

@@ -32,7 +32,7 @@ from kvtier.pools import DevicePool, HostPool, KVGeometry
 from kvtier.runtime import create
 from kvtier.runtime import get as get_runtime
 from kvtier.transfer import TransferEngine
-from kvtier.transfer.job import PoolUser
+from kvtier.transfer.lifetime import PoolUser
 
 _keep: list = []
 

@@ -49,7 +49,7 @@ from kvtier.pools.state import StateDevicePool, StateHostPool
 from kvtier.storage import StorageBackend
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.engine import CURRENT
-from kvtier.transfer.job import after_events
+from kvtier.transfer.ordering import after_events
 
 _T = TypeVar("_T")
 _CLAIMED: weakref.WeakKeyDictionary[Any, KVCache] = weakref.WeakKeyDictionary()
