@@ -1,24 +1,14 @@
 """The lock-order test mode (``KVTIER_LOCK_ORDER=1``): every lock :mod:`kvtier.locks` makes records which locks its
 thread already holds when it is taken, and an acquisition that would close a cycle is refused.
 
-Two threads that take two locks in opposite orders deadlock only when their timing is unlucky; a test run almost
-never hits that timing, but it does take both orders. So each acquisition adds the edges "held A while taking B"
-to one graph, by role (the lock's name, such as ``cache`` or ``host_buffer``, not the instance), and an acquisition
-whose edge closes a cycle (``B`` was once held while ``A`` was taken, perhaps through other locks) is an inversion:
-it is recorded with the stacks where each edge of the opposite path was first seen, and :class:`LockOrderError`
-is raised in the acquiring thread before the lock is taken. The record stays (``ORDER.inversions``) for code that
-swallows the error, so the test session can fail on it.
-
-What makes no edge: taking a lock this thread already holds (reentrancy); a non-blocking ``acquire(False)`` (a
-try-lock never waits); and two instances of one role (two host buffers, two engines): those are ordered by instance
-instead, so two instances taken in both orders are still an inversion, but nesting them is no order between roles.
-A ``Condition.wait`` lets go of its lock and takes it again: the re-take is checked like an acquisition, but only
-recorded (the wait must return holding its lock).
-
-Finalizers the garbage collector runs take locks wherever the collection started, under whatever that thread held.
-Those edges are kept apart (``collector``): which code a collection interrupts changes from run to run, so a cycle
-that needs one of them is recorded in ``ORDER.collector_cycles`` (a real risk, reported) but not refused, and the
-refusals stay the same in every run.
+Two threads that take two locks in opposite orders deadlock only when their timing is unlucky, which a test run
+almost never hits; but it does take both orders. So each acquisition adds the edges "held A while taking B" between
+roles (lock names such as ``cache``, not instances) to one graph, and one whose edge closes a cycle raises
+:class:`LockOrderError` before the lock is taken, recorded (``ORDER.inversions``) with the stacks where the opposite
+path was first seen, for code that swallows the error. Reentrant re-takes and try-locks make no edge; two instances
+of one role are ordered instance by instance; a ``Condition.wait``'s re-take is checked but only recorded. Edges a
+finalizer takes inside a garbage collection depend on where the collection started, so a cycle that needs one is
+recorded apart (``ORDER.collector_cycles``) and not refused. docs/lifetime.md has the roles and their order.
 """
 
 from __future__ import annotations
@@ -150,13 +140,14 @@ class LockOrder:
         """Add the edges from every lock in ``held`` to ``taking``; raise LockOrderError (``refuse``) when one closes a
         cycle of edges taken outside the collector. A known edge costs a dict lookup: only a new one takes the mutex
         and walks the graph."""
-        collector = _collecting == threading.get_ident()
-        known = (self._any if collector else self._regular).edges
+        known = self._regular.edges
         for lock in held:
             key = (lock.serial, taking.serial) if lock.name == taking.name else (lock.name, taking.name)
             if key not in known:
-                self._add(key, Edge(lock.name, taking.name, threading.current_thread().name, _stack(), collector),
-                          refuse)
+                collector = _collecting == _thread.get_ident()
+                if not (collector and key in self._any.edges):
+                    edge = Edge(lock.name, taking.name, threading.current_thread().name, _stack(), collector)
+                    self._add(key, edge, refuse)
 
     def _add(self, key: tuple[Any, Any], edge: Edge, refuse: bool) -> None:
         found = None
@@ -204,6 +195,14 @@ def _held() -> list[RecordingLock]:
         return _local.held
 
 
+def _forget(held: list[RecordingLock], lock: RecordingLock) -> None:
+    """Drop ``lock``'s last entry (a lock let go of out of order)."""
+    for at in range(len(held) - 1, -1, -1):
+        if held[at] is lock:
+            del held[at]
+            break
+
+
 class RecordingLock:
     """A lock (``threading.Lock``, ``RLock`` or a ForkSafeLock) that keeps its thread's list of held locks and the
     order graph up to date. Usable as a Condition's lock (over a reentrant one); anything else is the inner lock's."""
@@ -218,30 +217,33 @@ class RecordingLock:
             gc.callbacks.append(_phase)
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        held = _held()
-        if self in held:
-            if not self.reentrant and blocking:
-                raise LockOrderError(f"the plain (not reentrant) lock {self.name!r} taken again by the thread that "
-                                     f"holds it: it would wait for itself forever\n{_indent(_stack())}")
-        elif blocking and held:
-            self.order.check(held, self)
-        taken = self._inner.acquire(blocking, timeout)
-        if taken:
+        try:
+            held = _local.held
+        except AttributeError:
+            held = _local.held = []
+        if held:
+            if self in held:
+                if not self.reentrant and blocking:
+                    raise LockOrderError(f"the plain (not reentrant) lock {self.name!r} taken again by the thread "
+                                         f"that holds it: it would wait for itself forever\n{_indent(_stack())}")
+            elif blocking:
+                self.order.check(held, self)
+        if self._inner.acquire(blocking, timeout):
             held.append(self)
-        return bool(taken)
+            return True
+        return False
+
+    __enter__ = acquire
 
     def release(self) -> None:
         self._inner.release()
         held = _held()
-        for at in range(len(held) - 1, -1, -1):
-            if held[at] is self:
-                del held[at]
-                break
+        if held and held[-1] is self:
+            held.pop()
+        else:
+            _forget(held, self)
 
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
         self.release()
 
     def _is_owned(self) -> bool:
