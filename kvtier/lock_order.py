@@ -235,16 +235,19 @@ class RecordingLock:
 
     __enter__ = acquire
 
-    def release(self) -> None:
+    def release(self, *exc: object) -> None:
+        """Also ``__exit__`` (which passes the exception, ignored): one call per ``with`` block."""
         self._inner.release()
-        held = _held()
+        try:
+            held = _local.held
+        except AttributeError:   # a thread that took none: nothing of its own to forget
+            return
         if held and held[-1] is self:
             held.pop()
         else:
             _forget(held, self)
 
-    def __exit__(self, kind: object, error: object, trace: object) -> None:
-        self.release()
+    __exit__ = release
 
     def _is_owned(self) -> bool:
         return bool(self._inner._is_owned())
