@@ -10,12 +10,13 @@ The points are listed where they are reached (``grep -rn 'reached("' kvtier``); 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from kvtier.locks import named_lock
+
 _actions: dict[str, Callable[[], object]] = {}
-_guard = threading.Lock()
+_guard = named_lock("pause_points")
 
 
 def reached(name: str) -> None:

@@ -3,12 +3,19 @@ machine with a usable GPU, the GPU runtime (marked ``gpu``; its id stays ``cuda`
 ``KVTIER_GPU_RUNTIME`` names (``hip`` in scripts/amd_check.sh).
 
 A run that leaves kvtier's files behind (temporary directories, shm files) fails and names them; the GPU runs a
-machine without a GPU skips are summed up in one line of ``-ra``."""
+machine without a GPU skips are summed up in one line of ``-ra``.
+
+The suite runs in the lock-order mode (``KVTIER_LOCK_ORDER=1``, set here before kvtier is imported; ``=0`` turns
+it off for a run): every kvtier lock records which locks its thread holds while it is taken, and a run in which
+any acquisition inverted an order seen before fails and names both locks with their stacks (docs/lifetime.md)."""
 
 from __future__ import annotations
 
-import gc
 import os
+
+os.environ.setdefault("KVTIER_LOCK_ORDER", "1")   # read once, when kvtier is imported: so before any kvtier import
+
+import gc
 import shutil
 import tempfile
 import uuid
@@ -18,6 +25,7 @@ from pathlib import Path
 import pytest
 from helpers.runtimes import cuda_runtime
 
+from kvtier import lock_order, locks
 from kvtier.memory.shm import DEFAULT_DIR as DEFAULT_SHM_DIR
 from kvtier.memory.shm import DIR_ENV_VAR as SHM_DIR_ENV_VAR
 from kvtier.runtime import Runtime, create
@@ -37,6 +45,9 @@ PRIVATE_SHM = "KVTIER_TEST_PRIVATE_SHM"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if (os.environ[locks.ENV_VAR] == "1") != locks.RECORDING:
+        raise pytest.UsageError(f"kvtier was imported before tests/conftest.py set {locks.ENV_VAR}: its locks do "
+                                f"not follow the setting (a plugin importing kvtier?)")
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())   # tmp_path stays where pytest keeps it
     _private["tmp"] = tempfile.mkdtemp(prefix="kvtier-test-session-")
     os.environ["TMPDIR"] = tempfile.tempdir = _private["tmp"]
@@ -70,6 +81,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if left:
         _private["left"] = "\n".join(left[:20] + ([f"… and {len(left) - 20} more"] if len(left) > 20 else []))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if lock_order.ORDER.inversions:                   # raised where they happened, but a thread may have swallowed it
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -77,6 +90,20 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("kvtier files left behind", red=True)
         terminalreporter.line("the tests left these (a test that makes one must remove it); the run fails:\n"
                               + _private["left"])
+    inversions, cycles = lock_order.ORDER.inversions, lock_order.ORDER.collector_cycles
+    if inversions:
+        terminalreporter.section("kvtier lock order inversions", red=True)
+        terminalreporter.line(f"{len(inversions)} acquisition(s) took two locks in both orders (docs/lifetime.md "
+                              f"gives the order); the run fails:")
+        for inversion in inversions:
+            terminalreporter.line(str(inversion))
+    if cycles:
+        terminalreporter.section("kvtier lock order cycles through finalizers", yellow=True)
+        terminalreporter.line(f"{len(cycles)} lock order cycle(s) need a lock a finalizer took inside a garbage "
+                              f"collection; whether a run sees one depends on where collections start, so they "
+                              f"are reported, not failed:")
+        for cycle in cycles:
+            terminalreporter.line(str(cycle))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

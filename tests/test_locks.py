@@ -1,14 +1,16 @@
-"""A process forked while another of its threads holds one of kvtier's module locks (or the emulated runtime's, inside
-a call running queued work): the child can take it. A lock the forking thread itself holds stays its own."""
+"""kvtier's locks: all made by role through ``kvtier.locks`` (plain locks unless the lock-order mode records them),
+and a process forked while another of its threads holds one of kvtier's locks (a module lock, or the emulated
+runtime's, inside a call running queued work) can take it in the child; a lock the forking thread itself holds stays
+its own."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,15 +21,17 @@ from helpers.operands import (
     device,
     run_in_fork,
 )
+from helpers.paths import ROOT
 
+from kvtier import locks
 from kvtier.compat import operands
 from kvtier.compat.sglang import direct
 from kvtier.compat.sglang import kvcacheio as io
-from kvtier.locks import ForkSafeLock
+from kvtier.errors import InvalidArgument
+from kvtier.lock_order import RecordingLock
+from kvtier.locks import ForkSafeLock, named_condition, named_lock
 from kvtier.memory import registration
 from kvtier.runtime import create
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _env_with_kvtier() -> dict[str, str]:
@@ -44,6 +48,7 @@ LOCKS = {
     "direct index memo": lambda: direct._indexed_lock,
     "registration spans": lambda: registration._spans_lock,
     "a new ForkSafeLock": ForkSafeLock,
+    "a named fork-safe lock": lambda: named_lock("test.fork_safe", fork_safe=True),
     "a runtime's lock": lambda: create("emulated:split")._lock,
 }
 
@@ -216,3 +221,54 @@ def test_a_fork_safe_lock_held_by_the_forking_thread_stays_held_in_the_child():
     in the child, re-create the lock held when the owner was the forking thread (it lives on in the child)."""
     assert _fork_holding(threading.Lock()) == 0
     assert _fork_holding(ForkSafeLock()) == 0, "the child could not release the lock its thread held at fork"
+
+
+def test_every_lock_in_kvtier_is_made_by_role_through_kvtier_locks():
+    """A lock made any other way is one the lock-order mode cannot see."""
+    package = ROOT / "kvtier"
+    made = re.compile(r"\b(Lock|RLock|Condition|ForkSafeLock|allocate_lock|Semaphore|BoundedSemaphore)\(")
+    for path in package.rglob("*.py"):
+        if path.name in ("locks.py", "lock_order.py"):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not made.search(line), f"{path}:{number} makes a lock outside kvtier.locks: {line.strip()}"
+
+
+@pytest.mark.parametrize("name", ["", None, 3])
+def test_a_lock_needs_a_role_name(name):
+    with pytest.raises(InvalidArgument, match="role name"):
+        named_lock(name)
+    with pytest.raises(InvalidArgument, match="role name"):
+        named_condition(name)
+
+
+def test_out_of_the_mode_the_factories_give_plain_locks(monkeypatch):
+    monkeypatch.setattr(locks, "RECORDING", False)
+    assert type(named_lock("a")) is type(threading.Lock())
+    assert type(named_lock("a", reentrant=True)) is type(threading.RLock())
+    assert type(named_lock("a", fork_safe=True)) is ForkSafeLock
+    condition = named_condition("a")
+    assert type(condition) is threading.Condition and type(condition._lock) is type(threading.RLock())
+
+
+def test_in_the_mode_the_factories_give_recording_locks_over_the_same_kinds(monkeypatch):
+    monkeypatch.setattr(locks, "RECORDING", True)
+    plain, reentrant, fork_safe = named_lock("a"), named_lock("b", reentrant=True), named_lock("c", fork_safe=True)
+    assert all(isinstance(lock, RecordingLock) for lock in (plain, reentrant, fork_safe))
+    assert (plain.name, plain.reentrant, reentrant.reentrant, fork_safe.reentrant) == ("a", False, True, True)
+    assert type(plain._inner) is type(threading.Lock()) and type(fork_safe._inner) is ForkSafeLock
+    condition = named_condition("d")
+    assert isinstance(condition._lock, RecordingLock) and condition._lock.name == "d"
+
+
+def test_the_environment_variable_decides_when_kvtier_is_imported():
+    """Read once, at import: the module-level locks follow it as the others do."""
+    probe = ("from kvtier import locks; from kvtier.memory import registration; "
+             "print(locks.RECORDING, type(registration._spans_lock).__name__)")
+    seen = {}
+    for value in ("0", "1"):
+        done = subprocess.run([sys.executable, "-c", probe], env={**_env_with_kvtier(), locks.ENV_VAR: value},
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        seen[value] = done.stdout.split()
+    assert seen == {"0": ["False", "ForkSafeLock"], "1": ["True", "RecordingLock"]}

@@ -46,12 +46,13 @@ from kvtier.cache.tiers import CALLER, FREE, HELD, TREE, Completed, MustWait, Ti
 from kvtier.checks import index_array, integer, positive_number
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.keys import Namespace, token_array
+from kvtier.locks import named_lock
 from kvtier.pools import DevicePool, HostPool, payload_order
 from kvtier.pools.state import StateDevicePool, StateHostPool
 from kvtier.storage import StorageBackend
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.engine import CURRENT
-from kvtier.transfer.job import after_events
+from kvtier.transfer.ordering import after_events
 
 _T = TypeVar("_T")
 _CLAIMED: weakref.WeakKeyDictionary[Any, KVCache] = weakref.WeakKeyDictionary()
@@ -119,12 +120,12 @@ class KVCache:
         self.geometry, self.page_size = namespace.geometry, namespace.page_size
         self.rates = rates or H200_TABLE
         self.load_backend, self.backup_backend = self._choose_backends()
-        self._lock = threading.RLock()
+        self._lock = named_lock("cache", reentrant=True)
         self._closing = self._closed = False
         self._done = threading.Event()
         self.metrics = CacheMetrics()
         self._engines: dict[str, TransferEngine] = {}
-        self._fence_lock = threading.Lock()
+        self._fence_lock = named_lock("cache.fence")
         self._fence_stream: Any = None
         tier_settings = TierSettings(self.geometry, device_pool.pages, host_pool.pages, settings.write_policy,
                                      contiguous_device=self.load_backend in COPY_ENGINE_BACKENDS)

@@ -14,6 +14,7 @@ from collections import deque
 from typing import Any, Callable
 
 from kvtier.cache.operation import BACKUP, LOAD, Operation
+from kvtier.locks import named_condition
 
 
 class Controller:
@@ -23,7 +24,7 @@ class Controller:
         """``enter`` runs first on each thread (the cache makes its pools' device current there). The threads start
         with :meth:`start`, once what they call into is built."""
         self._submit_backup, self._complete, self._on_depth, self._enter = submit_backup, complete, on_depth, enter
-        self._cond = threading.Condition()
+        self._cond = named_condition("cache.controller")
         self._requests: deque[tuple[list[Any], Any]] = deque()
         self._inflight: dict[str, deque[Operation]] = {LOAD: deque(), BACKUP: deque()}
         self._submitting = False

@@ -6,11 +6,12 @@ Each cache has its own ``CollectorRegistry`` (two caches in one process never co
 
 from __future__ import annotations
 
-import threading
 from collections import defaultdict
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from kvtier.locks import named_lock
 
 TIERS = ("device", "host", "storage")
 DIRECTIONS = ("load", "backup")
@@ -57,7 +58,7 @@ REASONS["prefetch_skipped"] = REASONS["prefetches"]
 class CacheMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._lock = threading.Lock()
+        self._lock = named_lock("cache.metrics")
         self._values: dict[str, float] = defaultdict(float)
         r = self.registry
         self._counters = {

@@ -32,6 +32,7 @@ from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.settings import CacheSettings, PrefetchPolicy
 from kvtier.errors import InvalidArgument
 from kvtier.keys import chain_keys
+from kvtier.locks import named_condition
 from kvtier.storage.views import HostPages
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ class StorageTier:
         self.decide = decide
         self.page_size = tiers.page_size
         self.host = HostPages(host_pool)
-        self._cond = threading.Condition()
+        self._cond = named_condition("cache.storage_tier")
         self._jobs: deque[StoreJob] = deque()
         self._queued_pages = 0
         self._writing = False

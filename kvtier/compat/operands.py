@@ -20,7 +20,7 @@ import numpy as np
 from kvtier.compat.device_array import DeviceArray
 from kvtier.errors import InvalidArgument, KvtierError, WrongRuntime, about
 from kvtier.kernels.launch import KernelLauncher
-from kvtier.locks import ForkSafeLock
+from kvtier.locks import named_lock
 from kvtier.memory import DeviceAddress, get_device_accessible_ptr, resolve_foreign_address, tensor_extent
 from kvtier.memory.registration import registered_span, span_generation
 from kvtier.pause_points import reached
@@ -67,11 +67,11 @@ class _PerRuntime:
         self.aliases: OrderedDict[tuple[int, int], tuple[tuple[int, int], DeviceAddress]] = OrderedDict()
         self.rooms: OrderedDict[tuple, tuple[tuple[int, int], tuple[int | None, bool]]] = OrderedDict()
         self.plans: OrderedDict[tuple, Any] = OrderedDict()
-        self.lock = ForkSafeLock()
+        self.lock = named_lock("compat.runtime", fork_safe=True)
 
 
 _state: weakref.WeakKeyDictionary[Runtime, _PerRuntime] = weakref.WeakKeyDictionary()
-_state_lock = ForkSafeLock()
+_state_lock = named_lock("compat.state", fork_safe=True)
 
 
 def _per_runtime(runtime: Runtime) -> _PerRuntime:

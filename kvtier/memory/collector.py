@@ -27,7 +27,9 @@ class Collector:
     def __init__(self) -> None:
         self.thread: int | None = None
         self.pending: list[weakref.ref[Closable]] = []
-        gc.callbacks.append(self.phase)
+        # first: the lock-order mode's callback, which marks a collection's end, then counts the closes retried at
+        # the end as the collector's (kvtier.lock_order)
+        gc.callbacks.insert(0, self.phase)
 
     def running_here(self) -> bool:
         """Whether this thread is inside a collection (finalizers run there; ``gc.collect()`` would do nothing)."""

@@ -22,6 +22,7 @@ from kvtier import osmem
 from kvtier.address import CpuAddress
 from kvtier.checks import integer
 from kvtier.errors import BufferClosed, BufferInUse, InvalidArgument, KvtierError, OutOfMemory
+from kvtier.locks import named_lock
 from kvtier.memory import host_memory
 from kvtier.memory.budget import check_host_budget
 from kvtier.memory.collector import COLLECTOR
@@ -279,13 +280,13 @@ class HostBuffer:
         a caught exception's traceback and the frames in it) are collected first and do not count. Called from a
         finalizer while the collector runs, where that collection may still free the views, it returns and the
         buffer is closed after a collection that leaves no view."""
+        if not (self.closed or self._closing or self._viewing or COLLECTOR.running_here()) and self.live_views():
+            gc.collect()   # not under the lock: the finalizers it runs take others (the runtime's, inside kernels)
         with self._lock:   # held only to decide: draining users must not block their threads' as_tensor()
             if self.closed:
                 return
             first = self._closed if self._closing else None
             if first is None:
-                if self.live_views() > 0 and not self._viewing and not COLLECTOR.running_here():
-                    gc.collect()
                 if self.live_views() > 0 or self._viewing:
                     if COLLECTOR.running_here():
                         COLLECTOR.close_later(self)
@@ -315,7 +316,7 @@ class HostBuffer:
         """A fresh lock and close state: at creation, and in a fork child, where a parent thread may have held the
         lock or been closing. That close does not go on in the child, so there it is finished: the child's copy is
         marked closed (in a child, release gives nothing back)."""
-        self._lock = threading.RLock()   # a view is handed out, or close() begins: never both at once
+        self._lock = named_lock("host_buffer", reentrant=True)  # a view handed out, or close() begun: never both
         self._closed = threading.Event()
         self._viewing = False
         if getattr(self, "_closing", False) and not self.closed:

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.errors import RegistrationError
-from kvtier.locks import ForkSafeLock
+from kvtier.locks import named_lock
 from kvtier.runtime import Runtime
 
 DEFAULT_REGISTER_CHUNK_BYTES = 64 << 30
 
-_spans_lock = ForkSafeLock()
+_spans_lock = named_lock("registration.spans", fork_safe=True)
 _spans: weakref.WeakKeyDictionary[Runtime, dict[int, tuple[int, int]]] = weakref.WeakKeyDictionary()
 _span_versions: weakref.WeakKeyDictionary[Runtime, int] = weakref.WeakKeyDictionary()
 

@@ -74,7 +74,7 @@ from kvtier.errors import (
     WrongDeviceError,
     capture_refused,
 )
-from kvtier.locks import ForkSafeLock
+from kvtier.locks import named_lock
 from kvtier.runtime.program import KernelArg, Program, ProgramSpec
 from kvtier.runtime.ranges import Range, RangeIndex
 
@@ -217,7 +217,7 @@ class _Kept(Exception):
 
 
 _KEPT_RELEASES: list[tuple[Any, Callable[[], None]]] = []
-_KEPT_LOCK = threading.Lock()
+_KEPT_LOCK = named_lock("runtime.kept_releases")
 """Releases :meth:`Runtime.after_device_work` could not make yet (a stream was capturing), with their runtime."""
 
 
@@ -242,7 +242,7 @@ class Runtime(abc.ABC):
 
     def __init__(self) -> None:
         self._host = RangeIndex[HostKind]()
-        self._lock = ForkSafeLock()
+        self._lock = named_lock("runtime", fork_safe=True)
         self._programs: dict[tuple[str, int], Program] = {}
         self._stream_override = threading.local()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
-import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ import numpy as np
 
 from kvtier.address import Address, CpuAddress, DeviceAddress
 from kvtier.errors import InvalidArgument, KernelBuildError, RuntimeCallError, RuntimeUnavailable, WrongRuntime
+from kvtier.locks import named_lock
 from kvtier.runtime.base import (
     DeviceAttributes,
     Event,
@@ -251,7 +251,7 @@ class CudaRuntime(Runtime):
         self._wait_value_support: dict[int, bool] = {}
         self._spare_events: dict[tuple[int, bool], list[Any]] = {}
         self._detours: dict[int, tuple[CudaStream, Any, Any]] = {}
-        self._detour_lock = threading.Lock()
+        self._detour_lock = named_lock("cuda.detour")
         self._wait_geq = int(_driver().CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
 
     def device_count(self) -> int:

@@ -36,7 +36,6 @@ import contextlib
 import inspect
 import json
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -48,6 +47,7 @@ import numpy as np
 from kvtier.checks import positive_number
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.keys import Namespace
+from kvtier.locks import named_lock
 from kvtier.pools.geometry import HostLayout
 from kvtier.storage.format import HEADER_BYTES, PageFormat, PageRejected
 
@@ -123,7 +123,7 @@ class StorageStats:
     """Thread-safe counters; ``snapshot()`` is a plain dict."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = named_lock("storage.stats")
         self._counts: dict[str, float] = {}
 
     def add(self, name: str, value: float = 1) -> None:
@@ -164,7 +164,7 @@ class StorageBackend(abc.ABC):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self.counters = StorageStats()
-        self._state_lock = threading.Lock()
+        self._state_lock = named_lock("storage.state")
         self._down_until = {READ: 0.0, WRITE: 0.0}
         self._down = {READ: False, WRITE: False}
         self._failed_at = {READ: 0.0, WRITE: 0.0}

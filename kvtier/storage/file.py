@@ -35,6 +35,7 @@ from typing import Any
 
 from kvtier.errors import InvalidArgument
 from kvtier.keys import Namespace
+from kvtier.locks import named_lock
 from kvtier.storage.backend import Entry, PartialWrite, StorageBackend, StorageError
 from kvtier.storage.format import HEADER_BYTES, PageRejected
 from kvtier.storage.temporaries import sweep_temporaries, write_file, writing
@@ -90,7 +91,7 @@ class FileStore(StorageBackend):
         self.fsync, self.max_bytes, self.overwrite = fsync, max_bytes, overwrite
         self._made: set[str] = set()
         self._lru: OrderedDict[str, int] = OrderedDict()
-        self._lru_lock = threading.Lock()
+        self._lru_lock = named_lock("storage.file_lru")
         self._used = 0
         self._scanned = 0.0
         if namespace is None:                    # an operator's view: a missing directory holds no pages

@@ -7,13 +7,13 @@ caches in one process, a "restart"), as a shared directory or server would.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 from kvtier.errors import InvalidArgument
 from kvtier.keys import Namespace
+from kvtier.locks import named_lock
 from kvtier.storage.backend import Entry, StorageBackend
 from kvtier.storage.format import PageRejected
 
@@ -22,7 +22,7 @@ class SharedPages:
     """The dict several MemoryStores share (namespace id → key → stored bytes), LRU-ordered, with one lock."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = named_lock("storage.memory")
         self.pages: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()
         self.namespaces: dict[str, dict[str, Any]] = {}
 

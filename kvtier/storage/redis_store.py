@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +26,7 @@ from redis.exceptions import AskError, ResponseError, TryAgainError
 from kvtier.checks import positive_number
 from kvtier.errors import InvalidArgument
 from kvtier.keys import Namespace
+from kvtier.locks import named_lock
 from kvtier.storage.backend import Entry, StorageBackend, StorageError, scatter
 from kvtier.storage.format import PageRejected
 from kvtier.storage.redis_url import parse_redis_url
@@ -60,7 +60,7 @@ class RedisStore(StorageBackend):
         self.cluster, self.url, self.where = target.cluster, target.url, target.where
         self.prefix, self.ttl = prefix, ttl
         self._options = connection
-        self._client_lock = threading.Lock()
+        self._client_lock = named_lock("storage.redis_client")
         self._client: Any = None
         self._record = json.dumps(self.describe()).encode() if namespace is not None else b""
 

@@ -20,13 +20,13 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvtier.locks import ForkSafeLock
+from kvtier.locks import named_lock
 
 CLOCK_SLACK = 60.0
 """Seconds a file must predate its pid's process before it counts as another process's (wall clocks get stepped)."""
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _writing: set[str] = set()
-_writing_lock = ForkSafeLock()
+_writing_lock = named_lock("storage.temporaries", fork_safe=True)
 
 
 @contextlib.contextmanager

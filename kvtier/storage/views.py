@@ -10,13 +10,13 @@ the Redis store by writing them to the socket one after the other, so no layout 
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kvtier.errors import BufferClosed
+from kvtier.locks import named_condition
 from kvtier.pools import HostPool
 
 Pieces = list[memoryview]
@@ -53,7 +53,7 @@ class HostPages:
 
     def __init__(self, pool: HostPool) -> None:
         self.pool = pool
-        self._cond = threading.Condition()
+        self._cond = named_condition("storage.pages")
         self._inflight = 0
         pool.add_user(self)
 

@@ -29,24 +29,15 @@ from kvtier.memory import HostBuffer, HostKind
 from kvtier.memory.lifetime import wait_then
 from kvtier.pools import DevicePool, HostPool
 from kvtier.runtime import Graph, Stream
+from kvtier.transfer.arguments import check_pools, checked_layers, choose_backup_threads
 from kvtier.transfer.backend import Backend, BackendOptions
+from kvtier.transfer.completion import Transfer, user_event
 from kvtier.transfer.dma import BatchBackend, DirectBackend
 from kvtier.transfer.indices import IndexRing, arena_bytes
-from kvtier.transfer.job import (
-    CURRENT,
-    D2H,
-    H2D,
-    Context,
-    Job,
-    PoolUser,
-    Transfer,
-    check_pools,
-    checked_layers,
-    choose_backup_threads,
-    order_after,
-    user_event,
-)
+from kvtier.transfer.job import D2H, H2D, Context, Job
 from kvtier.transfer.kernel import KernelBackend
+from kvtier.transfer.lifetime import PoolUser
+from kvtier.transfer.ordering import CURRENT, order_after
 from kvtier.transfer.plan import index_values, layer_spans, plan_for
 from kvtier.transfer.staged import StagedBackend
 
@@ -203,7 +194,7 @@ class TransferEngine(PoolUser):
                  layer_signals: bool | None = None, backup_threads: int | None = None) -> None:
         """``max_blocks`` is the SM budget of kernel copies, ``threads`` the threads per block of its loads and
         ``backup_threads`` of its backups (default: ``threads``, at most 512 when ``max_blocks`` > 1 and chunks are at
-        least 512 bytes; see :func:`kvtier.transfer.job.choose_backup_threads` for the measurements);
+        least 512 bytes; see :func:`kvtier.transfer.arguments.choose_backup_threads` for the measurements);
         ``staging_bytes`` the device staging area of each direction (staged backend), whose relayout kernels use
         ``relayout_blocks`` (default: every SM); ``index_ring_bytes`` the index arena of each stream (default: two
         transfers of the whole device pool).

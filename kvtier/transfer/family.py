@@ -24,20 +24,13 @@ from kvtier.memory.lifetime import Owned
 from kvtier.pools import build_pointer_table
 from kvtier.pools.family import FamilyDevicePool, FamilyHostPool, Part
 from kvtier.runtime import Graph, Stream
+from kvtier.transfer.arguments import check_pools, checked_layers, choose_backup_threads
+from kvtier.transfer.completion import Transfer, user_event
 from kvtier.transfer.engine import CapturedLoad
 from kvtier.transfer.indices import IndexRing, arena_bytes
-from kvtier.transfer.job import (
-    CURRENT,
-    D2H,
-    H2D,
-    PoolUser,
-    Transfer,
-    check_pools,
-    checked_layers,
-    choose_backup_threads,
-    order_after,
-    user_event,
-)
+from kvtier.transfer.job import D2H, H2D
+from kvtier.transfer.lifetime import PoolUser
+from kvtier.transfer.ordering import CURRENT, order_after
 from kvtier.transfer.plan import layer_spans
 from kvtier.transfer.signals import LayerSignals
 

@@ -27,8 +27,10 @@ from kvtier.memory import DeviceBuffer, HostBuffer, HostKind
 from kvtier.memory.lifetime import Owned
 from kvtier.pools import DevicePool, HostPool, build_pointer_table, device_strides
 from kvtier.runtime import Stream
+from kvtier.transfer.completion import Transfer, user_event
 from kvtier.transfer.indices import IndexRing
-from kvtier.transfer.job import CURRENT, PoolUser, Transfer, order_after, user_event
+from kvtier.transfer.lifetime import PoolUser
+from kvtier.transfer.ordering import CURRENT, order_after
 from kvtier.transfer.plan import plan_for
 
 STATE = ("slot_tokens", "lru", "lru_next", "token_slot", "flags", "miss_src", "miss_dst", "host_locs", "device_locs")

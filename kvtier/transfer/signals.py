@@ -21,7 +21,7 @@ from kvtier.memory import DeviceBuffer
 from kvtier.memory.device_buffer import DeviceRegion
 from kvtier.memory.lifetime import Owned
 from kvtier.runtime import Runtime, Stream
-from kvtier.transfer.job import Transfer, user_event
+from kvtier.transfer.completion import Transfer, user_event
 
 
 class LayerSignals:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers.compat import byte_operands
 from helpers.device_kernels import random_bytes
-from helpers.operands import POISON
+from helpers.operands import POISON, no_automatic_collection
 from helpers.paths import child_env
 
 from kvtier.compat.sglang import kvcacheio
@@ -216,3 +216,24 @@ def test_closing_a_registered_host_buffer_does_not_unmap_it_under_a_queued_compa
     with contextlib.suppress(BufferInUse):
         buffer.close()
     runtime.synchronize(0)          # faults: the kernel ran on memory close() had already unregistered
+
+
+def test_close_collects_the_garbage_holding_views_before_it_takes_the_buffers_lock(split):
+    """The collection close() runs to free views only garbage holds runs finalizers, which take other locks (a
+    buffer's release takes the runtime's). Run under the buffer's lock, it ordered the host_buffer lock before the
+    runtime's, while a finalizer closing a buffer inside an emulated kernel takes them the other way round: the
+    lock-order mode found the cycle (docs/lifetime.md)."""
+    buffer = HostBuffer.allocate(1 << 16, runtime=split)
+    held = []
+
+    class Garbage:
+        def __del__(self):
+            held.append(buffer._lock._is_owned())
+
+    with no_automatic_collection():
+        garbage = Garbage()
+        garbage.me, garbage.view = garbage, buffer.as_tensor()
+        del garbage
+        buffer.close()
+    assert buffer.closed
+    assert held == [False], "the collection ran under the buffer's lock"

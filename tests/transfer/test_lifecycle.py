@@ -419,7 +419,7 @@ def test_ok_an_engine_closed_from_another_thread_mid_transfer_closes_after_it_la
 
         loader = threading.Thread(target=load)
         closer = threading.Thread(target=close)
-        with armed("job.close", closing.set):
+        with armed("engine.close", closing.set):
             loader.start()
             assert inside.wait(60)
             closer.start()

@@ -33,7 +33,7 @@ from kvtier.compat.operands import (
     operand_key,
 )
 from kvtier.errors import InvalidArgument, KvtierError, about
-from kvtier.locks import ForkSafeLock
+from kvtier.locks import named_lock
 from kvtier.memory.alias import span_chunks
 from kvtier.memory.registration import span_generation, split_at_boundaries
 from kvtier.pause_points import reached
@@ -86,7 +86,7 @@ class Indexed:
 INDEXED_KEPT = 4
 """Index value sets kept (with their copies): a per-layer load uses one; a few streams load at once."""
 _indexed: OrderedDict[tuple, Indexed] = OrderedDict()
-_indexed_lock = ForkSafeLock()
+_indexed_lock = named_lock("compat.indexed", fork_safe=True)
 
 
 def _indexed_values(src_indices: Any, dst_indices: Any, page_size: Any) -> Indexed:
