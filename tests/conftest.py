@@ -40,7 +40,7 @@ NO_GPU = "no usable CUDA GPU"
 # directory, files named after this process (the creator's pid) count too. Under pytest-xdist (``-n 2``) each worker
 # has directories of its own and reports what it found to the controller, which fails the run.
 _private: dict[str, str] = {}
-_reported: list[str] = []
+_reported: dict[str, list[str]] = {"kvtier_left": [], "lock_inversions": [], "lock_collector_cycles": []}
 PRIVATE_SHM = "KVTIER_TEST_PRIVATE_SHM"
 
 
@@ -67,21 +67,30 @@ def leftovers() -> list[str]:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
-    """An xdist worker finished: keep what it left behind (it cannot fail the run itself)."""
-    _reported.extend(getattr(node, "workeroutput", {}).get("kvtier_left", []))
+    """An xdist worker finished: keep what it left behind and the lock inversions it saw (it cannot fail the run
+    itself)."""
+    for key, found in _reported.items():
+        found.extend(getattr(node, "workeroutput", {}).get(key, []))
+
+
+def inversions() -> tuple[list[str], list[str]]:
+    """The lock-order inversions and the cycles through finalizers this process and its xdist workers saw."""
+    return ([str(i) for i in lock_order.ORDER.inversions] + _reported["lock_inversions"],
+            [str(c) for c in lock_order.ORDER.collector_cycles] + _reported["lock_collector_cycles"])
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or "tmp" not in _private:
         return
     gc.collect()                                       # buffers only garbage holds give their files back first
-    left = leftovers() + _reported
+    left = leftovers() + _reported["kvtier_left"]
+    inverted, cycles = inversions()
     if hasattr(session.config, "workeroutput"):
-        session.config.workeroutput["kvtier_left"] = left
+        session.config.workeroutput.update(kvtier_left=left, lock_inversions=inverted, lock_collector_cycles=cycles)
     if left:
         _private["left"] = "\n".join(left[:20] + ([f"… and {len(left) - 20} more"] if len(left) > 20 else []))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if lock_order.ORDER.inversions:                   # raised where they happened, but a thread may have swallowed it
+    if inverted:                                       # raised where they happened, but a thread may have swallowed it
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -90,20 +99,20 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("kvtier files left behind", red=True)
         terminalreporter.line("the tests left these (a test that makes one must remove it); the run fails:\n"
                               + _private["left"])
-    inversions, cycles = lock_order.ORDER.inversions, lock_order.ORDER.collector_cycles
-    if inversions:
+    inverted, cycles = inversions()
+    if inverted:
         terminalreporter.section("kvtier lock order inversions", red=True)
-        terminalreporter.line(f"{len(inversions)} acquisition(s) took two locks in both orders (docs/lifetime.md "
+        terminalreporter.line(f"{len(inverted)} acquisition(s) took two locks in both orders (docs/lifetime.md "
                               f"gives the order); the run fails:")
-        for inversion in inversions:
-            terminalreporter.line(str(inversion))
+        for inversion in inverted:
+            terminalreporter.line(inversion)
     if cycles:
         terminalreporter.section("kvtier lock order cycles through finalizers", yellow=True)
         terminalreporter.line(f"{len(cycles)} lock order cycle(s) need a lock a finalizer took inside a garbage "
                               f"collection; whether a run sees one depends on where collections start, so they "
                               f"are reported, not failed:")
         for cycle in cycles:
-            terminalreporter.line(str(cycle))
+            terminalreporter.line(cycle)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -254,15 +254,18 @@ def test_swallows_an_inversion_in_a_thread():
 '''
 
 
-def test_an_inversion_anywhere_fails_the_run_and_names_both_locks(tmp_path):
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "two xdist workers"])
+def test_an_inversion_anywhere_fails_the_run_and_names_both_locks(tmp_path, workers):
+    """Alone or in an xdist worker (which reports what it saw to the controller)."""
     if os.environ.get("KVTIER_LOCK_ORDER") == "0":
         pytest.skip("the run has the lock-order mode off")
     shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_inner.py").write_text(INNER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS),
                                                          os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")], cwd=tmp_path, env=env,
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "--rootdir",
+               str(tmp_path), str(tmp_path / "test_inner.py"), *workers]
+    done = subprocess.run(command, cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "1 passed" in done.stdout and "kvtier lock order inversions" in done.stdout
