@@ -26,7 +26,7 @@ def recording(order: LockOrder, name: str, *, reentrant: bool = False) -> Record
     return RecordingLock(inner, name, reentrant=reentrant, order=order)
 
 
-def pairs(order: LockOrder) -> set[tuple[str, str]]:
+def edge_pairs(order: LockOrder) -> set[tuple[str, str]]:
     return {(edge.held, edge.taken) for edge in order.edges()}
 
 
@@ -89,7 +89,7 @@ def test_an_order_taken_again_is_not_an_inversion_and_is_one_edge():
         with a:
             with b:
                 pass
-    assert pairs(order) == {("a", "b")} and not order.inversions
+    assert edge_pairs(order) == {("a", "b")} and not order.inversions
 
 
 def test_reentrant_retaking_makes_no_edge():
@@ -99,7 +99,7 @@ def test_reentrant_retaking_makes_no_edge():
         with x:
             with r:                 # already held: it cannot wait, so x -> r is no order
                 pass
-    assert pairs(order) == {("r", "x")}
+    assert edge_pairs(order) == {("r", "x")}
     assert not order.inversions and free(r)
 
 
@@ -122,7 +122,7 @@ def test_a_try_lock_makes_no_edge():
     with a:
         with b:
             pass
-    assert pairs(order) == {("a", "b")} and not order.inversions
+    assert edge_pairs(order) == {("a", "b")} and not order.inversions
 
 
 def test_a_condition_wait_lets_go_of_its_lock_and_takes_it_back_without_an_edge():
@@ -145,7 +145,7 @@ def test_a_condition_wait_lets_go_of_its_lock_and_takes_it_back_without_an_edge(
             assert cond.wait_for(lambda: woken, timeout=60)
             assert _held() == [lock, lock]
     thread.join(60)
-    assert pairs(order) == set() and _held() == [] and free(lock)
+    assert edge_pairs(order) == set() and _held() == [] and free(lock)
 
 
 def test_a_wait_that_retakes_its_lock_under_another_is_recorded_but_returns_holding_it():
@@ -170,7 +170,7 @@ def test_two_instances_of_one_role_are_ordered_by_instance_not_by_role():
     with first:
         with second:
             pass
-    assert pairs(order) == {("host_buffer", "host_buffer")}
+    assert edge_pairs(order) == {("host_buffer", "host_buffer")}
     with second:
         with pytest.raises(LockOrderError, match="'host_buffer' taken while holding 'host_buffer'"):
             first.acquire()
@@ -222,7 +222,7 @@ def test_a_fork_child_records_even_if_a_parent_thread_held_the_graphs_mutex():
                 with a:
                     with b:
                         pass
-                os._exit(0 if ("a", "b") in pairs(order) else 1)
+                os._exit(0 if ("a", "b") in edge_pairs(order) else 1)
             except BaseException:  # noqa: BLE001
                 os._exit(2)
         _, status = os.waitpid(pid, 0)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.cache.index import Match
-from kvtier.cache.keys import token_array
+from kvtier.keys import token_array
 from kvtier.cache.operation import LoadBack, Operation
 from kvtier.cache.storage_tier import Prefetch
 from kvtier.checks import integer

@@ -16,14 +16,6 @@ from kvtier.errors import BufferClosed, InvalidArgument
 from kvtier.runtime import create
 
 
-@pytest.fixture
-def made(runtime, request):
-    options = getattr(request, "param", {})
-    cache, model, dev, host = build(runtime, **options)
-    yield cache, model
-    close_all(cache, dev, host)
-
-
 def test_a_second_request_hits_the_device_and_gets_its_own_bytes(made):
     cache, model = made
     tokens = prompt(10 * P + 3)

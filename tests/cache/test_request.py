@@ -23,13 +23,6 @@ from kvtier.storage.memory import MemoryStore
 POISON = 0xEE
 
 
-@pytest.fixture
-def made(runtime, request):
-    cache, model, dev, host = build(runtime, **getattr(request, "param", {}))
-    yield cache, model
-    close_all(cache, dev, host)
-
-
 def poison_free_pages(cache, model):
     """Every free device page holds POISON: a load that skips a byte leaves it there."""
     free = np.flatnonzero(cache.tiers.state == FREE)

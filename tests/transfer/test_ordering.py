@@ -20,7 +20,7 @@ from kvtier.pools import KVGeometry
 from kvtier.runtime import create
 from kvtier.runtime.emulated import EmulatedRuntime
 from kvtier.transfer import BACKENDS, CURRENT, TransferEngine
-from kvtier.transfer.job import after_events
+from kvtier.transfer.ordering import after_events
 
 G = KVGeometry.mha(3, kv_heads=2, head_dim=32, itemsize=2, page_size=16)
 SEEDS = range(12)
