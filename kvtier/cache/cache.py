@@ -206,12 +206,12 @@ class KVCache:
             if lock:
                 self._take_lock(match, match.last_node)
             whole = len(tokens) // self.page_size * self.page_size
-            self.metrics.add("lookups")
-            self.metrics.add("lookup_tokens", whole)
+            self.metrics.lookups.inc()
+            self.metrics.lookup_tokens.inc(whole)
             for tier, count in (("device", match.device_tokens), ("host", match.host_tokens)):
                 if count:
-                    self.metrics.add("hits", 1, tier)
-                    self.metrics.add("hit_tokens", count, tier)
+                    self.metrics.hits.inc(1, tier)
+                    self.metrics.hit_tokens.inc(count, tier)
             if self.settings.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
                 threshold = self.settings.write_through_threshold
                 hot = [n for n in match.last_device_node.path()
@@ -381,7 +381,7 @@ class KVCache:
             states.give_back(slot)
             raise
         node.state_written = [*(node.state_written or []), copied.finished]
-        self.metrics.add("states", 1, "forked")
+        self.metrics.states.inc(1, "forked")
         return slot
 
     def free_state(self, slot: int, *, after: Any = CURRENT) -> None:
@@ -483,13 +483,13 @@ class KVCache:
         if not self.index.grew(node):
             raise InvalidArgument(f"{node} is not in this cache (another cache's match)")
         if not node.alive:
-            self.metrics.add("decisions", 1, "stale_match")
+            self.metrics.decisions.inc(1, "stale_match")
             return None
         self._own(match)
         order = self._markers(after)
         chain = self.index.host_chain(node)
         if self.states is not None and node.parent is not None and not StateTier.usable(node):
-            self.metrics.add("decisions", 1, "no_state")       # its snapshot was evicted since the match
+            self.metrics.decisions.inc(1, "no_state")       # its snapshot was evicted since the match
             return None
         with_state = self.states is not None and node.device_state is None and node.host_state is not None
         if not chain and not with_state:
@@ -499,7 +499,7 @@ class KVCache:
             (self.states.slot_bytes if with_state and self.states is not None else 0)
         decision = self.decide(self._recompute_tokens(node, tokens), force=force, nbytes=nbytes)
         if decision != "load":
-            self.metrics.add("decisions", 1, decision)
+            self.metrics.decisions.inc(1, decision)
             return None
         room = self._load_room(node, tokens // self.page_size, with_state)
         if room is None:
@@ -509,7 +509,7 @@ class KVCache:
                       nbytes, tokens, self.states.layer_map if self.states is not None else None)
         self._queue_load(op, node, pages, slots, (order or []) + self.tiers.pending_fences())
         op.prefix_pages = np.concatenate([n.device for n in reversed(list(node.path()))])
-        self.metrics.add("decisions", 1, "load")
+        self.metrics.decisions.inc(1, "load")
         self._controller.track(op)
         self._gauges()
         return op
@@ -532,7 +532,7 @@ class KVCache:
         try:
             pages = self.tiers.allocate_device(count)
             if pages is None:
-                self.metrics.add("decisions", 1, "no_device_pages")
+                self.metrics.decisions.inc(1, "no_device_pages")
                 return None
             try:
                 slots = self.tiers.allocate_device_states(1) if with_state else None
@@ -541,7 +541,7 @@ class KVCache:
                 raise
             if with_state and slots is None:
                 self.device.release(pages)
-                self.metrics.add("decisions", 1, "no_device_state")
+                self.metrics.decisions.inc(1, "no_device_state")
                 return None
             return pages, slots
         finally:
@@ -676,7 +676,7 @@ class KVCache:
                 self._storage.stop_prefetches()
             dropped = self._controller.close(cancel=cancel)
             if dropped:
-                self.metrics.add("skipped", dropped, "cancelled_at_close")
+                self.metrics.skipped.inc(dropped, "cancelled_at_close")
             if self._storage is not None:
                 self._storage.close(cancel=cancel)
             with self._lock:
@@ -741,7 +741,7 @@ class KVCache:
             try:
                 op = self.tiers.start_backup(targets, after)
             except KvtierError:
-                self.metrics.add("errors", 1, BACKUP)
+                self.metrics.errors.inc(1, BACKUP)
                 return None
             self._gauges()
             return op
@@ -836,13 +836,13 @@ class KVCache:
             self._check_caller_pages(np.concatenate([covered[~own], pages[len(tree):]]), "insert")
 
     def _set_depth(self, queue: str, depth: int) -> None:
-        self.metrics.set("queue", depth, queue)
+        self.metrics.queue.set(depth, queue)
 
     def _gauges(self) -> None:
-        self.metrics.set("tokens", self.index.device_tokens, "device")
-        self.metrics.set("tokens", self.index.host_tokens, "host")
-        self.metrics.set("free_pages", self.device.free_pages, "device")
-        self.metrics.set("free_pages", self.host.free_pages, "host")
+        self.metrics.tokens.set(self.index.device_tokens, "device")
+        self.metrics.tokens.set(self.index.host_tokens, "host")
+        self.metrics.free_pages.set(self.device.free_pages, "device")
+        self.metrics.free_pages.set(self.host.free_pages, "host")
 
     def _close_engines(self) -> None:
         try:

@@ -6,7 +6,6 @@ Each cache has its own ``CollectorRegistry`` (two caches in one process never co
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -55,71 +54,113 @@ under a reason nobody documented is a count nobody reads."""
 REASONS["prefetch_skipped"] = REASONS["prefetches"]
 
 
+LABELS: dict[str, tuple[str, ...]] = {
+    **{name: tuple(reasons) for name, reasons in REASONS.items()},
+    "hits": TIERS, "hit_tokens": TIERS, "evicted": TIERS,
+    "bytes": DIRECTIONS, "pages": DIRECTIONS, "seconds": DIRECTIONS, "errors": DIRECTIONS,
+    "states": ("load", "backup", "evicted_device", "evicted_host", "forked"),
+    "storage_pages": ("read", "written"), "storage_bytes": ("read", "written"),
+    "queue": ("backup_requests", "loads_in_flight", "backups_in_flight", "prefetches", "storage_write_pages"),
+    "tokens": ("device", "host"), "free_pages": ("device", "host"),
+}
+"""Every label each labelled metric takes: the snapshot lists each one (0 until counted), so a reader that names a
+label nobody counts under fails (a KeyError) instead of reading 0 for ever."""
+
+
+class Metric:
+    """One counter or gauge, read and written by attribute (``metrics.hits.inc(1, "device")``,
+    ``metrics.hits.value("device")``): a misspelt metric is an AttributeError and an undocumented label a KeyError,
+    where reading a dict by a string key with a default would have said 0."""
+
+    def __init__(self, name: str, family: Counter | Gauge, labels: tuple[str, ...] | None,
+                 lock: Any) -> None:
+        self.name, self._family, self.labels, self._lock = name, family, labels, lock
+        self._values: dict[str | None, float] = dict.fromkeys(labels if labels is not None else (None,), 0.0)
+
+    def _check(self, label: str | None) -> None:
+        if self.labels is None and label is not None:
+            raise KeyError(f"{self.name} takes no label, got {label!r}")
+        if self.labels is not None and label not in self.labels:
+            raise KeyError(f"{label!r} is not a documented label of {self.name}: {', '.join(self.labels)}")
+
+    def inc(self, amount: float = 1.0, label: str | None = None) -> None:
+        self._check(label)
+        (self._family.labels(label) if label is not None else self._family).inc(amount)
+        with self._lock:
+            self._values[label] += amount
+
+    def set(self, value: float, label: str) -> None:
+        self._check(label)
+        self._family.labels(label).set(value)
+        with self._lock:
+            self._values[label] = value
+
+    def value(self, label: str | None = None) -> float:
+        self._check(label)
+        with self._lock:
+            return self._values[label]
+
+    def items(self) -> list[tuple[str, float]]:
+        """(``name.label`` or ``name``, value) for every label, counted or not."""
+        with self._lock:
+            return [(self.name if label is None else f"{self.name}.{label}", value)
+                    for label, value in self._values.items()]
+
+
 class CacheMetrics:
+    """Each counter and gauge of the cache as an attribute (a :class:`Metric`); ``snapshot()`` is the plain dict
+    ``KVCache.stats()`` and the demo report read, with every documented label present."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._lock = named_lock("cache.metrics")
-        self._values: dict[str, float] = defaultdict(float)
+        lock = named_lock("cache.metrics")
         r = self.registry
-        self._counters = {
-            "lookups": Counter("kvtier_cache_lookups", "match_prefix calls", registry=r),
-            "lookup_tokens": Counter("kvtier_cache_lookup_tokens", "tokens looked up (whole pages)", registry=r),
-            "hits": Counter("kvtier_cache_hits", "lookups with a hit on a tier", ["tier"], registry=r),
-            "hit_tokens": Counter("kvtier_cache_hit_tokens", "tokens found per tier", ["tier"], registry=r),
-            "bytes": Counter("kvtier_cache_transfer_bytes", "bytes moved per direction", ["direction"], registry=r),
-            "pages": Counter("kvtier_cache_transfer_pages", "pages moved per direction", ["direction"], registry=r),
-            "seconds": Counter("kvtier_cache_transfer_seconds", "submit-to-completion time of transfers",
-                               ["direction"], registry=r),
-            "states": Counter("kvtier_cache_states", "state snapshots moved (load, backup) or evicted alone "
-                              "(evicted_device, evicted_host) on hybrid caches", ["what"], registry=r),
-            "evicted": Counter("kvtier_cache_evicted_tokens", "tokens evicted per tier", ["tier"], registry=r),
-            "decisions": Counter("kvtier_cache_load_back_decisions", "load-back decisions", ["decision"],
-                                 registry=r),
-            "skipped": Counter("kvtier_cache_backups_skipped", "backups not made", ["reason"], registry=r),
-            "errors": Counter("kvtier_cache_transfer_errors", "transfers that failed", ["direction"], registry=r),
-            "prefetches": Counter("kvtier_cache_prefetches", "storage prefetches by outcome", ["outcome"],
-                                  registry=r),
-            "storage_pages": Counter("kvtier_cache_storage_pages", "pages read from / written to storage",
-                                     ["direction"], registry=r),
-            "storage_bytes": Counter("kvtier_cache_storage_bytes", "bytes read from / written to storage",
-                                     ["direction"], registry=r),
-            "prefetch_skipped": Counter("kvtier_cache_prefetch_pages_skipped", "stored pages a prefetch did not "
-                                        "read, by the outcome that ended it", ["reason"], registry=r),
-            "storage_skipped": Counter("kvtier_cache_storage_writes_skipped", "pages not written to storage",
-                                       ["reason"], registry=r),
-        }
-        self._gauges = {
-            "queue": Gauge("kvtier_cache_queue_depth", "work waiting or in flight", ["queue"], registry=r),
-            "tokens": Gauge("kvtier_cache_tokens", "tokens held per tier", ["tier"], registry=r),
-            "free_pages": Gauge("kvtier_cache_free_pages", "free pages per tier", ["tier"], registry=r),
-        }
 
-    def add(self, name: str, amount: float = 1.0, label: str | None = None) -> None:
-        known = REASONS.get(name)
-        if known is not None and label not in known:
-            raise KeyError(f"{label!r} is not a documented label of {name}: {', '.join(known)}")
-        counter = self._counters[name]
-        (counter.labels(label) if label is not None else counter).inc(amount)
-        with self._lock:
-            self._values[f"{name}.{label}" if label is not None else name] += amount
+        def counter(name: str, metric: str, doc: str, label: str | None = None) -> Metric:
+            family = Counter(metric, doc, [label] if label else [], registry=r)
+            return Metric(name, family, LABELS[name] if label else None, lock)
 
-    def set(self, name: str, value: float, label: str) -> None:
-        self._gauges[name].labels(label).set(value)
-        with self._lock:
-            self._values[f"{name}.{label}"] = value
+        def gauge(name: str, metric: str, doc: str, label: str) -> Metric:
+            return Metric(name, Gauge(metric, doc, [label], registry=r), LABELS[name], lock)
 
-    def get(self, key: str) -> float:
-        with self._lock:
-            return self._values.get(key, 0.0)
+        self.lookups = counter("lookups", "kvtier_cache_lookups", "match_prefix calls")
+        self.lookup_tokens = counter("lookup_tokens", "kvtier_cache_lookup_tokens", "tokens looked up (whole pages)")
+        self.hits = counter("hits", "kvtier_cache_hits", "lookups with a hit on a tier", "tier")
+        self.hit_tokens = counter("hit_tokens", "kvtier_cache_hit_tokens", "tokens found per tier", "tier")
+        self.bytes = counter("bytes", "kvtier_cache_transfer_bytes", "bytes moved per direction", "direction")
+        self.pages = counter("pages", "kvtier_cache_transfer_pages", "pages moved per direction", "direction")
+        self.seconds = counter("seconds", "kvtier_cache_transfer_seconds", "submit-to-completion time of transfers",
+                               "direction")
+        self.states = counter("states", "kvtier_cache_states", "state snapshots moved (load, backup) or evicted "
+                              "alone (evicted_device, evicted_host) on hybrid caches", "what")
+        self.evicted = counter("evicted", "kvtier_cache_evicted_tokens", "tokens evicted per tier", "tier")
+        self.decisions = counter("decisions", "kvtier_cache_load_back_decisions", "load-back decisions", "decision")
+        self.skipped = counter("skipped", "kvtier_cache_backups_skipped", "backups not made", "reason")
+        self.errors = counter("errors", "kvtier_cache_transfer_errors", "transfers that failed", "direction")
+        self.prefetches = counter("prefetches", "kvtier_cache_prefetches", "storage prefetches by outcome", "outcome")
+        self.storage_pages = counter("storage_pages", "kvtier_cache_storage_pages",
+                                     "pages read from / written to storage", "direction")
+        self.storage_bytes = counter("storage_bytes", "kvtier_cache_storage_bytes",
+                                     "bytes read from / written to storage", "direction")
+        self.prefetch_skipped = counter("prefetch_skipped", "kvtier_cache_prefetch_pages_skipped", "stored pages a "
+                                        "prefetch did not read, by the outcome that ended it", "reason")
+        self.storage_skipped = counter("storage_skipped", "kvtier_cache_storage_writes_skipped",
+                                       "pages not written to storage", "reason")
+        self.queue = gauge("queue", "kvtier_cache_queue_depth", "work waiting or in flight", "queue")
+        self.tokens = gauge("tokens", "kvtier_cache_tokens", "tokens held per tier", "tier")
+        self.free_pages = gauge("free_pages", "kvtier_cache_free_pages", "free pages per tier", "tier")
+
+    def all(self) -> list[Metric]:
+        return [value for value in vars(self).values() if isinstance(value, Metric)]
 
     def snapshot(self) -> dict[str, Any]:
-        """Every value by ``name.label``, plus hit rates and GB/s per direction."""
-        with self._lock:
-            values = dict(self._values)
-        looked = values.get("lookup_tokens", 0.0)
+        """Every value by ``name.label`` (every documented label, 0 until counted), plus hit rates and GB/s per
+        direction."""
+        values: dict[str, Any] = dict(item for metric in self.all() for item in metric.items())
+        looked = values["lookup_tokens"]
         for tier in TIERS:
-            values[f"hit_rate.{tier}"] = values.get(f"hit_tokens.{tier}", 0.0) / looked if looked else 0.0
+            values[f"hit_rate.{tier}"] = values[f"hit_tokens.{tier}"] / looked if looked else 0.0
         for direction in DIRECTIONS:
-            seconds = values.get(f"seconds.{direction}", 0.0)
-            values[f"gbps.{direction}"] = values.get(f"bytes.{direction}", 0.0) / seconds / 1e9 if seconds else 0.0
+            seconds = values[f"seconds.{direction}"]
+            values[f"gbps.{direction}"] = values[f"bytes.{direction}"] / seconds / 1e9 if seconds else 0.0
         return values

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.cache.index import Match
-from kvtier.keys import token_array
 from kvtier.cache.operation import LoadBack, Operation
 from kvtier.cache.storage_tier import Prefetch
 from kvtier.checks import integer
 from kvtier.errors import InvalidArgument
+from kvtier.keys import token_array
 from kvtier.transfer.engine import CURRENT
 
 if TYPE_CHECKING:

@@ -169,7 +169,7 @@ class StorageTier:
         prefetch.parent_key = keys[-1] if keys else index.root_key
         index.lock(anchor)
         prefetch.anchor = anchor
-        self.metrics.set("queue", len(self._active), "prefetches")
+        self.metrics.queue.set(len(self._active), "prefetches")
         try:
             self._workers.submit(self._run, prefetch)
         except RuntimeError:                     # the pool shut down between the check and here
@@ -194,11 +194,11 @@ class StorageTier:
             with self._cond:
                 self._active.discard(prefetch)
                 self._cond.notify_all()
-            self.metrics.set("queue", len(self._active), "prefetches")
-            self.metrics.add("prefetches", 1, outcome)
+            self.metrics.queue.set(len(self._active), "prefetches")
+            self.metrics.prefetches.inc(1, outcome)
             unread = prefetch.stored_pages - prefetch.committed_pages
             if unread > 0:
-                self.metrics.add("prefetch_skipped", unread, outcome)
+                self.metrics.prefetch_skipped.inc(unread, outcome)
             prefetch._finish(outcome)
 
     def _fetch(self, prefetch: Prefetch) -> str:
@@ -237,8 +237,8 @@ class StorageTier:
                 return "evicted"
             position += read
             prefetch.committed_pages = position
-            self.metrics.add("storage_pages", read, "read")
-            self.metrics.add("storage_bytes", read * self.backend.page_bytes, "read")
+            self.metrics.storage_pages.inc(read, "read")
+            self.metrics.storage_bytes.inc(read * self.backend.page_bytes, "read")
             if read < count:
                 return "truncated"
         return "complete"
@@ -287,7 +287,7 @@ class StorageTier:
         if prefetch.anchor is not None and prefetch.anchor.alive and prefetch.anchor.lock > 0:
             index.unlock(prefetch.anchor)
         prefetch.anchor = deepest
-        self.metrics.add("hit_tokens", int(used.sum()) * page, "storage")
+        self.metrics.hit_tokens.inc(int(used.sum()) * page, "storage")
         return True
 
     # -- write-through -------------------------------------------------------------------------------------------------
@@ -299,10 +299,10 @@ class StorageTier:
         pages = sum(len(n.host) for n in todo if n.host is not None)
         with self._cond:
             if self._writes_closed:
-                self.metrics.add("storage_skipped", pages, "cancelled_at_close")
+                self.metrics.storage_skipped.inc(pages, "cancelled_at_close")
                 return
             if self._queued_pages + pages > self.settings.storage_queue_pages:
-                self.metrics.add("storage_skipped", pages, "queue_full")
+                self.metrics.storage_skipped.inc(pages, "queue_full")
                 return
             index = self.tiers.index
             job = StoreJob(todo, np.concatenate([n.host for n in todo if n.host is not None]),
@@ -311,7 +311,7 @@ class StorageTier:
                 node.storing = job
             self._jobs.append(job)
             self._queued_pages += pages
-            self.metrics.set("queue", self._queued_pages, "storage_write_pages")
+            self.metrics.queue.set(self._queued_pages, "storage_write_pages")
             self._cond.notify_all()
 
     def _write_loop(self) -> None:
@@ -343,14 +343,14 @@ class StorageTier:
                 self.tiers.host.free(orphans)
                 self.tiers.held_host -= len(orphans)
         if stored:
-            self.metrics.add("storage_pages", stored, "written")
-            self.metrics.add("storage_bytes", stored * self.backend.page_bytes, "written")
+            self.metrics.storage_pages.inc(stored, "written")
+            self.metrics.storage_bytes.inc(stored * self.backend.page_bytes, "written")
         if stored < len(job.keys) and reason:
-            self.metrics.add("storage_skipped", len(job.keys) - stored, reason)
+            self.metrics.storage_skipped.inc(len(job.keys) - stored, reason)
         with self._cond:
             self._queued_pages -= len(job.keys)
             self._writing = False
-            self.metrics.set("queue", self._queued_pages, "storage_write_pages")
+            self.metrics.queue.set(self._queued_pages, "storage_write_pages")
             self._cond.notify_all()
 
     # -- lifetime ------------------------------------------------------------------------------------------------------

@@ -182,9 +182,9 @@ class Tiers:
                 self.state[pages] = FREE
             (self.device if tier == "device" else self.host).release(pages)
             freed += len(pages)
-            self.metrics.add("evicted", len(pages) * self.page_size, tier)
+            self.metrics.evicted.inc(len(pages) * self.page_size, tier)
             if dropped:
-                self.metrics.add("skipped", dropped, "evicted_without_backup")
+                self.metrics.skipped.inc(dropped, "evicted_without_backup")
             if backing_up is not None and freed < need:
                 raise MustWait([backing_up], freed)
         return freed
@@ -225,7 +225,7 @@ class Tiers:
         for victim in victims:
             self.states.drop(victim, tier, self.fence)
         if victims:
-            self.metrics.add("states", len(victims), f"evicted_{tier}")
+            self.metrics.states.inc(len(victims), f"evicted_{tier}")
         return len(victims)
 
     def evictable_tokens(self, tier: str) -> int:
@@ -305,14 +305,14 @@ class Tiers:
         """Host pages and host state slots for one backup, both or neither (counted as skipped when neither)."""
         host = self.allocate_host(pages)
         if host is None:
-            self.metrics.add("skipped", nodes, "host_full")
+            self.metrics.skipped.inc(nodes, "host_full")
             return None, None
         if not slots:
             return host, None
         taken = self.allocate_host_states(slots)
         if taken is None:
             self.host.free(host)
-            self.metrics.add("skipped", max(nodes, 1), "host_state_full")
+            self.metrics.skipped.inc(max(nodes, 1), "host_state_full")
             return None, None
         return host, taken
 
@@ -381,7 +381,7 @@ class Tiers:
         for node in nodes:
             setattr(node, field, None)
         if op.error is not None:
-            self.metrics.add("errors", 1, op.kind)
+            self.metrics.errors.inc(1, op.kind)
             for node in nodes:
                 if node.alive:
                     self.drop_subtree(node, "host" if op.kind == BACKUP else "device")
@@ -393,11 +393,11 @@ class Tiers:
                         node.state_written = None
                 left = [n for n in nodes if n.alive and n.writing is None and self.state_unsaved(n)]
                 completed = Completed(nodes, left)
-            self.metrics.add("bytes", op.nbytes, op.kind)
-            self.metrics.add("pages", len(op.device_pages), op.kind)
+            self.metrics.bytes.inc(op.nbytes, op.kind)
+            self.metrics.pages.inc(len(op.device_pages), op.kind)
             if len(op.state_device):
-                self.metrics.add("states", len(op.state_device), op.kind)
-            self.metrics.add("seconds", time.perf_counter() - op.submitted, op.kind)
+                self.metrics.states.inc(len(op.state_device), op.kind)
+            self.metrics.seconds.inc(time.perf_counter() - op.submitted, op.kind)
         return completed
 
     def drop_subtree(self, top: Node, tier: str) -> None:

@@ -42,7 +42,7 @@ def results(cache: KVCache, tally: Tally, elapsed: float, model: str, runtime: s
             host_pages: int) -> dict[str, Any]:
     s = cache.stats()
     g = cache.geometry
-    declined_slow = int(s.get("decisions.slower_than_recompute", 0))
+    declined_slow = int(s["decisions.slower_than_recompute"])
     return {
         "runtime": runtime, "model": model, "requests": tally.requests, "requests_planned": tally.planned,
         "interrupted": tally.interrupted, "prompt_tokens": tally.prompt_tokens,
@@ -53,30 +53,30 @@ def results(cache: KVCache, tally: Tally, elapsed: float, model: str, runtime: s
         "host_hit_rate": tally.host_hit / max(tally.prompt_tokens, 1),
         "prefill_tokens": tally.computed, "baseline_prefill_tokens": tally.baseline_computed,
         "prefill_saved_tokens": tally.baseline_computed - tally.computed,
-        "pages_loaded": int(s.get("pages.load", 0)), "bytes_loaded": int(s.get("bytes.load", 0)),
-        "pages_backed_up": int(s.get("pages.backup", 0)), "bytes_backed_up": int(s.get("bytes.backup", 0)),
+        "pages_loaded": int(s["pages.load"]), "bytes_loaded": int(s["bytes.load"]),
+        "pages_backed_up": int(s["pages.backup"]), "bytes_backed_up": int(s["bytes.backup"]),
         "declined_slower_than_recompute": declined_slow, "declined_other": tally.declined - declined_slow,
-        "recompute_estimate_tokens_per_s": s.get("prefill_tokens_per_s"),
-        "evicted_device_tokens": int(s.get("evicted.device", 0)), "evicted_host_tokens": int(s.get("evicted.host", 0)),
+        "recompute_estimate_tokens_per_s": s["prefill_tokens_per_s"],
+        "evicted_device_tokens": int(s["evicted.device"]), "evicted_host_tokens": int(s["evicted.host"]),
         "pages_checked": tally.pages_checked, "mismatched_pages": tally.mismatched_pages,
         "out_of_pages": tally.out_of_pages,
         "storage": cache.storage.kind if cache.storage is not None else None,
         "storage_hit_rate": tally.storage_hit / max(tally.prompt_tokens, 1),
-        "storage_pages_read": int(s.get("storage_pages.read", 0)),
-        "storage_pages_written": int(s.get("storage_pages.written", 0)),
+        "storage_pages_read": int(s["storage_pages.read"]),
+        "storage_pages_written": int(s["storage_pages.written"]),
         "storage_misses": {k[len("storage.miss."):]: int(v) for k, v in s.items() if k.startswith("storage.miss.")},
         "storage_errors": int(sum(v for k, v in s.items() if k.startswith("storage.errors."))),
         "storage_writes_skipped": int(sum(v for k, v in s.items() if k.startswith("storage_skipped."))),
         "hybrid": cache.states is not None, "states_checked": tally.states_checked,
-        "mismatched_states": tally.mismatched_states, "states_loaded": int(s.get("states.load", 0)),
-        "states_backed_up": int(s.get("states.backup", 0)),
-        "states_evicted": int(s.get("states.evicted_device", 0) + s.get("states.evicted_host", 0)),
+        "mismatched_states": tally.mismatched_states, "states_loaded": int(s["states.load"]),
+        "states_backed_up": int(s["states.backup"]),
+        "states_evicted": int(s["states.evicted_device"] + s["states.evicted_host"]),
         "device_state_slots": cache.states.device.pages if cache.states is not None else 0,
         "host_state_slots": cache.states.host.pages if cache.states is not None else 0,
         "timing": {
             "emulated": runtime.startswith("emulated"), "seconds": elapsed,
-            "load_seconds": s.get("seconds.load", 0.0), "backup_seconds": s.get("seconds.backup", 0.0),
-            "load_gbps": s.get("gbps.load", 0.0), "backup_gbps": s.get("gbps.backup", 0.0),
+            "load_seconds": s["seconds.load"], "backup_seconds": s["seconds.backup"],
+            "load_gbps": s["gbps.load"], "backup_gbps": s["gbps.backup"],
             "storage_read_gbps": s.get("storage.get.gbps", 0.0), "storage_write_gbps": s.get("storage.set.gbps", 0.0),
         },
     }

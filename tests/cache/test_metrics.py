@@ -1,4 +1,5 @@
-"""Reason counters take documented labels only: a count under an undocumented reason is a count nobody reads."""
+"""Metrics are read and written by attribute and take documented labels only: a count under an undocumented reason
+is a count nobody reads, and a reader that names a counter or label nobody counts under fails instead of reading 0."""
 
 from __future__ import annotations
 
@@ -19,7 +20,32 @@ def test_every_reason_label_is_documented():
 def test_a_count_under_an_undocumented_reason_raises_and_counts_nothing():
     metrics = CacheMetrics()
     with pytest.raises(KeyError, match="not a documented label of storage_skipped"):
-        metrics.add("storage_skipped", 4, "error")
+        metrics.storage_skipped.inc(4, "error")
     assert "storage_skipped.error" not in metrics.snapshot()
-    metrics.add("storage_skipped", 4, "store_failed")
-    assert metrics.snapshot()["storage_skipped.store_failed"] == 4
+    metrics.storage_skipped.inc(4, "store_failed")
+    assert metrics.snapshot()["storage_skipped.store_failed"] == 4 == metrics.storage_skipped.value("store_failed")
+
+
+def test_a_misnamed_counter_or_label_fails_where_it_is_read():
+    """The old dict read ``get("prefetch_skiped.host_full", 0)`` said 0 for ever; attributes and a snapshot that lists
+    every documented label turn the same slip into an error."""
+    metrics = CacheMetrics()
+    with pytest.raises(AttributeError):
+        metrics.prefetch_skiped                                  # noqa: B018
+    with pytest.raises(KeyError, match="not a documented label of hits"):
+        metrics.hits.value("disk")
+    with pytest.raises(KeyError, match="lookups takes no label"):
+        metrics.lookups.inc(1, "device")
+    snapshot = metrics.snapshot()
+    assert snapshot["prefetch_skipped.host_full"] == 0 and snapshot["queue.storage_write_pages"] == 0
+    with pytest.raises(KeyError):
+        snapshot["prefetch_skiped.host_full"]                    # noqa: B018
+    assert all(f"{m.name}.{label}" in snapshot for m in metrics.all() for label in m.labels or ())
+
+
+def test_the_prometheus_registry_counts_what_the_attributes_count():
+    metrics = CacheMetrics()
+    metrics.hit_tokens.inc(48, "host")
+    metrics.queue.set(3, "prefetches")
+    assert metrics.registry.get_sample_value("kvtier_cache_hit_tokens_total", {"tier": "host"}) == 48
+    assert metrics.registry.get_sample_value("kvtier_cache_queue_depth", {"queue": "prefetches"}) == 3
