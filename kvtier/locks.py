@@ -85,3 +85,9 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def held_here(lock: Any) -> bool:
+    """Whether this thread holds the reentrant ``lock`` (made by :func:`named_lock` with ``reentrant=True``): the one
+    place that asks a reentrant lock for its owner, which CPython's RLock answers through ``_is_owned``."""
+    return bool(lock._is_owned())

@@ -236,7 +236,7 @@ class KVCache:
             self._check_open()
             if self._storage is None:
                 prefetch = Prefetch(self.index.whole_pages(tokens), 0, self.page_size, self.settings)
-                prefetch._finish("no_storage")
+                prefetch.finish("no_storage")
                 return prefetch
             return self._storage.prefetch(tokens)
 
@@ -272,7 +272,7 @@ class KVCache:
             if not isinstance(match, Match):
                 raise InvalidArgument(f"unlock takes the Match that holds the lock, got {type(match).__name__} (a "
                                       f"node's lock may be another request's)")
-            token = match._lock_token
+            token = match.lock_token
             if token is None or not match.locked:
                 raise InvalidArgument("unlock of a match that is not locked (locked with lock=True or lock(), "
                                       "unlocked once)")
@@ -282,7 +282,7 @@ class KVCache:
                     raise InvalidArgument(f"{match.last_node} is not in this cache (another cache's match)")
                 raise InvalidArgument("unlock of a match whose lock was given back already (a copy of it was "
                                       "unlocked)")
-            match.locked, match._lock_token = False, None
+            match.locked, match.lock_token = False, None
             if node.alive:
                 self.index.unlock(node)
 
@@ -290,7 +290,7 @@ class KVCache:
         self.index.lock(node)
         token = object()
         self._held[token] = node
-        match.locked, match._lock_token = True, token
+        match.locked, match.lock_token = True, token
 
     def page_keys(self, match: Match | Node) -> list[bytes]:
         """The storage keys of every page of the matched prefix (SHA-256 chain, see :mod:`kvtier.keys`)."""

@@ -99,7 +99,8 @@ class Match:
     """What ``match`` found: ``device_tokens`` on the device (``device_pages``), then ``host_tokens`` more in host
     memory only (``host_nodes``, top-down). ``last_node`` is the deepest matched node (lock it to pin the match).
     Hybrid caches: ``device_state`` / ``host_state`` are the slots of the state snapshot at the match's end (the cache's
-    own: read, never write them; ``load_back`` brings a host-only one to the device)."""
+    own: read, never write them; ``load_back`` brings a host-only one to the device). ``lock_token`` is the cache's
+    record of this match's lock (set and cleared by ``KVCache.lock``/``unlock`` only), so a copy cannot unlock it."""
 
     tokens: int
     device_tokens: int
@@ -112,7 +113,7 @@ class Match:
     locked: bool = False
     device_state: int | None = None
     host_state: int | None = None
-    _lock_token: object | None = field(default=None, repr=False, compare=False)
+    lock_token: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def cached_tokens(self) -> int:
@@ -216,8 +217,10 @@ class RadixIndex:
         node boundary. No LRU or hit update."""
         return self._walk(self.whole_pages(tokens), split=True)[0]
 
-    def add_host_node(self, parent: Node, tokens: np.ndarray, host: np.ndarray) -> Node:
-        """A new host-only child of ``parent`` (which must be on the host tier) holding ``tokens`` in ``host``."""
+    def add_host_node(self, parent: Node, tokens: np.ndarray, host: np.ndarray,
+                      keys: list[bytes] | None = None) -> Node:
+        """A new host-only child of ``parent`` (which must be on the host tier) holding ``tokens`` in ``host``;
+        ``keys``, when the caller has them already (a prefetch read the pages by key), saves hashing them again."""
         page = self.page_size
         if parent.host is None or tokens[:page].tobytes() in parent.children:
             raise IndexCorrupted(f"cannot add a host node under {parent}: it is not on the host or has that child")
@@ -227,6 +230,8 @@ class RadixIndex:
         self._clock += 1
         node.last_access = self._clock
         self.set_host(node, host)
+        if keys is not None:
+            node._keys = list(keys)
         return node
 
     def place(self, tokens: np.ndarray, pages: np.ndarray,

@@ -98,7 +98,8 @@ class Prefetch:
             self.cancel()
         return self.committed_tokens
 
-    def _finish(self, outcome: str) -> None:
+    def finish(self, outcome: str) -> None:
+        """Settle with ``outcome`` (the first one given stays): the storage tier and the cache end a prefetch."""
         if self.outcome is None:
             self.outcome = outcome
         self.finished_at = time.monotonic()
@@ -158,11 +159,11 @@ class StorageTier:
         start = sum(len(n.tokens) for n in path[:on_host]) // page
         prefetch = Prefetch(whole, start, page, self.settings)
         if start * page >= len(whole):
-            prefetch._finish("cached")
+            prefetch.finish("cached")
             return prefetch
         with self._cond:
             if self._prefetch_stopped:
-                prefetch._finish("closed")
+                prefetch.finish("closed")
                 return prefetch
             self._active.add(prefetch)
         keys = index.keys(anchor)
@@ -176,7 +177,7 @@ class StorageTier:
             index.unlock(anchor)
             with self._cond:
                 self._active.discard(prefetch)
-            prefetch._finish("closed")
+            prefetch.finish("closed")
         return prefetch
 
     def _run(self, prefetch: Prefetch) -> None:
@@ -199,7 +200,7 @@ class StorageTier:
             unread = prefetch.stored_pages - prefetch.committed_pages
             if unread > 0:
                 self.metrics.prefetch_skipped.inc(unread, outcome)
-            prefetch._finish(outcome)
+            prefetch.finish(outcome)
 
     def _fetch(self, prefetch: Prefetch) -> str:
         page = self.page_size
@@ -276,9 +277,8 @@ class StorageTier:
         deepest = path[-1] if path else index.root
         if position < end:
             node = index.add_host_node(deepest, prefetch.tokens[position * page:end * page],
-                                       host[position - start:].copy())
+                                       host[position - start:].copy(), keys=keys[position - start:])
             node.stored = True
-            node._keys = list(keys[position - start:])
             used[position - start:] = True
             deepest = node
         if not used.all():

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtier.errors import BufferClosed, KvtierError, capture_refused
-from kvtier.locks import named_lock
+from kvtier.locks import held_here, named_lock
 from kvtier.memory.lifetime import wait_then
 from kvtier.pause_points import reached
 from kvtier.runtime import Stream
@@ -26,7 +26,7 @@ class _EngineLock:
         self._after: list[Callable[[], None]] = []
 
     def held_here(self) -> bool:
-        return bool(self._lock._is_owned())
+        return held_here(self._lock)
 
     def after_call(self, close: Callable[[], None]) -> None:
         """Run ``close`` once this thread lets go of the lock (the caller holds it)."""

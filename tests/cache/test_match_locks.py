@@ -72,8 +72,8 @@ def test_a_match_built_by_hand_is_refused(small_cache):
     tokens = prompt(4 * P)
     serve(cache, model, tokens)
     real = cache.match_prefix(tokens, lock=True)
-    forged = copy.replace(real, locked=True, _lock_token=object()) if hasattr(copy, "replace") else \
-        type(real)(**{**real.__dict__, "_lock_token": object()})
+    forged = copy.replace(real, locked=True, lock_token=object()) if hasattr(copy, "replace") else \
+        type(real)(**{**real.__dict__, "lock_token": object()})
     with pytest.raises(InvalidArgument, match="given back already"):
         cache.unlock(forged)
     cache.unlock(real)
