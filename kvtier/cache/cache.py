@@ -315,7 +315,7 @@ class KVCache:
             raise OutOfPages(f"cannot allocate {count} device pages: {self.device.free_pages} free of "
                              f"{self.device.pages}, nothing more is evictable ({locked} cached tokens are locked "
                              f"or in flight; caller-held pages: {self._caller_pages()})")
-        self.tiers.state[pages] = CALLER
+        self.tiers.page_state[pages] = CALLER
         self._after_fences()
         return pages
 
@@ -333,7 +333,7 @@ class KVCache:
             self._check_open()
             self._check_caller_pages(pages, "free")
             self.tiers.fence(self._markers(after))
-            self.tiers.state[pages] = FREE
+            self.tiers.page_state[pages] = FREE
             self.device.release(pages.copy())
             self._gauges()
 
@@ -429,10 +429,10 @@ class KVCache:
             written = self._markers(after)
             placed = self.index.place(whole, pages, walked)
             for node in placed.revived + ([placed.new_node] if placed.new_node else []):
-                self.tiers.state[node.device] = TREE
+                self.tiers.page_state[node.device] = TREE
                 node.written = written
             if placed.duplicates.size:
-                self.tiers.state[placed.duplicates] = FREE
+                self.tiers.page_state[placed.duplicates] = FREE
                 self.device.release(placed.duplicates.copy())
                 self.tiers.fence(written)            # the caller may still be writing them
             kept = state is not None and self._adopt_state(placed.last_node, state, written)
@@ -560,10 +560,10 @@ class KVCache:
                 op.state_device, op.state_host = slots, np.array([node.host_state], dtype=np.int64)
                 op.state_transfer = self.states.engine.load(op.state_host, slots.copy(), after=order or None)
         except BaseException as exc:
-            self.tiers.state[pages] = HELD
+            self.tiers.page_state[pages] = HELD
 
             def give_back() -> None:
-                self.tiers.state[pages] = FREE
+                self.tiers.page_state[pages] = FREE
                 self.device.release(pages)
                 if slots is not None and self.states is not None:
                     self.states.give_back(int(slots[0]))
@@ -571,7 +571,7 @@ class KVCache:
             raise
         chain = [n for n in op.nodes if n.device is None]
         self.tiers.assign(chain, "device", pages, op)
-        self.tiers.state[pages] = TREE
+        self.tiers.page_state[pages] = TREE
         if slots is not None and self.states is not None:
             self.states.put(node, "device", int(slots[0]))
             if node.loading is not op:
@@ -809,7 +809,7 @@ class KVCache:
         return node
 
     def _caller_pages(self) -> int:
-        return int(np.count_nonzero(self.tiers.state == CALLER))
+        return int(np.count_nonzero(self.tiers.page_state == CALLER))
 
     def _check_caller_pages(self, pages: np.ndarray, what: str) -> None:
         if not pages.size:
@@ -819,10 +819,10 @@ class KVCache:
             raise InvalidArgument(f"{what}: device page {int(bad[0])} is out of range (0..{self.device.pages - 1})")
         if not distinct(pages):
             raise InvalidArgument(f"{what}: a device page is named twice")
-        state = self.tiers.state[pages]
+        state = self.tiers.page_state[pages]
         if not (state == CALLER).all():
             first = int(pages[state != CALLER][0])
-            whose = "the cache's own" if self.tiers.state[first] == TREE else "not allocated"
+            whose = "the cache's own" if self.tiers.page_state[first] == TREE else "not allocated"
             raise InvalidArgument(f"{what}: device page {first} is {whose}, not a page from allocate()")
 
     def _check_insert(self, walked: tuple[list[Node], int], pages: np.ndarray) -> None:

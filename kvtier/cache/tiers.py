@@ -95,7 +95,7 @@ class Tiers:
         """Nodes whose write_back backup failed during the current request: evicted without one on the retry."""
         self.device = PageAllocator(settings.device_pages, name="device", contiguous=settings.contiguous_device)
         self.host = PageAllocator(settings.host_pages, name="host", contiguous=True)
-        self.state = np.zeros(settings.device_pages, dtype=np.uint8)
+        self.page_state = np.zeros(settings.device_pages, dtype=np.uint8)
         self.fences: list[Any] = []
         """Events of writes that may still be queued to freed device pages: whoever gets pages next waits."""
         self.held_host = 0
@@ -179,7 +179,7 @@ class Tiers:
                     self.index.remove(victim)
             pages = np.concatenate(released)
             if tier == "device":
-                self.state[pages] = FREE
+                self.page_state[pages] = FREE
             (self.device if tier == "device" else self.host).release(pages)
             freed += len(pages)
             self.metrics.evicted.inc(len(pages) * self.page_size, tier)
@@ -414,7 +414,7 @@ class Tiers:
             if pages is None:
                 continue
             if tier == "device":
-                self.state[pages] = FREE
+                self.page_state[pages] = FREE
                 self.device.release(pages)
                 self.index.set_device(node, None)
             else:
@@ -439,7 +439,7 @@ class Tiers:
             if owned.size:
                 allocator.free(owned)
         self.index = RadixIndex(self.page_size, self.index.root_key)
-        self.state[:] = FREE
+        self.page_state[:] = FREE
         held = self.device.used_pages
         if held:
             self.device.free(np.flatnonzero(self.device.used_mask()))
@@ -464,7 +464,7 @@ class Tiers:
             if tier == "device":
                 mask = np.zeros(self.device.pages, dtype=bool)
                 mask[owned] = True
-                if not np.array_equal(mask, self.state == TREE):
+                if not np.array_equal(mask, self.page_state == TREE):
                     raise IndexCorrupted("the device pages marked as the tree's differ from the tree")
-                if not np.array_equal(self.device.used_mask(), self.state != FREE):
+                if not np.array_equal(self.device.used_mask(), self.page_state != FREE):
                     raise IndexCorrupted("device pages in use differ from those the tree and callers hold")

@@ -25,7 +25,7 @@ POISON = 0xEE
 
 def poison_free_pages(cache, model):
     """Every free device page holds POISON: a load that skips a byte leaves it there."""
-    free = np.flatnonzero(cache.tiers.state == FREE)
+    free = np.flatnonzero(cache.tiers.page_state == FREE)
     data = np.full(model.g.page_bytes, POISON, np.uint8)
     for _, _, address in model.pieces:
         for page in free:
@@ -37,7 +37,7 @@ def poison_free_pages(cache, model):
 def holdings(cache):
     """What requests may hold: free device pages, pages held by callers, locks on nodes."""
     with cache._lock:
-        return (cache.device.free_pages, int(np.count_nonzero(cache.tiers.state == CALLER)),
+        return (cache.device.free_pages, int(np.count_nonzero(cache.tiers.page_state == CALLER)),
                 sum(node.lock for node in cache.index.all_nodes()))
 
 

@@ -44,7 +44,7 @@ def cached(tiers: Tiers, pages: int):
     """A prompt of ``pages`` pages in the tree, on the device only."""
     device = tiers.allocate_device(pages)
     placed = tiers.index.place(prompt(pages * TINY.page_size), device)
-    tiers.state[device] = TREE
+    tiers.page_state[device] = TREE
     return placed.last_node
 
 
