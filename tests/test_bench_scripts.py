@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow   # whole-program or stateful runs: `-m 'not slow'` skips them
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
 HANG = 600

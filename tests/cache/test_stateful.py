@@ -8,6 +8,8 @@ import pytest
 from helpers.cache_machine import CacheMachine
 from hypothesis import HealthCheck, settings
 
+pytestmark = pytest.mark.slow   # whole-program or stateful runs: `-m 'not slow'` skips them
+
 # a tiny vocabulary and short prompts: prompts share prefixes and diverge mid-node, so splits happen often
 
 

@@ -20,6 +20,8 @@ from kvtier.cache import page_keys
 from kvtier.runtime import create
 from kvtier.storage import FileStore, MemoryStore, SharedPages
 
+pytestmark = pytest.mark.slow   # whole-program or stateful runs: `-m 'not slow'` skips them
+
 
 class Flaky:
     """Makes a store's calls fail while ``down`` (a server that went away), through the backend's own hooks."""

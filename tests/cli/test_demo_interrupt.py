@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 from helpers.cli import LONG_DEMO, Running
+
+pytestmark = pytest.mark.slow   # whole-program or stateful runs: `-m 'not slow'` skips them
 
 
 def test_ctrl_c_stops_with_one_line_and_the_totals_so_far():

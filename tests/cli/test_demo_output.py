@@ -9,6 +9,8 @@ import json
 import pytest
 from helpers.cli import SMALL_DEMO, kvtier
 
+pytestmark = pytest.mark.slow   # whole-program or stateful runs: `-m 'not slow'` skips them
+
 SPLIT = ("--runtime", "emulated:split", "demo")
 
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
 from helpers.cli import LONG_DEMO, SMALL_DEMO, Running, kvtier
 from helpers.storage import RedisServer, free_port, need_server
+
+pytestmark = pytest.mark.slow   # whole-program or stateful runs: `-m 'not slow'` skips them
 
 RETRY_SECONDS = 1.0
 """The store's retry interval (StorageBackend's default), which the demo's line names."""

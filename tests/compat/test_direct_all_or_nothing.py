@@ -137,6 +137,7 @@ def _direct_trial(rng: random.Random, mode: str) -> None:
         gc.collect()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["split", "unified"])
 def test_ok_direct_copies_over_chunk_registered_hosts_land_exactly_or_are_refused_whole(mode):
     rng = random.Random(15_4)

@@ -43,6 +43,7 @@ def _runs(rng: np.random.Generator, n_tokens: int, count: int) -> np.ndarray:
     return np.array(out[:count], np.int64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["split", "unified"])
 def test_ok_direct_mixed_length_runs_per_layer_land_exactly(mode):
     """Random calls of transfer_kv_direct: runs of mixed lengths on both sides (so copies of different sizes in one

@@ -38,6 +38,7 @@ def test_two_table_views_with_one_data_ptr_are_not_confused(rt):
     assert m.poisoned(b[0].cpu()[1:]), "B0 (not in the second table) was written"
 
 
+@pytest.mark.slow
 def test_a_table_rebuilt_at_a_freed_tables_address_is_read_again(rt):
     """docs: "Change a table in place with torch ops, or build a new one". A new table tensor that torch's
     allocator places at the address of a freed one (same numel, version 0) hits the old cache entry, and the copy

@@ -116,6 +116,7 @@ def test_ok_cuda_memcpy_runs_with_distinct_destinations_matches_the_in_order_ref
         assert np.array_equal(dst, want), f"seed {seed}"
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 2**40), st.sampled_from([0, 1, 2, 3, 8]),
                           st.integers(0, 2), st.integers(0, 2)), max_size=20),

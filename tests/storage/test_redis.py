@@ -273,6 +273,7 @@ def test_listing_and_clearing_skip_past_a_key_of_the_wrong_type(redis_url):
         assert store.clear() == 3 and store.client().exists(store.key(keys[2])) == 0
 
 
+@pytest.mark.slow
 def test_a_frozen_cluster_node_costs_one_timeout_not_a_retry_loop():
     cluster = RedisClusterServers()
     frozen = cluster.servers[1].process
