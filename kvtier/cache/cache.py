@@ -724,7 +724,6 @@ class KVCache:
             self.index.check()
             self.tiers.check()
 
-    # -- internals: allocation and eviction ---------------------------------------------------------------------
     # -- internals: backups -----------------------------------------------------------------------------------------
     def _markers(self, after: Any) -> list[Any] | None:
         """``after`` as events recorded now, on the caller's thread: what a transfer queued later must wait for. The
@@ -746,8 +745,7 @@ class KVCache:
             self._gauges()
             return op
 
-    # -- internals: completion --------------------------------------------------------------------------------------
-    # -- internals: checks, gauges, teardown ------------------------------------------------------------------------
+    # -- internals: completion, checks, gauges, teardown --------------------------------------------------------
     def _complete(self, op: Operation) -> None:
         with self._lock:
             self._hand_on(self.tiers.complete(op))

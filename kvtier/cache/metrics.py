@@ -72,7 +72,7 @@ class Metric:
     ``metrics.hits.value("device")``): a misspelt metric is an AttributeError and an undocumented label a KeyError,
     where reading a dict by a string key with a default would have said 0."""
 
-    def __init__(self, name: str, family: Counter | Gauge, labels: tuple[str, ...] | None,
+    def __init__(self, name: str, family: Any, labels: tuple[str, ...] | None,
                  lock: Any) -> None:
         self.name, self._family, self.labels, self._lock = name, family, labels, lock
         self._values: dict[str | None, float] = dict.fromkeys(labels if labels is not None else (None,), 0.0)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.cache.index import Match
-from kvtier.cache.operation import LoadBack, Operation
+from kvtier.cache.operation import LoadBack
 from kvtier.cache.storage_tier import Prefetch
 from kvtier.checks import integer
 from kvtier.errors import InvalidArgument
@@ -70,7 +70,7 @@ class CacheRequest:
         self._load_asked = False
         self._held: list[np.ndarray] = []
         self._slot: int | None = None
-        self._waits: list[Operation] = []
+        self._waits: list[LoadBack] = []
 
     # -- steps ------------------------------------------------------------------------------------------------------
     def open(self) -> CacheRequest:
@@ -248,7 +248,8 @@ class CacheRequest:
         try:
             self.close()
         except Exception as failure:  # noqa: BLE001 - the block's own error is the one to see
-            error.add_note(f"closing the cache request failed too: {failure!r}")
+            if hasattr(error, "add_note"):                      # Python 3.11+
+                error.add_note(f"closing the cache request failed too: {failure!r}")
 
     def __repr__(self) -> str:
         cached = f", {self.cached_tokens} cached" if self.match is not None else ""
@@ -261,6 +262,7 @@ class CacheRequest:
         self._load_asked = True
         if not self._needs_load():
             return
+        assert self.match is not None                          # open() matched before any load
         self.load = self.cache.load_back(self.match, force=self.force)
         if self.load is None and self._brought_meanwhile():
             self._rematch(self.device_only)
@@ -297,7 +299,7 @@ class CacheRequest:
         request's load-back may have started over it after this match) and its own."""
         match = self.match
         assert match is not None
-        ops: dict[int, Operation] = {id(op): op for op in match.pending}
+        ops: dict[int, Any] = {id(op): op for op in match.pending}
         with self.cache._lock:
             for node in match.last_node.path():
                 if node.loading is not None and node.device is not None:

@@ -55,7 +55,7 @@ class TierSettings:
     geometry: KVGeometry
     device_pages: int
     host_pages: int
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
     contiguous_device: bool = False
 
     def __post_init__(self) -> None:

@@ -249,6 +249,7 @@ def check_loaded(request: CacheRequest, model: StandInModel, tally: Tally, keys:
         return
     tally.loaded += request.loaded_tokens
     if verify:
+        assert request.match is not None                 # a request with a load has matched
         prefix, start = request.prefix_pages, len(request.match.device_pages)
         tally.pages_checked += len(prefix) - start
         tally.mismatched_pages += model.mismatches(keys[start:len(prefix)], prefix[start:])
