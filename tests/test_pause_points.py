@@ -37,3 +37,15 @@ def test_a_point_is_armed_once_at_a_time():
     with armed("test.once", lambda: 7) as results:    # the refused arming left the first one's release intact
         reached("test.once")
     assert results == [7]
+
+
+def test_every_pause_point_in_kvtier_is_armed_by_a_test():
+    """A point no test arms is a line of production code that proves nothing: name them."""
+    import re
+
+    from helpers.paths import ROOT, TESTS
+
+    points = {name for path in (ROOT / "kvtier").rglob("*.py") if path.name != "pause_points.py"
+              for name in re.findall(r'reached\("([\w.]+)"\)', path.read_text())}
+    tests = "\n".join(path.read_text() for path in TESTS.rglob("*.py"))
+    assert points and [name for name in sorted(points) if f'"{name}"' not in tests] == []
