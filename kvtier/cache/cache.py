@@ -461,6 +461,24 @@ class KVCache:
             self._controller.request_backup([self._own(match)], self._markers(after))
 
     # -- load-back --------------------------------------------------------------------------------------------------
+    def on_device_now(self, match: Match) -> bool:
+        """Whether ``match``'s last node is still in the tree with none of its path on the host only (another
+        request's load-back or insert brought it since the match) and, on a hybrid cache, its state on the device."""
+        node = match.last_node
+        with self._lock:
+            return node.alive and not self.index.host_chain(node) and (self.states is None
+                                                                      or node.device_state is not None)
+
+    def loads_over(self, match: Match) -> list[Operation]:
+        """The loads still bringing ``match``'s prefix to the device: those the match listed, and those another
+        request started over its path since (their per-layer events are what a reader of the prefix waits on)."""
+        loads = {id(op): op for op in match.pending}
+        with self._lock:
+            for node in match.last_node.path():
+                if node.loading is not None and node.device is not None:
+                    loads.setdefault(id(node.loading), node.loading)
+        return list(loads.values())
+
     def load_back(self, match: Match, *, after: Any = CURRENT, force: bool = False) -> LoadBack | None:
         """Load the host-only part of ``match`` into new device pages, all or nothing, with one event per layer.
 

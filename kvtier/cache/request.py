@@ -282,10 +282,7 @@ class CacheRequest:
 
     def _brought_meanwhile(self) -> bool:
         """The match's node is live and none of its path is on the host only any more."""
-        node = self.match.last_node if self.match is not None else None
-        with self.cache._lock:
-            return node is not None and node.alive and not self.cache.index.host_chain(node) and \
-                (self.cache.states is None or node.device_state is not None)
+        return self.match is not None and self.cache.on_device_now(self.match)
 
     def _rematch(self, device_only: bool) -> None:
         """Lock the new match before giving back the old lock, so the prefix is never unpinned in between."""
@@ -299,11 +296,7 @@ class CacheRequest:
         request's load-back may have started over it after this match) and its own."""
         match = self.match
         assert match is not None
-        ops: dict[int, Any] = {id(op): op for op in match.pending}
-        with self.cache._lock:
-            for node in match.last_node.path():
-                if node.loading is not None and node.device is not None:
-                    ops.setdefault(id(node.loading), node.loading)
+        ops: dict[int, Any] = {id(op): op for op in self.cache.loads_over(match)}
         if self.load is not None:
             ops.setdefault(id(self.load), self.load)
         self._waits = list(ops.values())
