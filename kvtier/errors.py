@@ -97,3 +97,8 @@ class MisalignedAddress(IllegalAddress):
 
 class WrongRuntime(KvtierError, TypeError):
     """A stream, event or graph of one runtime was handed to another."""
+
+
+class LoadFailed(KvtierError):
+    """A load-back a request relies on failed (a device fault): the pages it was filling went back to the cache and
+    hold no KV of the request's tokens, so the request serves none of them; close it and make a new one."""

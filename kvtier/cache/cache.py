@@ -679,6 +679,11 @@ class KVCache:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def closing(self) -> bool:
+        """Closed, or ``close`` has begun (every call but ``close``/``stats``/``check`` is refused from then on)."""
+        return self._closing
+
     def close(self, *, cancel: bool = True) -> None:
         """Stop the controller (backups not yet started are dropped when ``cancel``), wait for transfers in flight,
         return every page of both tiers and check that none leaked; the pools stay open (they are the caller's).

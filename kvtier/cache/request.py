@@ -26,7 +26,7 @@ from kvtier.cache.index import Match
 from kvtier.cache.operation import LoadBack
 from kvtier.cache.storage_tier import Prefetch
 from kvtier.checks import integer
-from kvtier.errors import InvalidArgument
+from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, LoadFailed
 from kvtier.keys import token_array
 from kvtier.transfer.engine import CURRENT
 
@@ -173,8 +173,15 @@ class CacheRequest:
             if self.prefetch is not None:
                 self.prefetch.cancel()
             return
-        if self.cache.closed:
+        if self.cache.closing:
             return
+        try:
+            self._give_back(held, slot)
+        except BufferClosed:
+            if not self.cache.closing:            # a cache that began closing meanwhile takes everything back
+                raise
+
+    def _give_back(self, held: np.ndarray | None, slot: int | None) -> None:
         try:
             if held is not None and held.size:
                 self.cache.free(held)
@@ -191,13 +198,22 @@ class CacheRequest:
         """Block the CPU until the prefix's bytes have landed: every layer, or model layer ``layer`` only (what the
         load-back of this request and loads still landing in its device part bring)."""
         layer = self._check_layer(layer, "wait")
+        self._check_loads("wait")
         for op in self._waits:
-            op.wait() if layer is None else op.wait_layer(layer)
+            try:
+                op.wait() if layer is None else op.wait_layer(layer)
+            except KvtierError as error:
+                raise LoadFailed(f"wait: a load-back of this request's prefix failed ({error}); its pages hold no "
+                                 f"KV of these tokens: close the request and make a new one") from error
+        self._check_loads("wait")
 
     def stream_wait(self, stream: Any = None, *, layer: int | None = None) -> None:
         """Make ``stream`` (default: the caller's current one) wait on the GPU, not the CPU, for the prefix's bytes:
-        every layer, or model layer ``layer`` only, so layer i's compute overlaps the load of later layers."""
+        every layer, or model layer ``layer`` only, so layer i's compute overlaps the load of later layers. A load
+        found failed by then raises :class:`LoadFailed`; one that fails later on the GPU raises it at the next
+        ``wait``, ``prefix_pages`` or ``insert``, so its pages are never inserted as this prefix."""
         layer = self._check_layer(layer, "stream_wait")
+        self._check_loads("stream_wait")
         for op in self._waits:
             op.stream_wait(stream, layer=layer)
 
@@ -207,6 +223,7 @@ class CacheRequest:
         """Device pages of the cached prefix: the match's device part, then what the load-back fills. The cache's
         own pages: read them (after the waits), never write them."""
         self._need((OPEN, INSERTED), "prefix_pages")
+        self._check_loads("prefix_pages")
         assert self.match is not None
         return self.load.prefix_pages if self.load is not None else self.match.device_pages
 
@@ -227,8 +244,7 @@ class CacheRequest:
     def device_tokens(self) -> int:
         """Tokens of the match found on the device."""
         self._need((OPEN, INSERTED, CLOSED), "device_tokens")
-        assert self.match is not None
-        return self.match.device_tokens
+        return self.match.device_tokens if self.match is not None else 0     # closed before it matched: none
 
     @property
     def loaded_tokens(self) -> int:
@@ -300,6 +316,14 @@ class CacheRequest:
         if self.load is not None:
             ops.setdefault(id(self.load), self.load)
         self._waits = list(ops.values())
+
+    def _check_loads(self, what: str) -> None:
+        """Refuse to name pages a failed load was filling: the cache took them back, and another request may hold
+        them already (it must never read, or insert, someone else's pages as this prefix)."""
+        for op in self._waits:
+            if op.error is not None:
+                raise LoadFailed(f"{what}: a load-back of this request's prefix failed ({op.error}); its pages went "
+                                 f"back to the cache: close the request and make a new one") from op.error
 
     def _check_layer(self, layer: int | None, what: str) -> int | None:
         self._need((OPEN, INSERTED), what)

@@ -32,12 +32,15 @@ class HostLayout(Choice):
     PAGE_HEAD = "page_head"
 
     @classmethod
-    def of(cls, value: HostLayout | str, supported: tuple[HostLayout, ...], what: str) -> HostLayout:
+    def of(cls, value: HostLayout | str, supported: tuple[HostLayout | str, ...], what: str) -> HostLayout:
         """``value`` as a layout a pool of one kind supports (the model-family pools keep a subset), refused with the
         supported names otherwise: one layout vocabulary, checked where a pool is made."""
+        if isinstance(supported, str) or not isinstance(supported, (tuple, list, frozenset, set)):
+            raise InvalidArgument(f"supported must be a tuple of host layouts, got {supported!r}")
+        allowed = tuple(cls(choice) for choice in supported)
         layout = cls(value)
-        if layout not in supported:
-            choices = ", ".join(repr(member.value) for member in supported)
+        if layout not in allowed:
+            choices = ", ".join(repr(member.value) for member in allowed)
             raise InvalidArgument(f"{what} cannot be {layout.value!r}: choose one of {choices}")
         return layout
 

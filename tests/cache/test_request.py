@@ -347,3 +347,100 @@ def test_a_hybrid_request_falls_back_to_the_device_snapshot_and_gives_back_its_s
         cache.check()
     finally:
         hybrid.close()
+
+
+# -- a load-back that fails, a cache that closes under a request (found adversarially) -------------------------------
+@pytest.fixture
+def failed_load(rt, monkeypatch):
+    """(cache, model, tokens, request): the request's load-back of ``tokens`` (on the host only) failed, as a device
+    fault seen when the controller completes it; the cache took the pages it was filling back."""
+    from kvtier.cache import Operation
+    from kvtier.errors import RuntimeCallError
+
+    cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
+    tokens = prompt(4 * P)
+    serve(cache, model, tokens)
+    cache.drain()
+    cache.evict(device_pages=dev.pages)
+    real = Operation.wait
+
+    def failing(op):
+        real(op)
+        if op.kind == LOAD:
+            raise RuntimeCallError("cudaEventSynchronize", "cudaErrorIllegalAddress")
+
+    monkeypatch.setattr(Operation, "wait", failing)
+    request = cache.request(tokens, force=True, prefetch=False).open()
+    assert request.load is not None
+    cache.drain()
+    monkeypatch.setattr(Operation, "wait", real)
+    assert cache.stats()["errors.load"] == 1
+    yield cache, model, tokens, request
+    try:
+        request.close()
+    finally:
+        close_all(cache, dev, host)
+
+
+def test_a_request_whose_load_failed_serves_none_of_its_pages(failed_load):
+    """The failed load's pages went back to the free list, so the next request may hold them: the failed request
+    names none of them (waits, prefix_pages and insert raise LoadFailed), and another request that got them keeps
+    them, inserts them and serves its own bytes; the failed tokens are never served with someone else's KV."""
+    from kvtier.errors import LoadFailed
+
+    cache, model, tokens, request = failed_load
+    for call in (lambda: request.stream_wait(layer=0), request.wait, lambda: request.prefix_pages, request.insert):
+        with pytest.raises(LoadFailed, match="failed"):
+            call()
+    other = cache.request(prompt(4 * P), prefetch=False).open()
+    pages = other.allocate()
+    model.write(other.tokens, pages)
+    with pytest.raises(LoadFailed):
+        request.insert()
+    assert all(cache.tiers.page_state[p] == CALLER for p in pages), "the failed request handed B's pages to the tree"
+    other.insert()
+    other.close()
+    request.close()
+    assert not model.mismatches(other.tokens, cache.match_prefix(other.tokens).device_pages)
+    again = cache.match_prefix(tokens)
+    assert not model.mismatches(tokens[:again.device_tokens], again.device_pages)
+    cache.check()
+
+
+def test_a_request_closed_while_its_cache_is_closing_returns_quietly(rt, monkeypatch):
+    """A block that raised nothing must not fail at its end because another thread began closing the cache (a closing
+    cache takes everything back, as a closed one has)."""
+    import time
+
+    from helpers.cache import joined, spawn
+
+    cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
+    held = HeldOps(monkeypatch)
+    try:
+        request = cache.request(prompt(2 * P), prefetch=False).open()
+        request.allocate(1)
+        serve(cache, model, prompt(2 * P))           # its write-through backup is in flight, held
+        with held.changed:
+            assert held.changed.wait_for(lambda: held.waiting, BOUND)
+        closer, results = spawn("closer", cache.close)
+        deadline = time.monotonic() + BOUND
+        while not cache.closing and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert cache.closing and not cache.closed
+        try:
+            request.close()
+        finally:
+            held.release()
+            joined(closer)
+        assert results == [("ok", None)] and request.closed
+    finally:
+        held.release()
+        close_all(cache, dev, host)
+
+
+@pytest.mark.parametrize("count", ["cached_tokens", "device_tokens", "loaded_tokens"])
+def test_a_request_closed_before_it_opened_counts_nothing(small_cache, count):
+    cache, _, _ = small_cache
+    request = cache.request(prompt(2 * P), prefetch=False)
+    request.close()
+    assert getattr(request, count) == 0

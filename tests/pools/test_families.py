@@ -832,3 +832,15 @@ def test_family_host_pools_name_the_host_layouts_they_keep(split, pool, layout, 
         pool(geometries, layout, split)
     with pytest.raises(InvalidArgument, match="unknown host layout 'rows'"):
         pool(geometries, "rows", split)
+
+
+def test_host_layout_of_takes_a_tuple_of_supported_layouts():
+    """``supported`` given as one string would be searched as a substring ('page_first' in 'page_first_direct'):
+    refused, and names or members in a tuple both work. (found adversarially)"""
+    from kvtier.pools import HostLayout
+
+    with pytest.raises(InvalidArgument, match="supported must be a tuple"):
+        HostLayout.of("page_first", "page_first_direct", "a pool's layout")
+    assert HostLayout.of("page_first", ("page_first",), "a pool's layout") is HostLayout.PAGE_FIRST
+    with pytest.raises(InvalidArgument, match="cannot be 'page_head': choose one of 'page_first'"):
+        HostLayout.of("page_head", ("page_first",), "a pool's layout")
