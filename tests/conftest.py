@@ -206,6 +206,30 @@ def redis_cluster_url() -> Iterator[str]:
     yield from _redis("KVTIER_TEST_REDIS_CLUSTER_URL", "RedisClusterServers")
 
 
+@pytest.fixture(scope="session")
+def mooncake_spec() -> Iterator[str]:
+    """A Mooncake Store (master, metadata server, segment holder): CI's, or one started for the session."""
+    import helpers.mooncake as mooncake_helpers
+
+    mooncake_helpers.need_mooncake()
+    if os.environ.get("KVTIER_TEST_MOONCAKE_SPEC"):
+        yield os.environ["KVTIER_TEST_MOONCAKE_SPEC"]
+        return
+    servers = mooncake_helpers.MooncakeServers()
+    yield servers.spec
+    servers.close()
+
+
+@pytest.fixture
+def mooncake_servers() -> Iterator[object]:
+    """A private Mooncake Store, for tests that kill its master."""
+    import helpers.mooncake as mooncake_helpers
+
+    servers = mooncake_helpers.MooncakeServers()
+    yield servers
+    servers.close()
+
+
 STORE_KINDS = ["memory", "file", "redis", "redis-cluster"]
 
 
