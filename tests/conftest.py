@@ -230,12 +230,12 @@ def mooncake_servers() -> Iterator[object]:
     servers.close()
 
 
-STORE_KINDS = ["memory", "file", "redis", "redis-cluster"]
+STORE_KINDS = ["memory", "file", "redis", "redis-cluster", "mooncake"]
 
 
 @pytest.fixture(params=STORE_KINDS)
 def store_spec(request: pytest.FixtureRequest, tmp_path) -> str:
-    """A storage spec of each kind (Redis ones on real servers)."""
+    """A storage spec of each kind (Redis and Mooncake ones on real servers)."""
     kind = request.param
     if kind == "memory":
         return "memory:"
@@ -243,4 +243,6 @@ def store_spec(request: pytest.FixtureRequest, tmp_path) -> str:
         return f"file:{tmp_path / 'store'}"
     if kind == "redis":
         return request.getfixturevalue("redis_url")
+    if kind == "mooncake":
+        return request.getfixturevalue("mooncake_spec")
     return request.getfixturevalue("redis_cluster_url")

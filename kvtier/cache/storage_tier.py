@@ -133,7 +133,7 @@ class StorageTier:
         self.backend, self.tiers, self.metrics, self.lock, self.settings = backend, tiers, metrics, lock, settings
         self.decide = decide
         self.page_size = tiers.page_size
-        self.host = HostPages(host_pool)
+        self.host = HostPages(host_pool, backend)
         self._cond = named_condition("cache.storage_tier")
         self._jobs: deque[StoreJob] = deque()
         self._queued_pages = 0

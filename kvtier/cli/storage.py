@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.runtime import Runtime
-from kvtier.storage import SPEC_HELP, RedisStore, StorageBackend, StorageError, open_store
+from kvtier.storage import SPEC_HELP, MooncakeStore, RedisStore, StorageBackend, StorageError, open_store
 from kvtier.storage.redis_url import shown
 
 
@@ -27,7 +27,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     ls.add_argument("--namespace", metavar="ID", help="list this namespace's pages (16 hex digits, from ls)")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(run=ls_command)
-    stats = actions.add_parser("stats", help="totals: namespaces, pages, bytes (and the server's memory policy)")
+    stats = actions.add_parser("stats", help="totals: namespaces, pages, bytes (and the server's memory)")
     stats.add_argument("spec", help=SPEC_HELP)
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(run=stats_command)
@@ -134,6 +134,8 @@ def stats_command(runtime: Runtime | None, args: argparse.Namespace) -> int:
             report["used_memory"] = info.get("used_memory")
             report["maxmemory"] = info.get("maxmemory")
             report["maxmemory_policy"] = info.get("maxmemory_policy")
+        if isinstance(store, MooncakeStore):
+            report.update(store.usage())
     if args.json:
         print(json.dumps(report, indent=1))
     else:

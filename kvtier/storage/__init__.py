@@ -1,7 +1,8 @@
 """The storage tier: pages that outlive the process and are shared between processes and machines.
 
 Backends: ``FileStore`` (one file per page under a directory; the embedded default), ``RedisStore`` (Redis or
-Valkey, standalone or Cluster: the distributed engine), ``MemoryStore`` (a dict, for tests). Every stored page
+Valkey, standalone or Cluster), ``MooncakeStore`` (Mooncake Store: the distributed engine, zero-copy from registered
+host pages), ``MemoryStore`` (a dict, for tests). Every stored page
 carries a verified header (:mod:`kvtier.storage.format`); every backend degrades to misses when its store fails
 (:mod:`kvtier.storage.backend`). ``open_store(spec, namespace)`` builds one from a spec string.
 """
@@ -18,21 +19,24 @@ from kvtier.storage.backend import Entry, StorageBackend, StorageError, StorageS
 from kvtier.storage.file import FileStore
 from kvtier.storage.format import HEADER_BYTES, PageFormat, PageRejected, describe_header
 from kvtier.storage.memory import MemoryStore, SharedPages
+from kvtier.storage.mooncake import MooncakeStore
+from kvtier.storage.mooncake_url import SCHEME as MOONCAKE_SCHEME
 from kvtier.storage.redis_store import RedisStore
 from kvtier.storage.redis_url import SCHEMES as REDIS_SCHEMES
 from kvtier.storage.redis_url import shown
 from kvtier.storage.views import HostPages, PageIO
 
 SPEC_HELP = ("file:PATH, redis://[user:pass@]host:port[/db][?option=value…], rediss://…, unix:///path.sock, "
-             "redis+cluster://host:port, or memory:")
+             "redis+cluster://host:port, mooncake://MASTER_HOST:PORT[?metadata=…&admin=…], or memory:")
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def open_store(spec: str, namespace: Namespace | None, **options: Any) -> StorageBackend:
     """A backend from a spec: ``file:PATH`` (also ``file:///abs/path``, ``file:~/path``), ``redis://…``,
-    ``rediss://…``, ``unix://…``, ``redis+cluster://…``, ``memory:``. ``options`` go to the backend (``layout=``
-    the host layout of the pages given to it, default ``page_first``; ``max_bytes=``, ``fsync=``, ``ttl=``,
-    ``timeout=``, ``retry_interval=``, ``batch_pages=``). ``namespace=None`` opens it for operators only.
+    ``rediss://…``, ``unix://…``, ``redis+cluster://…``, ``mooncake://…``, ``memory:``. ``options`` go to the
+    backend (``layout=`` the host layout of the pages given to it, default ``page_first``; ``max_bytes=``,
+    ``fsync=``, ``ttl=``, ``timeout=``, ``segment_bytes=``, ``retry_interval=``, ``batch_pages=``).
+    ``namespace=None`` opens it for operators only.
 
     Everything is checked before anything is made or connected: a malformed spec, an unknown scheme (``x:y``), a
     bare path (write ``file:PATH``: a typo must not become a directory) or an option the backend does not take is
@@ -51,6 +55,8 @@ def open_store(spec: str, namespace: Namespace | None, **options: Any) -> Storag
     name = scheme.group()[:-1]
     if name in REDIS_SCHEMES:
         return RedisStore(spec, namespace, **_checked(RedisStore, said, options))
+    if name == MOONCAKE_SCHEME:
+        return MooncakeStore(spec, namespace, **_checked(MooncakeStore, said, options))
     if name == "memory":
         if spec != "memory:":
             raise InvalidArgument(f"storage spec {said!r}: memory: takes nothing after the colon")
@@ -85,6 +91,6 @@ def _checked(backend: type[StorageBackend], spec: str, options: dict[str, Any]) 
     return options
 
 
-__all__ = ["HEADER_BYTES", "SPEC_HELP", "Entry", "FileStore", "HostPages", "MemoryStore", "PageFormat", "PageIO",
-           "PageRejected", "RedisStore", "SharedPages", "StorageBackend", "StorageError", "StorageStats",
+__all__ = ["HEADER_BYTES", "SPEC_HELP", "Entry", "FileStore", "HostPages", "MemoryStore", "MooncakeStore", "PageFormat",
+           "PageIO", "PageRejected", "RedisStore", "SharedPages", "StorageBackend", "StorageError", "StorageStats",
            "describe_header", "open_store"]

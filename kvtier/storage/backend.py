@@ -11,8 +11,10 @@ into misses and counts (see below).
 - ``StorageBackend._namespaces()`` → namespace id → the description its writers recorded (None when unknown).
 - ``StorageBackend._remove(namespace_id)`` → how many pages of that namespace (None: of every one) it removed.
 
-Optional hooks, with defaults here: ``_reset(error)`` (drop connections after an error; nothing) and ``_close()``
-(release files and connections; nothing). ``verify_blob`` and ``_ordered`` are helpers for ``_get`` and ``_set``.
+Optional hooks, with defaults here: ``register_memory(address, nbytes)`` / ``unregister_memory(address)`` (host
+memory, by CPU address, that a store with its own transfer engine registers once; nothing), ``_reset(error)`` (drop
+connections after an error; nothing) and ``_close()`` (release files and connections; nothing).
+``verify_blob`` and ``_ordered`` are helpers for ``_get`` and ``_set``.
 
 A backend stores whole pages of one namespace under their page keys (the SHA-256 chain of :mod:`kvtier.keys`).
 Callers hand it CPU-domain buffers (views of host pages, numpy arrays, CPU tensors): it never sees a device address.
@@ -44,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.address import CpuAddress
 from kvtier.checks import positive_number
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.keys import Namespace
@@ -472,6 +475,13 @@ class StorageBackend(abc.ABC):
             for future in futures:
                 future.cancel()
             wait(futures)
+
+    def register_memory(self, address: CpuAddress, nbytes: int) -> None:  # noqa: B027 (optional: most need none)
+        """Host memory that pages will be read into and written from, by its CPU address: a store that moves
+        pages with its own engine (Mooncake) registers it once, so they move with no copy. Others need nothing."""
+
+    def unregister_memory(self, address: CpuAddress) -> None:  # noqa: B027 (optional, as register_memory)
+        """Forget memory given to :meth:`register_memory` (before it is freed)."""
 
     def _reset(self, error: BaseException) -> None:  # noqa: B027 (an optional hook: nothing to drop by default)
         """After ``error``: drop what a fresh start needs dropped (connections), without breaking calls of other

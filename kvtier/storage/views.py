@@ -18,6 +18,7 @@ import numpy as np
 from kvtier.errors import BufferClosed
 from kvtier.locks import named_condition
 from kvtier.pools import HostPool
+from kvtier.storage.backend import StorageBackend
 
 Pieces = list[memoryview]
 
@@ -51,11 +52,19 @@ class HostPages:
     """A host pool as seen by storage I/O: batches register as users of the pool, so closing the pool waits for
     the I/O in flight instead of unmapping memory a read is writing into."""
 
-    def __init__(self, pool: HostPool) -> None:
-        self.pool = pool
+    def __init__(self, pool: HostPool, store: StorageBackend | None = None) -> None:
+        """``store``: the backend these pages move to and from; the pool's memory is registered with it (by CPU
+        address) for as long as this lives, so a store with its own transfer engine moves pages with no copy."""
+        self.pool, self.store = pool, store
         self._cond = named_condition("storage.pages")
         self._inflight = 0
         pool.add_user(self)
+        if store is not None:
+            try:
+                store.register_memory(pool.buffer.cpu_address, pool.buffer.nbytes)
+            except BaseException:
+                pool.remove_user(self)
+                raise
 
     def batch(self, pages: Sequence[int] | np.ndarray) -> _Batch:
         return _Batch(self, pages)
@@ -66,6 +75,8 @@ class HostPages:
 
     def close(self) -> None:
         self.drain()
+        if self.store is not None and not self.store.closed:
+            self.store.unregister_memory(self.pool.buffer.cpu_address)
         if not self.pool.closed:
             self.pool.remove_user(self)
 

@@ -17,6 +17,7 @@ from kvtier.storage import (
     HEADER_BYTES,
     FileStore,
     MemoryStore,
+    MooncakeStore,
     PageFormat,
     RedisStore,
     StorageError,
@@ -38,6 +39,8 @@ def raw_get(store, key: bytes) -> bytes:
         return store.path(key).read_bytes()
     if isinstance(store, MemoryStore):
         return store.shared.pages[(store.namespace_id, key)]
+    if isinstance(store, MooncakeStore):
+        return bytes(store.client().get(store.key(key)))
     return store.client().get(store.key(key))
 
 
@@ -47,6 +50,9 @@ def raw_put(store, key: bytes, value: bytes) -> None:
         store.path(key).write_bytes(value)
     elif isinstance(store, MemoryStore):
         store.shared.pages[(store.namespace_id, key)] = value
+    elif isinstance(store, MooncakeStore):                  # a Mooncake put never replaces an object
+        store.client().remove(store.key(key), True)
+        assert store.client().put(store.key(key), value) == 0
     else:
         store.client().set(store.key(key), value)
 
@@ -90,6 +96,8 @@ def test_the_chain_stops_at_the_first_missing_page(store):
 @pytest.mark.parametrize("damage", ["payload", "header_field", "truncate", "version", "other_key",
                                     "other_namespace", "other_geometry", "empty"])
 def test_every_damaged_or_foreign_page_is_a_counted_miss(store, damage):
+    if damage == "empty" and isinstance(store, MooncakeStore):
+        pytest.skip("Mooncake refuses to store an empty object")
     keys = page_keys(store.namespace, np.arange(3 * GEOMETRY.page_size))
     data = random_pages(3)
     store.set(keys, [[p] for p in data])
