@@ -212,8 +212,8 @@ def mooncake_spec() -> Iterator[str]:
     import helpers.mooncake as mooncake_helpers
 
     mooncake_helpers.need_mooncake()
-    if os.environ.get("KVTIER_TEST_MOONCAKE_SPEC"):
-        yield os.environ["KVTIER_TEST_MOONCAKE_SPEC"]
+    if os.environ.get("KVTIER_MOONCAKE_SPEC"):
+        yield os.environ["KVTIER_MOONCAKE_SPEC"]
         return
     servers = mooncake_helpers.MooncakeServers()
     yield servers.spec

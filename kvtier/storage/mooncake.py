@@ -19,6 +19,9 @@ header and checksum are checked on every read, as for every store.
 - **Never wait 90 seconds.** A Mooncake client asked to reach a master that is not there retries for about 90
   seconds; so the store connects lazily, and only after a TCP probe of the master (and an HTTP metadata server)
   answers within ``connect_timeout``; while down, each retry probes first.
+- **Fork.** A Mooncake client does not survive fork: in a child of a process that set one up, a new client hangs
+  in its setup and the old one crashes. The store's calls there are counted errors (misses), never a hang: a worker
+  process that needs the store is started with ``spawn``.
 - **Memory bounds and eviction are the store's:** the memory the segment holders lend (``mooncake_client
   --global_segment_size``, or ``segment_bytes`` here) bounds it; the master evicts past
   ``--eviction_high_watermark_ratio`` (0.9) of it, ``--eviction_ratio`` (5%) at a time, objects whose lease
@@ -31,6 +34,8 @@ import bisect
 import contextlib
 import json
 import os
+import sys
+import tempfile
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -55,6 +60,14 @@ CODES = {-200: "no space (NO_AVAILABLE_HANDLE)", -600: "invalid parameters", -70
 SCRATCH_ALIGN = 4096
 
 
+_SET_UP_IN: set[int] = set()
+"""The process that set up a Mooncake client (a fork child has the parent's pid here, not its own)."""
+
+
+class MooncakeForked(Exception):
+    """This process is a fork of one with a Mooncake client: no client can work here (counted, never a hang)."""
+
+
 class MooncakeError(Exception):
     """A Mooncake call failed as a whole (the store's fault, not a page's): counted, the store goes down."""
 
@@ -62,6 +75,32 @@ class MooncakeError(Exception):
         said = CODES.get(code, "error")
         super().__init__(f"{call} on the Mooncake store at {where}: {code} ({said}){hint}")
         self.code = code
+
+
+BENIGN = ("Logging before InitGoogleLogging", "metadata not found", "Failed to retrieve segment descriptor")
+"""What a Mooncake client prints on stderr every time it sets up (its first look-up of itself): not ours to show."""
+_STDERR_LOCK = named_lock("storage.mooncake_stderr", fork_safe=True)
+
+
+@contextlib.contextmanager
+def _benign_lines_dropped() -> Iterator[None]:
+    """Hold what the process writes to its stderr (fd 2) for the block, then pass on every line but Mooncake's
+    set-up chatter: a command's error stays one line, and nothing anyone else wrote meanwhile is lost."""
+    with _STDERR_LOCK, tempfile.TemporaryFile() as held:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().splitlines(keepends=True)
+                    if not any(word.encode() in line for word in BENIGN)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def _address(view: memoryview) -> int:
@@ -144,16 +183,20 @@ class MooncakeStore(StorageBackend):
                 raise StorageError(f"{self!r} is closed")
             if self._client is not None and self._client_pid == os.getpid():
                 return self._client
-            if self._client is not None:                        # a fork child: the parent's client is not ours
-                self._client, self._scratch = None, None
+            if _SET_UP_IN and os.getpid() not in _SET_UP_IN:
+                raise MooncakeForked(f"{self!r}: this process was forked from one that had set up a Mooncake "
+                                     f"client, and a Mooncake client does not survive fork (its calls hang or "
+                                     f"crash): open the store in a process started with spawn")
             self._probe()
+            os.environ.setdefault("MC_LOG_LEVEL", "ERROR")     # its INFO lines, a dozen a client, are not ours
             from mooncake.store import MooncakeDistributedStore
 
             client = MooncakeDistributedStore()
             target = self.target
             local = target.local_hostname or route_address(target.host, target.port)
-            code = client.setup(local, target.metadata, self.segment_bytes, self.buffer_bytes, target.protocol,
-                                target.device, target.master)
+            with _benign_lines_dropped():
+                code = client.setup(local, target.metadata, self.segment_bytes, self.buffer_bytes,
+                                    target.protocol, target.device, target.master)
             if code != 0:
                 with contextlib.suppress(Exception):
                     client.close()
@@ -167,6 +210,7 @@ class MooncakeStore(StorageBackend):
                         client.close()
                     raise MooncakeError("register_buffer", code, self.where)
             self._client, self._client_pid, self._scratch = client, os.getpid(), scratch
+            _SET_UP_IN.add(os.getpid())
             return client
 
     def _probe(self) -> None:
@@ -225,6 +269,12 @@ class MooncakeStore(StorageBackend):
             if self._client is not None and self._client_pid == os.getpid():
                 with contextlib.suppress(Exception):
                     self._client.unregister_buffer(address.value)
+
+    @property
+    def registered(self) -> list[tuple[CpuAddress, int]]:
+        """The memory registered with :meth:`register_memory` now: (CPU address, bytes), in address order."""
+        with self._client_lock:
+            return [(CpuAddress(start), end - start) for start, end in self._spans]
 
     def _registered(self, view: memoryview) -> bool:
         start = _address(view)
@@ -385,7 +435,8 @@ class MooncakeStore(StorageBackend):
 
     def _names(self) -> list[str]:
         """Every object name of this prefix the master holds."""
-        self.client()
+        if self.target.admin is not None:
+            self.client()
         text = self._admin("get_all_keys")
         return [line.strip() for line in text.splitlines() if line.startswith(f"{self.prefix}:")]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -19,9 +20,17 @@ DEMO = ["--runtime", "emulated:split", "demo", "--users", "3", "--turns", "2", "
         "--user-tokens", "64", "--reply-tokens", "32", "--json"]
 
 
-@pytest.mark.parametrize("kind", ["file", "redis"])
+def spec_of(kind: str, tmp_path, request) -> str:
+    """A store of ``kind`` for the command line (servers of the session's fixtures)."""
+    if kind == "file":
+        return f"file:{tmp_path / 'store'}"
+    return request.getfixturevalue({"redis": "redis_url", "redis-cluster": "redis_cluster_url",
+                                    "mooncake": "mooncake_spec"}[kind])
+
+
+@pytest.mark.parametrize("kind", ["file", "redis", "mooncake"])
 def test_a_second_demo_run_is_served_from_storage(kind, tmp_path, capsys, request):
-    spec = f"file:{tmp_path / 'store'}" if kind == "file" else request.getfixturevalue("redis_url")
+    spec = spec_of(kind, tmp_path, request)
     seed = str(np.random.default_rng().integers(1 << 30))     # fresh tokens: nothing of an earlier test hits
     first_code = main([*DEMO, "--seed", seed, "--storage", spec])
     first = json.loads(capsys.readouterr().out)
@@ -32,7 +41,7 @@ def test_a_second_demo_run_is_served_from_storage(kind, tmp_path, capsys, reques
     assert second["storage_pages_read"] > 0 and second["storage_hit_rate"] > 0.2
     assert second["prefill_tokens"] < first["prefill_tokens"] / 2, (first, second)
     assert second["pages_checked"] == second["pages_loaded"] > 0          # what came from storage was checked
-    if kind == "redis":
+    if kind != "file":
         assert main(["storage", "clear", spec, "--all"]) == 0
 
 
@@ -43,10 +52,9 @@ def test_demo_with_a_store_that_is_down_still_serves(capsys):
     assert report["storage_pages_read"] == 0 and report["prefill_saved_tokens"] > 0
 
 
-@pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster"])
+@pytest.mark.parametrize("kind", ["file", "redis", "redis-cluster", "mooncake"])
 def test_operators_list_total_and_clear(kind, tmp_path, capsys, request):
-    spec = {"file": f"file:{tmp_path}", "redis": None, "redis-cluster": None}[kind] or \
-        request.getfixturevalue("redis_url" if kind == "redis" else "redis_cluster_url")
+    spec = spec_of(kind, tmp_path, request)
     ns = namespace(model="operators/test")
     with open_store(spec, ns) as store:
         keys = page_keys(ns, np.arange(7 * GEOMETRY.page_size))
@@ -61,7 +69,10 @@ def test_operators_list_total_and_clear(kind, tmp_path, capsys, request):
     assert main(["storage", "ls", spec, "--namespace", store.namespace_id]) == 0
     assert sorted(line.split()[0] for line in capsys.readouterr().out.splitlines()) == sorted(k.hex() for k in keys)
     assert main(["storage", "stats", spec, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["pages"] >= 7
+    totals = json.loads(capsys.readouterr().out)
+    assert totals["pages"] >= 7
+    if kind == "mooncake":                              # the master's own count of the memory it holds
+        assert totals["allocated_bytes"] >= totals["bytes"] > 0 and totals["capacity_bytes"] > 0
     assert main(["storage", "clear", spec, "--namespace", store.namespace_id]) == 0
     assert "removed 7 pages" in capsys.readouterr().out
     assert main(["storage", "clear", spec, "--namespace", "nothex"]) == 2
@@ -83,6 +94,7 @@ TINY_DEMO = ["--runtime", "emulated:split", "demo", "--users", "1", "--turns", "
     ("bogus:x", "storage spec 'bogus:x': unknown scheme 'bogus'"),
     ("store", "storage spec 'store' has no scheme: for a directory write file:store"),
     ("redis://127.0.0.1:1/notanumber", "the path '/notanumber' must be a database number"),
+    ("mooncake://127.0.0.1:1?protocol=udp", "protocol='udp'; expected one of tcp, rdma"),
 ])
 def test_demo_with_a_bad_storage_spec_is_one_line_and_makes_nothing(tmp_path, spec, words):
     refused_in_one_line(kvtier(*TINY_DEMO, "--storage", spec, cwd=tmp_path), "demo", words)
@@ -109,6 +121,18 @@ def test_an_unreachable_store_with_a_password_is_reported_without_it(capsys):
     assert main(["storage", "stats", "redis://kv:s3cret@127.0.0.1:1/0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtier storage: redis://kv:***@127.0.0.1:1/0: ConnectionError") and "s3cret" not in err
+
+
+def test_listing_a_mooncake_store_without_its_admin_endpoint_is_one_line(mooncake_spec, tmp_path):
+    refused_in_one_line(kvtier("storage", "ls", mooncake_spec.split("&admin=")[0], cwd=tmp_path), "storage",
+                        "add ?admin=http://MASTER_HOST:9003")
+
+
+def test_an_unreachable_mooncake_master_is_one_line_and_quick(tmp_path):
+    started = time.monotonic()
+    refused_in_one_line(kvtier("storage", "stats", "mooncake://127.0.0.1:1?admin=http://127.0.0.1:1", cwd=tmp_path),
+                        "storage", "the Mooncake master is unreachable: 127.0.0.1:1")
+    assert time.monotonic() - started < 20
 
 
 def test_an_unreachable_store_is_one_line_from_the_cli(capsys):

@@ -1,7 +1,7 @@
 """A real Mooncake Store for the tests (never a fake): a ``mooncake_master`` with its HTTP metadata server, and a
 ``mooncake_client`` that lends the store its memory (a segment), all on loopback ports.
 
-CI starts one (``scripts/mooncake_servers.sh``) and passes its spec in ``KVTIER_TEST_MOONCAKE_SPEC``; without it the
+CI starts one (``scripts/mooncake_servers.sh``) and passes its spec in ``KVTIER_MOONCAKE_SPEC``; without it the
 fixture starts its own. Tests that kill the master mid-run always get a private one. Without the Mooncake wheel
 (``pip install mooncake-transfer-engine-non-cuda``) the Mooncake tests skip, unless ``KVTIER_REQUIRE_MOONCAKE=1``
 (CI) makes that a failure.
