@@ -10,12 +10,15 @@ Ceilings, same bytes, same run:
   temporary file or rename); warm rows read from the page cache, cold rows after ``fsync`` + ``POSIX_FADV_DONTNEED``
   on every file (the kernel drops the cached pages) for both kvtier and the ceiling.
 - redis: redis-py's own pipelined ``SET`` of a prepared ``bytes`` value and ``GET`` (batches of 32, like kvtier).
+- mooncake: Mooncake's own ``batch_put_from`` / ``batch_get_into`` of the same bytes from and into registered
+  memory, one contiguous buffer per page, no header or checksum (batches of 32, like kvtier); checked after timing.
 
 Prefetch rows: a cache whose storage holds a ``--prefetch-tokens`` chain (Llama-3-8B, 16-token pages) in a fresh
 process-like state (empty host tier): ``prefetch(tokens)`` until the whole chain is in the host tier.
 
-Usage: python bench/storage.py [--stores file,redis] [--redis URL] [--dir PATH] [--json PATH]
-Without ``--redis`` a private redis-server is started when one is installed.
+Usage: python bench/storage.py [--stores file,redis,mooncake] [--redis URL] [--mooncake SPEC] [--dir PATH] [--json PATH]
+Without ``--redis`` a private redis-server is started when one is installed; without ``--mooncake`` a private
+Mooncake Store (``scripts/mooncake_servers.sh``) when the Mooncake wheel is installed.
 """
 
 from __future__ import annotations
@@ -111,9 +114,9 @@ def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runti
     view = pool.buffer.as_tensor().numpy()
     view[:] = np.random.default_rng().integers(0, 256, view.size, dtype=np.uint8)
     del view
-    pages = HostPages(pool)
     nbytes = count * geometry.bytes_per_page
     store = open_store(spec, namespace)
+    pages = HostPages(pool, store)                  # registered with the store (Mooncake: zero-copy)
     rows: list[dict] = []
     try:
         with pages.batch(np.arange(count)) as source, pages.batch(np.arange(count, 2 * count)) as target:
@@ -154,6 +157,8 @@ def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runti
                     get_s, ceiling_get = paired(kv_get, plain_get, repeats, before_kv, before_plain, settle=True)
                     rows.append(row(store_kind, name, "get", state, nbytes, get_s, ceiling_get))
                 shutil.rmtree(plain_dir, ignore_errors=True)
+            elif store_kind == "mooncake":
+                rows += mooncake_rows(store, keys, name, pieces, kv_set, kv_get, nbytes, repeats)
             else:
                 import redis
 
@@ -183,6 +188,7 @@ def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runti
                 client.delete(*raw_keys)
                 client.close()
             assert store.stats().get("errors.get", 0) == 0 and store.stats().get("errors.set", 0) == 0
+            assert store.stats().get("bounced_pages", 0) == 0, "pages of a registered pool went through a copy"
             assert all(np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8))
                        for x, y in zip(pieces, into, strict=True) for a, b in zip(x, y, strict=True)), \
                 "pages read back differ"
@@ -192,6 +198,60 @@ def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runti
         pages.close()
         pool.close()
     return rows
+
+
+def mooncake_rows(store, keys, name: str, pieces, kv_set, kv_get, nbytes: int, repeats: int) -> list[dict]:
+    """kvtier's Mooncake store against Mooncake's own batch calls of the same bytes, on the same client, from and
+    into one registered contiguous buffer (a page per key, no header, no checksum)."""
+    client = store.client()
+    count = len(pieces)
+    page = nbytes // count
+    source = np.concatenate([np.frombuffer(piece, np.uint8) for pieces_of in pieces for piece in pieces_of])
+    target = np.full(nbytes, 0xA5, np.uint8)
+    for buffer in (source, target):
+        assert client.register_buffer(buffer.ctypes.data, buffer.nbytes) == 0
+    raw_keys = [f"bench-raw:{time.time_ns()}:{i}" for i in range(count)]
+
+    def batches(call, buffer) -> None:
+        for start in range(0, count, BATCH):
+            stop = min(start + BATCH, count)
+            codes = call(raw_keys[start:stop], [buffer.ctypes.data + i * page for i in range(start, stop)],
+                         [page] * (stop - start))
+            assert all(code >= 0 for code in codes), codes
+
+    def raw_set() -> None:
+        batches(client.batch_put_from, source)
+
+    def raw_get() -> None:
+        batches(client.batch_get_into, target)
+
+    def raw_delete() -> None:
+        client.batch_remove(raw_keys, True)
+
+    try:
+        rows = [row("mooncake", name, "set", "", nbytes,
+                    *paired(kv_set, raw_set, repeats, lambda: store.delete(keys), raw_delete))]
+        rows.append(row("mooncake", name, "get", "", nbytes, *paired(kv_get, raw_get, repeats)))
+        assert np.array_equal(source, target), "Mooncake's own get returned other bytes than were put"
+    finally:
+        raw_delete()
+        for buffer in (source, target):
+            client.unregister_buffer(buffer.ctypes.data)
+    return rows
+
+
+def start_mooncake(directory: Path) -> str | None:
+    """A private Mooncake Store (master + a segment holder lending ``KVTIER_BENCH_MOONCAKE_SEGMENT``, default 12 GB)
+    through scripts/mooncake_servers.sh, or None without the wheel."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:
+        return None
+    script = Path(__file__).resolve().parent.parent / "scripts" / "mooncake_servers.sh"
+    segment = os.environ.get("KVTIER_BENCH_MOONCAKE_SEGMENT", "12 GB")
+    done = subprocess.run(["bash", str(script), "start", str(directory), segment], capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": sys.executable}, check=True)
+    return done.stdout.strip().split("=", 1)[1].strip("'")
 
 
 def row(store: str, size: str, op: str, state: str, nbytes: int, seconds: float, ceiling: float) -> dict:
@@ -252,11 +312,13 @@ def prefetch_rows(store_kind: str, spec: str, runtime, tokens: int, directory: P
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stores", default="file,redis", type=name_list(["file", "redis"], "store"),
+    parser.add_argument("--stores", default="file,redis,mooncake",
+                        type=name_list(["file", "redis", "mooncake"], "store"),
                         help="stores to measure, comma-separated (default: %(default)s)")
     parser.add_argument("--sizes", default=",".join(SIZES), type=name_list(SIZES, "size"),
                         help="page sizes to measure, comma-separated (default: %(default)s)")
     parser.add_argument("--redis", help="a Redis URL (default: start a private redis-server)")
+    parser.add_argument("--mooncake", help="a mooncake:// spec (default: start a private Mooncake Store)")
     parser.add_argument("--dir", help="directory for the file store (default: a temporary one)")
     parser.add_argument("--mib", type=int, default=512, help="MiB of pages per row (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats, median reported (default: %(default)s)")
@@ -272,6 +334,7 @@ def main() -> int:
     console = Console()
     directory = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-bench-store-"))
     started = None
+    mooncake_dir: Path | None = None
     specs = {}
     for kind in args.stores:
         if kind == "file":
@@ -285,6 +348,13 @@ def main() -> int:
                     console.print("[yellow]no redis-server installed: skipping the redis rows")
                     continue
                 specs[kind] = started[0]
+        elif kind == "mooncake":
+            spec = args.mooncake or start_mooncake(directory / "mooncake")
+            if spec is None:
+                console.print("[yellow]the Mooncake wheel is not installed: skipping the mooncake rows")
+                continue
+            mooncake_dir = None if args.mooncake else directory / "mooncake"
+            specs[kind] = spec
     rows, prefetches = [], []
     try:
         for kind, spec in specs.items():
@@ -298,6 +368,9 @@ def main() -> int:
         if started is not None:
             started[1].kill()
             shutil.rmtree(started[2], ignore_errors=True)
+        if mooncake_dir is not None:
+            script = Path(__file__).resolve().parent.parent / "scripts" / "mooncake_servers.sh"
+            subprocess.run(["bash", str(script), "stop", str(mooncake_dir)], check=False)
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)
     table = Table(title=f"kvtier storage — pages through kvtier vs the plain tool, same bytes, same run "

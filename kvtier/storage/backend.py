@@ -143,6 +143,9 @@ class StorageBackend(abc.ABC):
     the primitives listed at the top of this module."""
 
     kind = "abstract"
+    exists_batch: int | None = None
+    """Keys per ``_exists`` call (None: ``batch_pages``): a store that answers many keys in one round trip raises it,
+    so a long chain's stored prefix is found in one."""
 
     def __init__(self, namespace: Namespace | None, *, retry_interval: float = 1.0, batch_pages: int = 32,
                  io_threads: int | None = None, layout: HostLayout | str = HostLayout.PAGE_FIRST) -> None:
@@ -220,8 +223,9 @@ class StorageBackend(abc.ABC):
         """How many leading ``keys`` are stored (0 when the store is down)."""
         keys = self._keys(keys)
         total = 0
-        for start in range(0, len(keys), self.batch_pages):
-            batch = keys[start:start + self.batch_pages]
+        step = self.exists_batch or self.batch_pages
+        for start in range(0, len(keys), step):
+            batch = keys[start:start + step]
             found = self._guarded("exists", READ, lambda b=batch: self._exists(b), None,
                                   skipped="exists.skipped_down")
             if found is None:

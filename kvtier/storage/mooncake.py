@@ -146,6 +146,7 @@ class _Scratch:
 
 class MooncakeStore(StorageBackend):
     kind = "mooncake"
+    exists_batch = 4096        # one batch_is_exist for a 64k-token chain of 16-token pages
 
     def __init__(self, spec: str, namespace: Namespace | None, *, prefix: str = "kvtier", segment_bytes: int = 0,
                  buffer_bytes: int = 16 << 20, connect_timeout: float = 2.0, **options: Any) -> None:

@@ -208,7 +208,8 @@ import sys, numpy as np
 from helpers.cache import build, close_all, serve
 from kvtier.runtime import create
 from kvtier.storage import open_store
-spec, salt, prompts = sys.argv[1], bytes.fromhex(sys.argv[2]), [np.array(p) for p in __import__("json").loads(sys.argv[3])]
+spec, salt = sys.argv[1], bytes.fromhex(sys.argv[2])
+prompts = [np.array(p) for p in __import__("json").loads(sys.argv[3])]
 stores = []
 def storage(ns):
     stores.append(open_store(spec, ns, layout=sys.argv[4]))
@@ -336,3 +337,18 @@ def test_operators_need_the_admin_endpoint_to_list(mooncake_spec):
     without = mooncake_spec.split("&admin=")[0]
     with open_store(without, None) as store, pytest.raises(StorageError, match=r"\?admin=http://MASTER_HOST:9003"):
         list(store.entries())
+
+
+def test_a_long_chain_is_looked_up_in_one_round_trip(mooncake_spec):
+    with open_store(mooncake_spec, namespace(), batch_pages=8) as store:
+        keys = page_keys(store.namespace, np.arange(100 * GEOMETRY.page_size))
+        assert store.set(keys[:60], [[p] for p in random_pages(60)]) == 60
+
+        def asked() -> int:
+            metrics = store._admin("metrics").splitlines()
+            wanted = "master_batch_exist_key_requests_total "
+            return int(float(next(m.split()[1] for m in metrics if m.startswith(wanted))))
+
+        before = asked()
+        assert store.exists(keys) == 60
+        assert asked() - before == 1, "100 keys with batch_pages=8 took more than one batch_is_exist"
