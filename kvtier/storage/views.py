@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.address import CpuAddress
 from kvtier.errors import BufferClosed
 from kvtier.locks import named_condition
 from kvtier.pools import HostPool
@@ -58,25 +59,31 @@ class HostPages:
         self.pool, self.store = pool, store
         self._cond = named_condition("storage.pages")
         self._inflight = 0
+        self._registered: CpuAddress | None = None
         pool.add_user(self)
         if store is not None:
+            address = pool.buffer.cpu_address
             try:
-                store.register_memory(pool.buffer.cpu_address, pool.buffer.nbytes)
+                store.register_memory(address, pool.buffer.nbytes)
             except BaseException:
                 pool.remove_user(self)
                 raise
+            self._registered = address
 
     def batch(self, pages: Sequence[int] | np.ndarray) -> _Batch:
         return _Batch(self, pages)
 
     def drain(self) -> None:
+        """Wait for the batches in flight. The pool's buffer calls this when it closes, before its memory goes: so
+        the memory is unregistered from the store here too (once), never left registered after it is freed."""
         with self._cond:
             self._cond.wait_for(lambda: self._inflight == 0)
+            address, self._registered = self._registered, None
+        if address is not None and self.store is not None and not self.store.closed:
+            self.store.unregister_memory(address)
 
     def close(self) -> None:
         self.drain()
-        if self.store is not None and not self.store.closed:
-            self.store.unregister_memory(self.pool.buffer.cpu_address)
         if not self.pool.closed:
             self.pool.remove_user(self)
 

@@ -28,7 +28,7 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def store(mooncake_spec):
+def mooncake_store(mooncake_spec):
     with open_store(mooncake_spec, namespace()) as s:
         yield s
 
@@ -84,7 +84,8 @@ def test_a_master_that_is_not_there_is_a_fast_counted_miss():
     assert "unreachable" in store.last_error
 
 
-def test_round_trips_from_registered_memory_copy_nothing(store):
+def test_round_trips_from_registered_memory_copy_nothing(mooncake_store):
+    store = mooncake_store
     arena = np.random.default_rng().integers(1, 256, 6 * PAGE, dtype=np.uint8)
     keys = page_keys(store.namespace, np.arange(6 * GEOMETRY.page_size))
     store.register_memory(CpuAddress(arena.ctypes.data), arena.nbytes)
@@ -100,7 +101,8 @@ def test_round_trips_from_registered_memory_copy_nothing(store):
     store.unregister_memory(CpuAddress(arena.ctypes.data))
 
 
-def test_register_memory_takes_only_cpu_addresses_and_no_overlap(store):
+def test_register_memory_takes_only_cpu_addresses_and_no_overlap(mooncake_store):
+    store = mooncake_store
     arena = np.ones(2 * PAGE, np.uint8)
     for wrong in (arena.ctypes.data, DeviceAddress(arena.ctypes.data, 0)):
         with pytest.raises(InvalidArgument, match="CpuAddress"):
@@ -113,7 +115,8 @@ def test_register_memory_takes_only_cpu_addresses_and_no_overlap(store):
     assert store.registered == []
 
 
-def test_a_page_removed_or_changed_between_exists_and_get_is_a_miss(store, mooncake_spec):
+def test_a_page_removed_or_changed_between_exists_and_get_is_a_miss(mooncake_store, mooncake_spec):
+    store = mooncake_store
     keys = page_keys(store.namespace, np.arange(6 * GEOMETRY.page_size))
     data = random_pages(6)
     assert store.set(keys, [[p] for p in data]) == 6 and store.exists(keys) == 6
@@ -133,7 +136,8 @@ def test_a_page_removed_or_changed_between_exists_and_get_is_a_miss(store, moonc
     assert count == 6 and all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
 
 
-def test_two_threads_share_one_store(store):
+def test_two_threads_share_one_store(mooncake_store):
+    store = mooncake_store
     failures: list[BaseException] = []
 
     def worker(seed: int) -> None:
@@ -155,7 +159,8 @@ def test_two_threads_share_one_store(store):
     assert not failures, failures
 
 
-def test_a_forked_child_gets_counted_misses_not_a_hang_or_a_crash(store, mooncake_spec):
+def test_a_forked_child_gets_counted_misses_not_a_hang_or_a_crash(mooncake_store, mooncake_spec):
+    store = mooncake_store
     keys = page_keys(store.namespace, np.arange(4 * GEOMETRY.page_size))
     data = random_pages(4)
     assert store.set(keys[:2], [[p] for p in data[:2]]) == 2
@@ -352,3 +357,22 @@ def test_a_long_chain_is_looked_up_in_one_round_trip(mooncake_spec):
         before = asked()
         assert store.exists(keys) == 60
         assert asked() - before == 1, "100 keys with batch_pages=8 took more than one batch_is_exist"
+
+
+def test_a_host_pool_closed_before_its_cache_leaves_nothing_registered(mooncake_spec, runtime):
+    stores: list[MooncakeStore] = []
+
+    def storage(ns):
+        stores.append(open_store(mooncake_spec, ns))
+        return stores[-1]
+
+    cache, model, dev, host = build(runtime, device_pages=16, host_pages=32, storage=storage)
+    address = host.buffer.cpu_address
+    assert stores[0].registered == [(address, host.buffer.nbytes)]
+    serve(cache, model, prompt(24))
+    cache.drain()
+    host.close()                                   # before the cache: its memory leaves the store's registry first
+    assert stores[0].registered == []
+    cache.close()
+    dev.close()
+    stores[0].close()
