@@ -132,8 +132,9 @@ class CacheMetrics:
         self.pages = counter("pages", "kvtier_cache_transfer_pages", "pages moved per direction", "direction")
         self.seconds = counter("seconds", "kvtier_cache_transfer_seconds", "submit-to-completion time of transfers",
                                "direction")
-        self.states = counter("states", "kvtier_cache_states", "state snapshots moved (load, backup), stored or prefetched (stored, prefetched) or evicted "
-                              "alone (evicted_device, evicted_host) on hybrid caches", "what")
+        self.states = counter("states", "kvtier_cache_states", "state snapshots moved (load, backup), forked, "
+                              "evicted alone (evicted_device, evicted_host), written to or read from storage (stored, "
+                              "prefetched) on hybrid caches", "what")
         self.evicted = counter("evicted", "kvtier_cache_evicted_tokens", "tokens evicted per tier", "tier")
         self.decisions = counter("decisions", "kvtier_cache_load_back_decisions", "load-back decisions", "decision")
         self.skipped = counter("skipped", "kvtier_cache_backups_skipped", "backups not made", "reason")

@@ -461,7 +461,7 @@ class StorageTier:
             self._writing = False
             self.metrics.queue.set(self._queued_pages, "storage_write_pages")
             self._cond.notify_all()
-        if arrived:                     # snapshots given to its nodes while it wrote them: their backups found them busy
+        if arrived:                     # snapshots its nodes got while it wrote: their backups found them busy
             with self.lock:
                 self.write_through(arrived)
 

@@ -10,7 +10,7 @@ import uuid
 
 import numpy as np
 import pytest
-from helpers.cache import P, build, close_all, serve
+from helpers.cache import P, build, close_all, prompt, serve
 from helpers.hybrid import Hybrid
 from helpers.storage import Hooked, RedisServer
 
@@ -20,10 +20,6 @@ from kvtier.pools.state import StateGeometry
 from kvtier.storage import MemoryStore, SharedPages, open_store
 from kvtier.storage.format import STATE_MAGIC
 from kvtier.storage.redis_store import RedisStore
-
-
-def prompt(pages: int, seed: int | None = None) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 50000, pages * P)
 
 
 class Stores:
@@ -52,7 +48,7 @@ class Stores:
                 store.close()
 
 
-def warm(runtime, stores, served, **options) -> bytes:
+def serve_and_store(runtime, stores, served, **options) -> bytes:
     """A first hybrid cache serves each prompt of ``served`` (KV and a snapshot at its end) and writes them through;
     returns its model's salt, for a second cache to check bytes with."""
     first = Hybrid(runtime, device_pages=48, host_pages=96, device_states=8, host_states=16, storage=stores,
@@ -81,10 +77,10 @@ def restarted(runtime, stores, salt, **options) -> Hybrid:
 @pytest.mark.parametrize("state_layout", ["page_first", "page_first_direct"])
 def test_a_restarted_hybrid_cache_is_served_kv_and_state_from_every_backend(runtime, store_spec, state_layout):
     stores = Stores(store_spec)
-    shared = prompt(8)
-    long, branch = np.concatenate([shared, prompt(4)]), np.concatenate([shared, prompt(3)])
+    shared = prompt(8 * P)
+    long, branch = np.concatenate([shared, prompt(4 * P)]), np.concatenate([shared, prompt(3 * P)])
     try:
-        salt = warm(runtime, stores, [long, branch], state_layout=state_layout)
+        salt = serve_and_store(runtime, stores, [long, branch], state_layout=state_layout)
         second = restarted(runtime, stores, salt, state_layout=state_layout)
         try:
             for tokens in (long, branch):
@@ -106,8 +102,8 @@ def test_a_restarted_hybrid_cache_is_served_kv_and_state_from_every_backend(runt
 def staged(runtime, stores) -> tuple[np.ndarray, bytes]:
     """A prompt of 12 pages served as its 12-, 8- and 4-page prefixes (longest first: the later snapshots join KV
     already stored), so storage holds snapshots at pages 4, 8 and 12."""
-    tokens = prompt(12)
-    salt = warm(runtime, stores, [tokens, tokens[:8 * P], tokens[:4 * P]])
+    tokens = prompt(12 * P)
+    salt = serve_and_store(runtime, stores, [tokens, tokens[:8 * P], tokens[:4 * P]])
     return tokens, salt
 
 
@@ -176,7 +172,7 @@ def test_kv_stored_without_a_snapshot_is_not_served(runtime):
     """KV pages of the hybrid model's namespace written by a cache without state (or whose snapshot never made it):
     the hybrid cache reads none of them."""
     stores = Stores()
-    tokens = prompt(6)
+    tokens = prompt(6 * P)
     stores.tenant = None
     cache, model, dev, host = build(runtime, storage=stores, model="hybrid")
     try:
@@ -203,10 +199,10 @@ def test_kv_stored_without_a_snapshot_is_not_served(runtime):
 
 def test_a_snapshot_of_another_state_geometry_is_a_counted_miss(runtime):
     stores = Stores()
-    tokens = prompt(5)
+    tokens = prompt(5 * P)
     other = StateGeometry.mamba(6, (8, 3), (2, 4, 4), temporal_dtype="bfloat16")    # same KV, another state
     try:
-        salt = warm(runtime, stores, [tokens])
+        salt = serve_and_store(runtime, stores, [tokens])
         second = restarted(runtime, stores, salt, state=other)
         try:
             fetch = second.cache.prefetch(tokens)
@@ -223,9 +219,9 @@ def test_a_snapshot_of_another_state_geometry_is_a_counted_miss(runtime):
 @pytest.mark.parametrize("down_at", ["exists", "first_kv_read", "state_read"])
 def test_a_store_down_mid_prefetch_gives_misses_never_an_exception(runtime, down_at):
     stores = Stores(kind=Hooked)
-    tokens = prompt(12)
+    tokens = prompt(12 * P)
     try:
-        salt = warm(runtime, stores, [tokens])
+        salt = serve_and_store(runtime, stores, [tokens])
         second = restarted(runtime, stores, salt, storage_batch_pages=4)
         store = second.cache.storage
         if down_at == "exists":
@@ -251,7 +247,7 @@ def test_a_store_down_mid_prefetch_gives_misses_never_an_exception(runtime, down
 
 def test_a_redis_server_stopped_between_the_kv_and_the_snapshot_read_gives_a_miss(runtime):
     server = RedisServer()
-    tokens = prompt(6)
+    tokens = prompt(6 * P)
 
     class StopsBeforeTheSnapshot(RedisStore):
         """Stops the real server when the snapshot is about to be read (after the KV pages were)."""
@@ -265,7 +261,7 @@ def test_a_redis_server_stopped_between_the_kv_and_the_snapshot_read_gives_a_mis
     second_stores = Stores(server.url, StopsBeforeTheSnapshot, timeout=2, connect_timeout=1)
     second_stores.tenant = first.tenant
     try:
-        salt = warm(runtime, first, [tokens])
+        salt = serve_and_store(runtime, first, [tokens])
         second = restarted(runtime, second_stores, salt)
         try:
             fetch = second.cache.prefetch(tokens)
@@ -294,7 +290,7 @@ class RefusesSnapshots(MemoryStore):
 
 def test_a_failed_snapshot_write_is_counted_and_its_prefix_not_served_after_a_restart(runtime):
     stores = Stores(kind=RefusesSnapshots)
-    tokens = prompt(4)
+    tokens = prompt(4 * P)
     first = Hybrid(runtime, storage=stores, tenant=stores.tenant)
     try:
         first.serve(tokens)
