@@ -15,9 +15,7 @@ import numpy as np
 
 from kvtier.keys import state_key
 from kvtier.pools.state import StateHostPool
-from kvtier.storage import HostPages, StorageBackend
-from kvtier.storage.snapshots import state_snapshots
-from kvtier.storage.state_format import StateFormat
+from kvtier.storage import HostPages, StateFormat, StorageBackend, state_snapshots
 
 
 class StoredStates:

@@ -21,6 +21,8 @@ from kvtier.storage.memory import MemoryStore, SharedPages
 from kvtier.storage.redis_store import RedisStore
 from kvtier.storage.redis_url import SCHEMES as REDIS_SCHEMES
 from kvtier.storage.redis_url import shown
+from kvtier.storage.snapshots import state_snapshots
+from kvtier.storage.state_format import StateFormat
 from kvtier.storage.views import HostPages, PageIO
 
 SPEC_HELP = ("file:PATH, redis://[user:pass@]host:port[/db][?option=value…], rediss://…, unix:///path.sock, "
@@ -86,5 +88,5 @@ def _checked(backend: type[StorageBackend], spec: str, options: dict[str, Any]) 
 
 
 __all__ = ["HEADER_BYTES", "SPEC_HELP", "Entry", "FileStore", "HostPages", "MemoryStore", "PageFormat", "PageIO",
-           "PageRejected", "RedisStore", "SharedPages", "StorageBackend", "StorageError", "StorageStats",
-           "describe_header", "open_store"]
+           "PageRejected", "RedisStore", "SharedPages", "StateFormat", "StorageBackend", "StorageError",
+           "StorageStats", "describe_header", "open_store", "state_snapshots"]
