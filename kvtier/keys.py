@@ -111,3 +111,15 @@ def chain_keys(parent: bytes, tokens: np.ndarray, page_size: int) -> list[bytes]
 def page_keys(namespace: Namespace, tokens: Any) -> list[bytes]:
     """Keys of every whole page of a prompt in ``namespace``."""
     return chain_keys(namespace.digest, token_array(tokens), namespace.page_size)
+
+
+STATE_KEY_FORMAT = b"kvtier-state-key-v1"
+
+
+def state_key(page_key: bytes) -> bytes:
+    """The storage key of the state snapshot after the prefix ending with the page of ``page_key`` (a hybrid model's
+    recurrent state there): SHA-256 of a domain tag and that page key. Derived from the page key, it names the same
+    prefix in the same namespace, yet no page key ever equals it (the tag keeps the two domains apart)."""
+    if not isinstance(page_key, bytes) or len(page_key) != KEY_BYTES:
+        raise InvalidArgument(f"a page key is {KEY_BYTES} bytes, got {page_key!r:.40}")
+    return hashlib.sha256(STATE_KEY_FORMAT + page_key).digest()

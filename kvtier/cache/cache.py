@@ -87,14 +87,13 @@ class KVCache:
         refined by a calibration transfer when ``settings.calibrate``. ``storage``: a backend of the same namespace,
         opened for the host pool's layout (:func:`kvtier.storage.open_store`) to prefetch from and write through to;
         it stays the caller's to close. ``state``: a hybrid model's state pools (the KV pools then hold only its
-        attention layers); ``layer_map``: which model layer is which (default
+        attention layers; with ``storage``, its state snapshots are stored and prefetched with their KV);
+        ``layer_map``: which model layer is which (default
         :func:`~kvtier.cache.state_tier.interleaved_layers`), for per-layer waits on load-backs."""
         settings = settings or CacheSettings()
         if state is None and layer_map is not None:
             raise InvalidArgument("layer_map maps a hybrid model's layers: it needs state=(StateDevicePool, "
                                   "StateHostPool)")
-        if state is not None and storage is not None:
-            raise InvalidArgument("a hybrid cache (state=) has no storage tier yet: state snapshots are not stored")
         state_pools = self._check_state(state, device_pool)
         if storage is not None and (not isinstance(storage, StorageBackend) or storage.namespace != namespace
                                     or storage.closed):
@@ -611,16 +610,17 @@ class KVCache:
         load_s = nbytes / (self.load_gbps * 1e9)
         return "load" if load_s < tokens / rate else "slower_than_recompute"
 
-    def _decide_storage(self, tokens: int) -> str:
+    def _decide_storage(self, tokens: int, extra_bytes: int = 0) -> str:
         """Whether reading ``tokens`` from storage (and then loading them to the device) beats recomputing them:
-        bytes / the storage read rate (measured once 64 MiB were read, else ``storage_gbps``) plus the load."""
+        bytes / the storage read rate (measured once 64 MiB were read, else ``storage_gbps``) plus the load.
+        ``extra_bytes``: what else the read moves (a hybrid prefix's state snapshot)."""
         rate = self.settings.prefill_tokens_per_s or self._prefill_rate
         assert self.storage is not None
         stats = self.storage.stats()
         gbps = stats["get.gbps"] if stats.get("get.bytes", 0) >= 64 << 20 else self.settings.storage_gbps
         if not rate or not gbps:
             return "load"
-        nbytes = tokens // self.page_size * self.geometry.bytes_per_page
+        nbytes = tokens // self.page_size * self.geometry.bytes_per_page + extra_bytes
         seconds = nbytes / (gbps * 1e9) + (nbytes / (self.load_gbps * 1e9) if self.load_gbps else 0.0)
         return "load" if seconds < tokens / rate else "slower_than_recompute"
 

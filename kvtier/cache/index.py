@@ -42,7 +42,7 @@ class IndexCorrupted(KvtierError):
 class Node:
     __slots__ = ("id", "parent", "children", "tokens", "device", "host", "lock", "hits", "last_access",
                  "writing", "loading", "written", "storing", "stored", "device_children", "host_children", "alive",
-                 "device_state", "host_state", "state_written", "_keys")
+                 "device_state", "host_state", "state_written", "state_stored", "_keys")
 
     def __init__(self, node_id: int, parent: Node | None, tokens: np.ndarray) -> None:
         self.id, self.parent, self.tokens = node_id, parent, tokens
@@ -66,6 +66,8 @@ class Node:
         :mod:`kvtier.cache.state_tier`); a split leaves it with the tail, where it belongs."""
         self.state_written: Any = None
         """What a backup of ``device_state`` must wait for: where the snapshot was written (events)."""
+        self.state_stored = False
+        """Its state snapshot is known to be in storage (written there, or read from there): not written again."""
         self._keys: list[bytes] | None = None
 
     @property

@@ -47,6 +47,7 @@ REASONS: dict[str, dict[str, str]] = {
         "closed": "the cache closed",
         "error": "an unexpected error in the worker",
         "no_storage": "the cache has no storage tier",
+        "no_state": "storage holds KV pages but no state snapshot at any of them, or past the deepest one (hybrid)",
     },
 }
 """The only labels these counters take, and what each means (docs/cache.md and docs/storage.md list them): a count
@@ -58,7 +59,7 @@ LABELS: dict[str, tuple[str, ...]] = {
     **{name: tuple(reasons) for name, reasons in REASONS.items()},
     "hits": TIERS, "hit_tokens": TIERS, "evicted": TIERS,
     "bytes": DIRECTIONS, "pages": DIRECTIONS, "seconds": DIRECTIONS, "errors": DIRECTIONS,
-    "states": ("load", "backup", "evicted_device", "evicted_host", "forked"),
+    "states": ("load", "backup", "evicted_device", "evicted_host", "forked", "stored", "prefetched"),
     "storage_pages": ("read", "written"), "storage_bytes": ("read", "written"),
     "queue": ("backup_requests", "loads_in_flight", "backups_in_flight", "prefetches", "storage_write_pages"),
     "tokens": ("device", "host"), "free_pages": ("device", "host"),
@@ -131,8 +132,9 @@ class CacheMetrics:
         self.pages = counter("pages", "kvtier_cache_transfer_pages", "pages moved per direction", "direction")
         self.seconds = counter("seconds", "kvtier_cache_transfer_seconds", "submit-to-completion time of transfers",
                                "direction")
-        self.states = counter("states", "kvtier_cache_states", "state snapshots moved (load, backup) or evicted "
-                              "alone (evicted_device, evicted_host) on hybrid caches", "what")
+        self.states = counter("states", "kvtier_cache_states", "state snapshots moved (load, backup), forked, "
+                              "evicted alone (evicted_device, evicted_host), written to or read from storage (stored, "
+                              "prefetched) on hybrid caches", "what")
         self.evicted = counter("evicted", "kvtier_cache_evicted_tokens", "tokens evicted per tier", "tier")
         self.decisions = counter("decisions", "kvtier_cache_load_back_decisions", "load-back decisions", "decision")
         self.skipped = counter("skipped", "kvtier_cache_backups_skipped", "backups not made", "reason")

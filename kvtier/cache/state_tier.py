@@ -83,6 +83,8 @@ class StateTier:
         self.host = PageAllocator(host_pool.units, name="host state", contiguous=True)
         self.slots = np.zeros(device_pool.units, dtype=np.uint8)
         self.held: dict[str, set[Node]] = {"device": set(), "host": set()}
+        self.outside = 0
+        """Host slots in use outside the tree: read into by a prefetch, or dropped from it while storage writes them."""
         self.engine = FamilyEngine(device_pool, host_pool, max_blocks=max_blocks)
 
     # -- what a node holds ------------------------------------------------------------------------------------------
@@ -121,6 +123,28 @@ class StateTier:
         else:
             self.host.release(np.array([slot], dtype=np.int64))
         return True
+
+    def detach(self, node: Node) -> int:
+        """Take ``node``'s host snapshot from the tree without freeing its slot (storage still reads it: the slot is
+        counted ``outside`` until :meth:`release_outside`)."""
+        slot = node.host_state
+        if slot is None:
+            raise IndexCorrupted(f"{node} has no host state to detach")
+        node.host_state = None
+        self.held["host"].discard(node)
+        self.outside += 1
+        return slot
+
+    def release_outside(self, slots: Sequence[int] | np.ndarray) -> None:
+        """Host slots used outside the tree go back to the allocator."""
+        if len(slots):
+            self.host.release(np.asarray(slots, dtype=np.int64))
+            self.outside -= len(slots)
+
+    def adopt_outside(self, node: Node, slot: int) -> None:
+        """A host slot used outside the tree (a snapshot a prefetch read) becomes ``node``'s host snapshot."""
+        self.put(node, "host", slot)
+        self.outside -= 1
 
     def lru(self, tier: str, count: int) -> list[Node]:
         """Least recently used nodes holding an evictable snapshot on ``tier`` (at most ``count``). A lock pins the
@@ -162,6 +186,7 @@ class StateTier:
                 allocator.release(used)
         held = int(np.count_nonzero(self.slots == CALLER))
         self.slots[:] = FREE
+        self.outside = 0
         if self.device.free_pages != self.device.pages or self.host.free_pages != self.host.pages:
             raise KvtierError("state slots leaked at close")
         return held
@@ -187,8 +212,9 @@ class StateTier:
                 raise IndexCorrupted(f"the {tier} state set disagrees with the tree")
             if slots.size and not allocator.is_used(slots).all():
                 raise IndexCorrupted(f"the tree holds a {tier} state slot the allocator calls free")
-            if tier == "host" and allocator.used_pages != slots.size:
-                raise IndexCorrupted(f"{allocator.used_pages} host state slots in use, the tree holds {slots.size}")
+            if tier == "host" and allocator.used_pages != slots.size + self.outside:
+                raise IndexCorrupted(f"{allocator.used_pages} host state slots in use, the tree holds {slots.size} "
+                                     f"and storage I/O {self.outside}")
         mask = np.zeros(self.device.pages, dtype=bool)
         mask[np.array(found["device"], dtype=np.int64)] = True
         if not np.array_equal(mask, self.slots == TREE):

@@ -210,6 +210,16 @@ class Tiers:
             slots = self.states.host.allocate(count)
         return slots
 
+    def hold_host_state(self) -> int | None:
+        """A host state slot for storage to read a snapshot into, outside the tree until it is adopted or released
+        (``StateTier.adopt_outside`` / ``release_outside``); evicts least recently used snapshots as needed."""
+        assert self.states is not None
+        slots = self.allocate_host_states(1)
+        if slots is None:
+            return None
+        self.states.outside += 1
+        return int(slots[0])
+
     def evict_device_states(self, need: int) -> int:
         if self.settings.write_policy is WritePolicy.WRITE_BACK and self.states is not None and need > 0:
             backing_up = self.backup_first(self.states.lru("device", need))
@@ -409,7 +419,10 @@ class Tiers:
             stack.extend(node.children.values())
         for node in reversed(order):
             if self.states is not None:
-                self.states.drop(node, tier)
+                if tier == "host" and node.storing is not None and node.host_state is not None:
+                    node.storing.state_orphans.append(self.states.detach(node))   # storage still reads it
+                else:
+                    self.states.drop(node, tier)
             pages = getattr(node, tier)
             if pages is None:
                 continue

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.checks import integer
+import numpy as np
+
+from kvtier.checks import index_array, integer
 from kvtier.errors import InvalidArgument
 from kvtier.memory import HostKind
 from kvtier.memory.registration import DEFAULT_REGISTER_CHUNK_BYTES
@@ -128,6 +130,13 @@ class StateHostPool(FamilyHostPool):
         buffer = cls.make_buffer(count * geometry.slot_bytes, kind, runtime, register_chunk_bytes,
                                  geometry.slot_bytes, name)
         return cls(geometry, layout.value, count, buffer, host_offsets(geometry, layout))
+
+    def page_pieces(self, slots: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Buffer offsets ``[slots, 1]`` and sizes ``[1]`` of each slot: a slot is one contiguous run in every state
+        layout, so storage reads and writes a snapshot as it does a host page of one piece."""
+        values = index_array(slots, "slots").astype(np.int64, copy=False)
+        self.check_units(values, "slots")
+        return (values * self.geometry.slot_bytes)[:, None], np.array([self.geometry.slot_bytes], dtype=np.int64)
 
 
 class StateDevicePool(FamilyDevicePool):

@@ -24,6 +24,8 @@ from kvtier.storage.mooncake_url import SCHEME as MOONCAKE_SCHEME
 from kvtier.storage.redis_store import RedisStore
 from kvtier.storage.redis_url import SCHEMES as REDIS_SCHEMES
 from kvtier.storage.redis_url import shown
+from kvtier.storage.snapshots import state_snapshots
+from kvtier.storage.state_format import StateFormat
 from kvtier.storage.views import HostPages, PageIO
 
 SPEC_HELP = ("file:PATH, redis://[user:pass@]host:port[/db][?option=value…], rediss://…, unix:///path.sock, "
@@ -92,5 +94,5 @@ def _checked(backend: type[StorageBackend], spec: str, options: dict[str, Any]) 
 
 
 __all__ = ["HEADER_BYTES", "SPEC_HELP", "Entry", "FileStore", "HostPages", "MemoryStore", "MooncakeStore", "PageFormat",
-           "PageIO", "PageRejected", "RedisStore", "SharedPages", "StorageBackend", "StorageError", "StorageStats",
-           "describe_header", "open_store"]
+           "PageIO", "PageRejected", "RedisStore", "SharedPages", "StateFormat", "StorageBackend", "StorageError",
+           "StorageStats", "describe_header", "open_store", "state_snapshots"]

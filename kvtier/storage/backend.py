@@ -20,7 +20,8 @@ A backend stores whole pages of one namespace under their page keys (the SHA-256
 Callers hand it CPU-domain buffers (views of host pages, numpy arrays, CPU tensors): it never sees a device address.
 The public calls, which the base implements over the primitives:
 
-- ``exists(keys)`` → how many leading keys are stored (the stored prefix of a chain).
+- ``exists(keys)`` → how many leading keys are stored (the stored prefix of a chain); ``present(keys)`` → per key,
+  whether it is stored.
 - ``get(keys, pages)`` reads into ``pages`` (one list of buffers per page) and returns how many *leading* pages were
   read and verified: a page that is absent, short, corrupt or written under another namespace, key, geometry or
   format ends the chain (counted by reason); nothing after it is read.
@@ -235,6 +236,21 @@ class StorageBackend(abc.ABC):
             if run < len(batch):
                 break
         return total
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether it is stored (False from where the store went down): ``exists`` gives the stored prefix
+        of a chain, this which of some independent keys are there (a hybrid cache asks which pages of a stored chain
+        have a state snapshot)."""
+        keys = self._keys(keys)
+        found: list[bool] = []
+        for start in range(0, len(keys), self.batch_pages):
+            batch = keys[start:start + self.batch_pages]
+            hits = self._guarded("exists", READ, lambda b=batch: self._exists(b), None,
+                                 skipped="exists.skipped_down")
+            if hits is None:
+                break
+            found.extend(bool(hit) for hit in hits)
+        return found + [False] * (len(keys) - len(found))
 
     def get(self, keys: Sequence[bytes], pages: Sequence[Pieces]) -> int:
         """Read the pages of ``keys`` into ``pages`` (per page, its buffers in order) and return how many leading

@@ -21,7 +21,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import xxhash
 
@@ -46,35 +46,37 @@ class PageRejected(Exception):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class PageFormat:
-    """What every page of one namespace must say about itself; builds and checks headers."""
+STATE_MAGIC = b"KVTS"
+"""The magic of a stored state snapshot (:mod:`kvtier.storage.state_format`): a KV reader that finds it counts a
+``kind`` miss, as a state reader that finds a KV page does."""
+MAGICS = {MAGIC: "a KV page", STATE_MAGIC: "a state snapshot"}
 
-    namespace_digest: bytes
-    geometry: KVGeometry
-    dtype: str
-    order: int
 
-    @classmethod
-    def of(cls, namespace: Namespace, layout: HostLayout | str = HostLayout.PAGE_FIRST) -> PageFormat:
-        """The format of ``namespace``'s pages read from and written to host pools of ``layout``."""
-        dtype = namespace.dtype
-        if len(dtype.encode()) > 16 or not dtype.isascii():
-            raise InvalidArgument(f"dtype {dtype!r}: stored pages name their dtype in at most 16 ASCII characters")
-        return cls(namespace.digest, namespace.geometry, dtype, payload_order(namespace.geometry, layout))
+class StoredFormat:
+    """The rules every stored value shares, whatever it holds: a ``HEADER_BYTES`` header (magic, version and header
+    length first, then the fields a subclass packs in ``_fields``, then an xxh3-128 checksum over those fields and
+    the payload), every field compared on every read. Stores call only these methods, so a value of any format goes
+    through every backend unchanged."""
+
+    magic: ClassVar[bytes]
+    version: ClassVar[int]
+    fields: ClassVar[struct.Struct]
+    field_names: ClassVar[tuple[str, ...]]
 
     @property
     def payload_bytes(self) -> int:
-        return self.geometry.bytes_per_page
+        raise NotImplementedError
 
     @property
     def stored_bytes(self) -> int:
         return HEADER_BYTES + self.payload_bytes
 
     def _fields(self, key: bytes) -> bytes:
-        g = self.geometry
-        return _FIELDS.pack(MAGIC, VERSION, HEADER_BYTES, XXH3_128, KINDS[g.kind], self.order, g.layers, g.page_size,
-                            g.row_bytes, g.heads, self.payload_bytes, self.namespace_digest, key, self.dtype.encode())
+        raise NotImplementedError
+
+    def _reason(self, first: str, stored: tuple[Any, ...]) -> str:
+        """The miss counter for a header whose first differing field (by ``field_names``) is ``first``."""
+        raise NotImplementedError
 
     def header(self, key: bytes, payload: Sequence[Any]) -> bytes:
         """The header of a page whose bytes are the buffers ``payload`` (in order)."""
@@ -93,29 +95,25 @@ class PageFormat:
         return self._fields(key) + checksum
 
     def check_header(self, header: Any, key: bytes) -> bytes:
-        """Raise PageRejected unless ``header`` is this namespace's header for ``key``; returns its checksum."""
+        """Raise PageRejected unless ``header`` is this format's header for ``key``; returns its checksum."""
         if len(header) < HEADER_BYTES:
             raise PageRejected("short", f"{len(header)} header bytes of {HEADER_BYTES}")
         header = bytes(header[:HEADER_BYTES])
-        if header[:4] != MAGIC:
+        if header[:4] != self.magic:
+            if header[:4] in MAGICS:
+                raise PageRejected("kind", f"{MAGICS[header[:4]]}, not {MAGICS[self.magic]}")
             raise PageRejected("corrupt", "not a kvtier page (bad magic)")
         version = struct.unpack_from("<H", header, 4)[0]
-        if version != VERSION:
-            raise PageRejected("format", f"stored format version {version}, this kvtier reads {VERSION}")
+        if version != self.version:
+            raise PageRejected("format", f"stored format version {version}, this kvtier reads {self.version}")
         expected = self._fields(key)
-        stored = header[:_FIELDS.size]
+        stored = header[:self.fields.size]
         if stored != expected:
-            unpacked, wanted = _FIELDS.unpack(stored), _FIELDS.unpack(expected)
-            names = ("magic", "version", "header length", "checksum algorithm", "pool kind", "payload order",
-                     "layers", "page size", "row bytes", "heads", "payload length", "namespace", "key", "dtype")
-            differing = [n for n, a, b in zip(names, unpacked, wanted, strict=False) if a != b]
+            unpacked, wanted = self.fields.unpack(stored), self.fields.unpack(expected)
+            differing = [n for n, a, b in zip(self.field_names, unpacked, wanted, strict=False) if a != b]
             first = next((n for n in differing if n != "payload order"), differing[0])   # geometry says more
-            reason = {"namespace": "namespace", "key": "key", "payload order": "layout",
-                      "header length": "format"}.get(first, "geometry")
-            if reason == "layout" and not valid_payload_order(unpacked[5]):
-                reason = "corrupt"                     # no layout orders bytes that way: a damaged field
-            raise PageRejected(reason, f"stored {first} differs from this namespace's")
-        return header[_FIELDS.size:HEADER_BYTES]
+            raise PageRejected(self._reason(first, unpacked), f"stored {first} differs from this namespace's")
+        return header[self.fields.size:HEADER_BYTES]
 
     def check_payload(self, header: Any, checksum: bytes, payload: Sequence[Any]) -> None:
         """Raise PageRejected unless the payload (the buffers, in order) has the length and checksum the header
@@ -128,15 +126,54 @@ class PageFormat:
             digest.update(piece)
         self.check_digest(digest, checksum)
 
-    @staticmethod
-    def verifier(header: Any) -> Any:
+    def verifier(self, header: Any) -> Any:
         """A running checksum for reading the page of a checked ``header``: feed it the payload in order."""
-        return xxhash.xxh3_128(bytes(header[:_FIELDS.size]))
+        return xxhash.xxh3_128(bytes(header[:self.fields.size]))
 
     @staticmethod
     def check_digest(digest: Any, checksum: bytes) -> None:
         if digest.digest() != checksum:
             raise PageRejected("corrupt", "checksum mismatch")
+
+
+@dataclass(frozen=True)
+class PageFormat(StoredFormat):
+    """What every page of one namespace must say about itself; builds and checks headers."""
+
+    namespace_digest: bytes
+    geometry: KVGeometry
+    dtype: str
+    order: int
+
+    magic = MAGIC
+    version = VERSION
+    fields = _FIELDS
+    field_names = ("magic", "version", "header length", "checksum algorithm", "pool kind", "payload order",
+                   "layers", "page size", "row bytes", "heads", "payload length", "namespace", "key", "dtype")
+
+    @classmethod
+    def of(cls, namespace: Namespace, layout: HostLayout | str = HostLayout.PAGE_FIRST) -> PageFormat:
+        """The format of ``namespace``'s pages read from and written to host pools of ``layout``."""
+        dtype = namespace.dtype
+        if len(dtype.encode()) > 16 or not dtype.isascii():
+            raise InvalidArgument(f"dtype {dtype!r}: stored pages name their dtype in at most 16 ASCII characters")
+        return cls(namespace.digest, namespace.geometry, dtype, payload_order(namespace.geometry, layout))
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.geometry.bytes_per_page
+
+    def _fields(self, key: bytes) -> bytes:
+        g = self.geometry
+        return _FIELDS.pack(MAGIC, VERSION, HEADER_BYTES, XXH3_128, KINDS[g.kind], self.order, g.layers, g.page_size,
+                            g.row_bytes, g.heads, self.payload_bytes, self.namespace_digest, key, self.dtype.encode())
+
+    def _reason(self, first: str, stored: tuple[Any, ...]) -> str:
+        reason = {"namespace": "namespace", "key": "key", "payload order": "layout",
+                  "header length": "format"}.get(first, "geometry")
+        if reason == "layout" and not valid_payload_order(stored[5]):
+            reason = "corrupt"                         # no layout orders bytes that way: a damaged field
+        return reason
 
 
 def describe_header(header: bytes) -> dict[str, Any] | None:

@@ -388,8 +388,7 @@ class MooncakeStore(StorageBackend):
         bounced: list[tuple[int, np.ndarray]] = []
         try:
             addresses, sizes, bounced = self._buffers(scratch, pages, headers, into=False)
-            for i, (key, pieces) in enumerate(zip(keys, pages, strict=True)):
-                header = self.format.header(key, pieces)
+            for i, header in enumerate(self._ordered(self.format.header, keys, pages)):   # xxhash drops the GIL
                 headers[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] = np.frombuffer(header, np.uint8)
             record_at = count * HEADER_BYTES
             headers[record_at:record_at + len(self._record)] = np.frombuffer(self._record, np.uint8)

@@ -19,6 +19,7 @@ from kvtier.address import CpuAddress
 from kvtier.errors import BufferClosed
 from kvtier.locks import named_condition
 from kvtier.pools import HostPool
+from kvtier.pools.state import StateHostPool
 from kvtier.storage.backend import StorageBackend
 
 Pieces = list[memoryview]
@@ -32,7 +33,7 @@ class PageIO:
     """The pieces of some host pages, for one batch of storage I/O over an open pool. Built inside
     :meth:`HostPages.batch`, which keeps the pool from closing until the batch is done."""
 
-    def __init__(self, pool: HostPool, pages: Sequence[int] | np.ndarray) -> None:
+    def __init__(self, pool: HostPool | StateHostPool, pages: Sequence[int] | np.ndarray) -> None:
         """Slices of one view of the pool's CPU mapping at the offsets ``page_pieces`` gives (the CPU-domain twin of
         ``page_metadata``; a ctypes view per piece cost 0.3 ms a page for ``layer_first`` pools)."""
         self.pool = pool
@@ -51,9 +52,10 @@ class PageIO:
 
 class HostPages:
     """A host pool as seen by storage I/O: batches register as users of the pool, so closing the pool waits for
-    the I/O in flight instead of unmapping memory a read is writing into."""
+    the I/O in flight instead of unmapping memory a read is writing into. A state host pool's slots are its pages
+    (one piece each: a hybrid model's snapshots)."""
 
-    def __init__(self, pool: HostPool, store: StorageBackend | None = None) -> None:
+    def __init__(self, pool: HostPool | StateHostPool, store: StorageBackend | None = None) -> None:
         """``store``: the backend these pages move to and from; the pool's memory is registered with it (by CPU
         address) for as long as this lives, so a store with its own transfer engine moves pages with no copy."""
         self.pool, self.store = pool, store

@@ -276,7 +276,7 @@ def test_bad_state_arguments_change_nothing(hybrid):
     cache.check()
 
 
-def test_a_kv_only_cache_refuses_state_calls_and_storage_refuses_hybrids(runtime):
+def test_a_kv_only_cache_refuses_state_calls(runtime):
     from helpers.cache import build, close_all
 
     cache, _, dev, host = build(runtime)
@@ -285,13 +285,22 @@ def test_a_kv_only_cache_refuses_state_calls_and_storage_refuses_hybrids(runtime
             cache.allocate_state()
     finally:
         close_all(cache, dev, host)
+
+
+def test_a_hybrid_cache_takes_a_storage_tier_and_writes_its_snapshots_through(runtime):
+    """Once refused (snapshots were not stored); tests/cache/test_hybrid_storage.py serves them back after a
+    restart on every backend."""
     made = Hybrid(runtime)
     try:
         made.cache.close()
         store = open_store("memory:", made.ns, layout="page_first")
-        with pytest.raises(InvalidArgument, match="storage"):
-            KVCache(made.dev, made.host, made.ns, CacheSettings(calibrate=False), storage=store,
-                    state=(made.sdev, made.shost))
+        cache = KVCache(made.dev, made.host, made.ns, CacheSettings(calibrate=False, io_backend="kernel"),
+                        storage=store, state=(made.sdev, made.shost))
+        made.cache = cache
+        made.serve(np.arange(3 * P))
+        cache.drain()
+        assert cache.stats()["states.stored"] == 1 and cache.stats()["storage_pages.written"] == 3
+        cache.close()
         store.close()
     finally:
         made.close()

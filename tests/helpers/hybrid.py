@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 
 import numpy as np
@@ -63,17 +64,29 @@ class HybridModel(KVModel):
 
 
 class Hybrid:
-    def __init__(self, runtime, *, device_pages=16, host_pages=32, device_states=4, host_states=8, **settings):
+    def __init__(self, runtime, *, device_pages=16, host_pages=32, device_states=4, host_states=8, storage=None,
+                 state=STATE, state_layout="page_first", tenant=None, **settings):
+        """``storage``: a callable namespace → backend (the cache gets it; close it after the cache); ``state``,
+        ``state_layout``: the state geometry and the state host pool's layout; ``tenant``: the namespace's (tests
+        sharing a server keep apart by it)."""
         settings.setdefault("calibrate", False)
         settings.setdefault("io_backend", "kernel")
         settings.setdefault("load_back_min_tokens", 0)
         self.dev = DevicePool.allocate(TINY, device_pages, 0, runtime=runtime)
         self.host = HostPool.allocate(TINY, "page_first", pages=host_pages, kind="pinned", runtime=runtime)
-        self.sdev = StateDevicePool.allocate(STATE, device_states, 0, runtime=runtime)
-        self.shost = StateHostPool.allocate(STATE, "page_first", slots=host_states, runtime=runtime)
-        self.ns = Namespace("hybrid", TINY, "bfloat16")
-        self.cache = KVCache(self.dev, self.host, self.ns, CacheSettings(**settings), state=(self.sdev, self.shost))
+        self.sdev = StateDevicePool.allocate(state, device_states, 0, runtime=runtime)
+        self.shost = StateHostPool.allocate(state, state_layout, slots=host_states, runtime=runtime)
+        self.ns = Namespace("hybrid", TINY, "bfloat16", tenant=tenant)
+        self.cache = KVCache(self.dev, self.host, self.ns, CacheSettings(**settings), state=(self.sdev, self.shost),
+                             storage=storage(self.ns) if storage else None)
         self.model = HybridModel(self.dev, self.sdev, self.ns)
+
+    def poison(self):
+        """Every byte of all four pools set to 0xEE, so a byte served without being loaded shows."""
+        self.model.poison_kv()
+        self.model.poison_states()
+        for pool in (self.host, self.shost):
+            ctypes.memset(pool.buffer.cpu_address.value, 0xEE, pool.buffer.nbytes)
 
     def serve(self, tokens, *, force=True):
         """One request: match, load back, check every served byte (KV and state), prefill the rest, insert with a

@@ -164,6 +164,8 @@ class Hooked(MemoryStore):
         self.fail: str | None = None
         self.vanish_after_exists: int | None = None
         self.reads = 0
+        self.fail_from_read: int | None = None
+        """Reads from this one on (counted from 1) fail: a store that goes down in the middle of a prefetch."""
 
     def _exists(self, keys):
         if self.fail == "exists":
@@ -176,7 +178,7 @@ class Hooked(MemoryStore):
     def _get(self, keys, pages):
         self.reads += 1
         time.sleep(self.delay)
-        if self.fail == "get":
+        if self.fail == "get" or self.fail_from_read is not None and self.reads >= self.fail_from_read:
             raise TimeoutError("read timed out")
         yield from super()._get(keys, pages)
 
