@@ -63,7 +63,12 @@ def test_a_kv_page_is_never_read_as_a_snapshot_nor_a_snapshot_as_a_kv_page(store
         assert view.set([snap_key], [[s] for s in random_slots(1)]) == 1
         assert read_slots(view, [kv_key])[0] == 0                  # a KV page under the snapshot's read
         assert read_pages(store, [snap_key])[0] == 0               # a snapshot under a KV page's read
-        assert store.stats()["state.miss.kind"] == 1 and store.stats()["miss.kind"] == 1
+        stats = store.stats()
+        if store.kind == "mooncake":          # it knows an object's size before reading it: another size, no bytes
+            assert stats["state.miss.geometry"] + stats.get("state.miss.short", 0) == 1
+            assert stats.get("miss.geometry", 0) + stats.get("miss.short", 0) == 1
+        else:
+            assert stats["state.miss.kind"] == 1 and stats["miss.kind"] == 1
         store.clear()
 
 
