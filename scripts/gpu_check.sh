@@ -4,11 +4,11 @@
 # probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py,
 # TESTS narrows the AOT suite (default: tests), ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane),
-# STORAGE_ARGS to bench/storage.py, FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, BOTH_ARGS to bench/bidirectional.py, GEMM_ARGS to bench/gemm_beside.py, SGLANG_ARGS to bench/sglang_compat.py (phase dmaq: bench/dma_queue.py), E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark). The storage phase
+# STORAGE_ARGS to bench/storage.py (MOONCAKE_STORAGE_ARGS in the mooncake phase, DISAGG_ARGS to bench/disagg.py), FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, BOTH_ARGS to bench/bidirectional.py, GEMM_ARGS to bench/gemm_beside.py, SGLANG_ARGS to bench/sglang_compat.py (phase dmaq: bench/dma_queue.py), E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark). The storage phase
 # needs redis-server on PATH and redis-py importable.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
-PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench both gemm families small enqueue demo cache limits storage e2e sglang dmaq"}
+PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench both gemm families small enqueue demo cache limits storage mooncake e2e sglang dmaq"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
@@ -18,6 +18,14 @@ want() { [[ " $PHASES " == *" $1 "* ]]; }
 # (scripts/device_wheels.sh); already installed ones are kept.
 if [ -d .wheels ]; then
     python3 -m pip install -q --no-index --find-links .wheels redis hiredis xxhash prometheus-client rich         > "$OUT/wheels.txt" 2>&1 || status=1
+fi
+# Mooncake (the mooncake phase): its CPU wheel and Debian's RDMA/NUMA libraries it links, carried in .wheels
+# (scripts/device_wheels.sh --mooncake), unpacked beside the system's rather than over it.
+if want mooncake && [ -d .wheels ]; then
+    python3 -m pip install -q --no-index --find-links .wheels mooncake-transfer-engine-non-cuda >> "$OUT/wheels.txt" 2>&1 \
+        || status=1
+    for deb in .wheels/debs/*.deb; do [ -e "$deb" ] && dpkg -x "$deb" /tmp/kvtier-debs; done
+    export LD_LIBRARY_PATH="/tmp/kvtier-debs/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 # Reserve 1 GiB of huge pages on the throwaway VM (host setting, not the card's) so hugetlb is tested, not skipped.
 if [ "$(cat /proc/sys/vm/nr_hugepages 2>/dev/null)" = 0 ] && [ -w /proc/sys/vm/nr_hugepages ]; then
@@ -111,6 +119,21 @@ if want storage; then
 fi
 if want e2e; then
     python3 bench/e2e.py ${E2E_ARGS:-} --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt" || status=1
+fi
+if want mooncake; then
+    # A Mooncake Store on loopback (master + a segment holder lending 16 GB), its tests on the CUDA runtime, the
+    # storage rows beside the file store's, the prefill -> decode transfer benchmark.
+    mooncake_dir=$(mktemp -d)
+    eval "$(PYTHON=python3 bash scripts/mooncake_servers.sh start "$mooncake_dir" "16 GB")"
+    KVTIER_REQUIRE_MOONCAKE=1 python3 -m pytest -q -p no:cacheprovider -rs tests/storage/test_mooncake.py tests/disagg \
+        tests/cache/test_hybrid_storage.py tests/storage/test_state_snapshots.py -k "mooncake or disagg or Mooncake" \
+        2>&1 | tail -30 | tee "$OUT/pytest-mooncake.log" || status=1
+    python3 bench/storage.py --runtime cuda --stores file,mooncake --mooncake "$KVTIER_MOONCAKE_SPEC" \
+        ${MOONCAKE_STORAGE_ARGS:-} --json "$OUT/storage-mooncake.json" 2>&1 | tail -30 | tee "$OUT/storage-mooncake.txt" \
+        || status=1
+    [ -e bench/disagg.py ] && { python3 bench/disagg.py ${DISAGG_ARGS:-} --json "$OUT/disagg.json" 2>&1 | tail -30 \
+        | tee "$OUT/disagg.txt" || status=1; }
+    bash scripts/mooncake_servers.sh stop "$mooncake_dir"
 fi
 if want limits; then
     python3 bench/batch_limits.py 2>&1 | tee "$OUT/batch_limits.txt" || status=1
