@@ -38,6 +38,7 @@ import sys
 import tempfile
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,7 @@ from kvtier.address import CpuAddress
 from kvtier.checks import positive_number
 from kvtier.errors import InvalidArgument
 from kvtier.keys import Namespace
-from kvtier.locks import named_lock
+from kvtier.locks import named_condition, named_lock
 from kvtier.storage.backend import Entry, PartialWrite, StorageBackend, StorageError
 from kvtier.storage.format import HEADER_BYTES, PageRejected
 from kvtier.storage.mooncake_url import P2P, parse_mooncake_url, reachable, route_address
@@ -58,6 +59,8 @@ CODES = {-200: "no space (NO_AVAILABLE_HANDLE)", -600: "invalid parameters", -70
          -704: "object not found", -705: "object exists", -706: "object has a lease", -707: "lease expired",
          -800: "transfer failed", -900: "RPC failed (the master is unreachable)", -901: "RPC timed out"}
 SCRATCH_ALIGN = 4096
+PIPELINE_BYTES = 16 << 20
+"""Bytes per transfer while the part before is verified (a batch of 2 MiB pages goes as parts of 8)."""
 
 
 _SET_UP_IN: set[int] = set()
@@ -170,6 +173,10 @@ class MooncakeStore(StorageBackend):
         self._client_pid = 0
         self._scratch: _Scratch | None = None
         self._spans: list[tuple[int, int]] = []          # registered (start, end), sorted; under _client_lock
+        self._transfers: ThreadPoolExecutor | None = None
+        self._transfers_pid = 0
+        self._calls = named_condition("storage.mooncake_calls")
+        self._in_flight = 0
         self._record = json.dumps(self.describe()).encode() if namespace is not None else b""
 
     def __repr__(self) -> str:
@@ -227,15 +234,26 @@ class MooncakeStore(StorageBackend):
         if why:
             raise ConnectionError(f"the Mooncake master is unreachable: {why}")
 
-    def _live(self) -> tuple[Any, _Scratch]:
-        """The client for a call; while the store is down, the master is probed first (refused at once) rather
-        than left to the client's own timeouts (4 s an RPC)."""
-        if not self.up:
-            self._probe()
-        client = self.client()
-        scratch = self._scratch
-        assert scratch is not None
-        return client, scratch
+    @contextlib.contextmanager
+    def _live(self) -> Iterator[tuple[Any, _Scratch]]:
+        """The client for a call, counted in flight so that ``close`` waits for it before it closes the client
+        (a Mooncake call racing its client's close crashes); while the store is down, the master is probed first
+        (refused at once) rather than left to the client's own timeouts (4 s an RPC)."""
+        with self._calls:
+            if self.closed:
+                raise StorageError(f"{self!r} is closed")
+            self._in_flight += 1
+        try:
+            if not self.up:
+                self._probe()
+            client = self.client()
+            scratch = self._scratch
+            assert scratch is not None
+            yield client, scratch
+        finally:
+            with self._calls:
+                self._in_flight -= 1
+                self._calls.notify_all()
 
     def register_memory(self, address: CpuAddress, nbytes: int) -> None:
         """Register host memory (by its CPU address) with the store, so pages in it move with no copy."""
@@ -292,8 +310,8 @@ class MooncakeStore(StorageBackend):
 
     # -- the backend -------------------------------------------------------------------------------------------------
     def _exists(self, keys: list[bytes]) -> list[bool]:
-        client, _ = self._live()
-        found = client.batch_is_exist([self.key(k) for k in keys])
+        with self._live() as (client, _):
+            found = client.batch_is_exist([self.key(k) for k in keys])
         if len(found) != len(keys) or any(code < 0 for code in found):
             bad = next((c for c in found if c < 0), -1)
             raise MooncakeError("batch_is_exist", bad, self.where)
@@ -326,26 +344,56 @@ class MooncakeStore(StorageBackend):
         return addresses, sizes, bounced
 
     def _get(self, keys: list[bytes], pages: list[list[memoryview]]) -> Iterator[PageRejected | None]:
-        client, scratch = self._live()
-        headers = scratch.take(len(keys) * HEADER_BYTES)
-        bounced: list[tuple[int, np.ndarray]] = []
-        try:
-            addresses, sizes, bounced = self._buffers(scratch, pages, headers, into=True)
-            names = [self.key(k) for k in keys]
-            codes = client.batch_get_into_multi_buffers(names, addresses, sizes)
-            if len(codes) != len(keys):
-                raise MooncakeError("batch_get_into_multi_buffers", -1, self.where)
-            codes = [self._sized(client, name, code) for name, code in zip(names, codes, strict=True)]
-            if bounced:
-                self.counters.add("bounced_pages", len(bounced))
-            sources = {i: block[:self.page_bytes] for i, block in bounced}
-            yield from self._ordered(self._verify, keys, pages, codes,
-                                     [headers[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] for i in range(len(keys))],
-                                     [sources.get(i) for i in range(len(keys))])
-        finally:
-            scratch.give(headers)
-            for _, block in bounced:
-                scratch.give(block)
+        """The batch in parts of about ``PIPELINE_BYTES``: while one part is verified (on the I/O threads), the
+        next is in flight on the store's transfer thread, so checking the bytes costs little beyond moving them.
+        Stopped early (a miss), it waits for the part in flight before it returns."""
+        with self._live() as (client, scratch):
+            headers = scratch.take(len(keys) * HEADER_BYTES)
+            bounced: list[tuple[int, np.ndarray]] = []
+            pending: Future[list[int]] | None = None
+            try:
+                addresses, sizes, bounced = self._buffers(scratch, pages, headers, into=True)
+                names = [self.key(k) for k in keys]
+                if bounced:
+                    self.counters.add("bounced_pages", len(bounced))
+                sources = {i: block[:self.page_bytes] for i, block in bounced}
+                step = max(1, -(-PIPELINE_BYTES // self.stored_bytes))
+                parts = [(lo, min(lo + step, len(keys))) for lo in range(0, len(keys), step)]
+
+                def fetch(lo: int, hi: int) -> list[int]:
+                    codes = client.batch_get_into_multi_buffers(names[lo:hi], addresses[lo:hi], sizes[lo:hi])
+                    if len(codes) != hi - lo:
+                        raise MooncakeError("batch_get_into_multi_buffers", -1, self.where)
+                    return list(codes)
+
+                transfers = self._transfer_thread() if len(parts) > 1 else None
+                codes = fetch(*parts[0])
+                for index, (lo, hi) in enumerate(parts):
+                    if index:
+                        assert pending is not None
+                        codes, pending = pending.result(), None
+                    if transfers is not None and index + 1 < len(parts):
+                        pending = transfers.submit(fetch, *parts[index + 1])
+                    codes = [self._sized(client, name, code) for name, code in zip(names[lo:hi], codes, strict=True)]
+                    yield from self._ordered(self._verify, keys[lo:hi], pages[lo:hi], codes,
+                                             [headers[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] for i in range(lo, hi)],
+                                             [sources.get(i) for i in range(lo, hi)])
+            finally:
+                if pending is not None:                  # nothing may still write into the caller's pages
+                    wait([pending])
+                scratch.give(headers)
+                for _, block in bounced:
+                    scratch.give(block)
+
+    def _transfer_thread(self) -> ThreadPoolExecutor:
+        """The thread that runs the next part's transfer (one per store and process, made on first use)."""
+        with self._client_lock:
+            if self.closed:
+                raise StorageError(f"{self!r} is closed")
+            if self._transfers is None or self._transfers_pid != os.getpid():
+                self._transfers = ThreadPoolExecutor(1, thread_name_prefix="kvtier-mooncake-transfer")
+                self._transfers_pid = os.getpid()
+            return self._transfers
 
     def _sized(self, client: Any, name: str, code: int) -> int:
         """A page's read result, where a failed one is told apart: an object of another size than a page fails
@@ -382,43 +430,43 @@ class MooncakeStore(StorageBackend):
         """One batch put of the pages (header slot + pieces each) and the namespace record in front: a restarted
         master, an evicted record or one removed by hand is back with the next write, at no extra round trip.
         A page already stored is left as it is (a key names its content)."""
-        client, scratch = self._live()
-        count = len(keys) + 1
-        headers = scratch.take(count * HEADER_BYTES + len(self._record))
-        bounced: list[tuple[int, np.ndarray]] = []
-        try:
-            addresses, sizes, bounced = self._buffers(scratch, pages, headers, into=False)
-            for i, header in enumerate(self._ordered(self.format.header, keys, pages)):   # xxhash drops the GIL
-                headers[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] = np.frombuffer(header, np.uint8)
-            record_at = count * HEADER_BYTES
-            headers[record_at:record_at + len(self._record)] = np.frombuffer(self._record, np.uint8)
-            names = [self.record_key(), *(self.key(k) for k in keys)]
-            addresses.insert(0, [headers.ctypes.data + record_at])
-            sizes.insert(0, [len(self._record)])
-            codes = client.batch_put_from_multi_buffers(names, addresses, sizes)
-            if bounced:
-                self.counters.add("bounced_pages", len(bounced))
-        finally:
-            scratch.give(headers)
-            for _, block in bounced:
-                scratch.give(block)
-        if len(codes) != count:
-            raise MooncakeError("batch_put_from_multi_buffers", -1, self.where)
-        stored = 0
-        for code in codes[1:]:
-            if code not in (0, OBJECT_EXISTS):
-                hint = ("; no segment has room: start a segment holder (mooncake_client --global_segment_size=…) "
-                        "or open the store with segment_bytes=" if code == NO_SPACE else "")
-                error = MooncakeError("batch_put_from_multi_buffers", code, self.where, hint)
-                raise PartialWrite(stored, error) if stored else error
-            stored += 1
-        return stored
+        with self._live() as (client, scratch):
+            count = len(keys) + 1
+            headers = scratch.take(count * HEADER_BYTES + len(self._record))
+            bounced: list[tuple[int, np.ndarray]] = []
+            try:
+                addresses, sizes, bounced = self._buffers(scratch, pages, headers, into=False)
+                for i, header in enumerate(self._ordered(self.format.header, keys, pages)):   # xxhash drops the GIL
+                    headers[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] = np.frombuffer(header, np.uint8)
+                record_at = count * HEADER_BYTES
+                headers[record_at:record_at + len(self._record)] = np.frombuffer(self._record, np.uint8)
+                names = [self.record_key(), *(self.key(k) for k in keys)]
+                addresses.insert(0, [headers.ctypes.data + record_at])
+                sizes.insert(0, [len(self._record)])
+                codes = client.batch_put_from_multi_buffers(names, addresses, sizes)
+                if bounced:
+                    self.counters.add("bounced_pages", len(bounced))
+            finally:
+                scratch.give(headers)
+                for _, block in bounced:
+                    scratch.give(block)
+            if len(codes) != count:
+                raise MooncakeError("batch_put_from_multi_buffers", -1, self.where)
+            stored = 0
+            for code in codes[1:]:
+                if code not in (0, OBJECT_EXISTS):
+                    hint = ("; no segment has room: start a segment holder (mooncake_client --global_segment_size=…) "
+                            "or open the store with segment_bytes=" if code == NO_SPACE else "")
+                    error = MooncakeError("batch_put_from_multi_buffers", code, self.where, hint)
+                    raise PartialWrite(stored, error) if stored else error
+                stored += 1
+            return stored
 
     def _delete(self, keys: list[bytes]) -> int:
         """Remove these pages, even while another client holds a lease on one (its read then fails its checksum
         or finds the page gone: a miss)."""
-        client, _ = self._live()
-        codes = client.batch_remove([self.key(k) for k in keys], True)
+        with self._live() as (client, _):
+            codes = client.batch_remove([self.key(k) for k in keys], True)
         failed = next((c for c in codes if c < 0 and c != OBJECT_NOT_FOUND), None)
         if failed is not None:
             raise MooncakeError("batch_remove", failed, self.where)
@@ -485,11 +533,16 @@ class MooncakeStore(StorageBackend):
         return int(removed)
 
     def _close(self) -> None:
+        with self._calls:                        # calls begun before close finish first (see _live)
+            self._calls.wait_for(lambda: self._in_flight == 0)
         with self._client_lock:
             client, self._client = self._client, None
             scratch, self._scratch = self._scratch, None
+            transfers, self._transfers = self._transfers, None
             mine = self._client_pid == os.getpid()
             self._spans = []
+        if transfers is not None and self._transfers_pid == os.getpid():
+            transfers.shutdown(wait=True)
         if client is None or not mine:
             return
         if scratch is not None:

@@ -376,3 +376,36 @@ def test_a_host_pool_closed_before_its_cache_leaves_nothing_registered(mooncake_
     cache.close()
     dev.close()
     stores[0].close()
+
+
+def test_a_read_in_parts_stops_at_a_miss_in_a_later_part_and_leaves_nothing_in_flight(mooncake_spec):
+    from kvtier.pools import KVGeometry
+
+    big = KVGeometry.mha(layers=4, kv_heads=8, head_dim=128, itemsize=2, page_size=16)     # 256 KiB pages
+    ns = namespace(big)
+    with open_store(mooncake_spec, ns, batch_pages=150) as store:      # one batch: three parts of 64 pages
+        keys = page_keys(ns, np.arange(150 * big.page_size))
+        data = random_pages(150, big)
+        assert store.set(keys, [[p] for p in data]) == 150
+        count, out = read_pages(store, keys, big)
+        assert count == 150 and all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        assert store.delete([keys[100]]) == 1
+        count, out = read_pages(store, keys, big)
+        assert count == 100 and all(np.array_equal(out[i], data[i]) for i in range(100))
+        assert store.stats()["miss.absent"] == 1
+        ended: list[object] = []
+
+        def reader() -> None:
+            try:
+                for _ in range(3):
+                    count, out = read_pages(store, keys, big)
+                    assert all(np.array_equal(out[i], data[i]) for i in range(count))
+                ended.append("done")
+            except StorageError as exc:
+                ended.append(exc)
+
+        reading = threading.Thread(target=reader)
+        reading.start()
+        time.sleep(0.05)
+    reading.join(20)                                   # closed under it: the reader ends (StorageError), no crash
+    assert not reading.is_alive() and len(ended) == 1
