@@ -243,8 +243,9 @@ class StorageBackend(abc.ABC):
         have a state snapshot)."""
         keys = self._keys(keys)
         found: list[bool] = []
-        for start in range(0, len(keys), self.batch_pages):
-            batch = keys[start:start + self.batch_pages]
+        step = self.exists_batch or self.batch_pages
+        for start in range(0, len(keys), step):
+            batch = keys[start:start + step]
             hits = self._guarded("exists", READ, lambda b=batch: self._exists(b), None,
                                  skipped="exists.skipped_down")
             if hits is None:
