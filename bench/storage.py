@@ -14,7 +14,9 @@ Ceilings, same bytes, same run:
   memory, one contiguous buffer per page, no header or checksum (batches of 32, like kvtier); checked after timing.
 
 Prefetch rows: a cache whose storage holds a ``--prefetch-tokens`` chain (Llama-3-8B, 16-token pages) in a fresh
-process-like state (empty host tier): ``prefetch(tokens)`` until the whole chain is in the host tier.
+process-like state (empty host tier): ``prefetch(tokens)`` until the whole chain is in the host tier, then every
+page's bytes checked against what was written. ``touched``: the host pool's memory was written once before (as a
+serving process's is after its first backups); ``fresh``: the first write of each memory page is in the timed read.
 
 Usage: python bench/storage.py [--stores file,redis,mooncake] [--redis URL] [--mooncake SPEC] [--dir PATH] [--json PATH]
 Without ``--redis`` a private redis-server is started when one is installed; without ``--mooncake`` a private
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import xxhash
 from rich.console import Console
 from rich.table import Table
 
@@ -254,6 +257,25 @@ def start_mooncake(directory: Path) -> str | None:
     return done.stdout.strip().split("=", 1)[1].strip("'")
 
 
+def page_digest(pieces) -> bytes:
+    digest = xxhash.xxh3_128()
+    for piece in pieces:
+        digest.update(piece)
+    return digest.digest()
+
+
+def check_pages(pool: HostPool, ids: np.ndarray, expected: list[bytes]) -> None:
+    """Every page of the chain, in order, is in ``pool`` at ``ids`` with the bytes that were written."""
+    assert len(ids) == len(expected), f"{len(ids)} pages in the host tier, {len(expected)} written"
+    pages = HostPages(pool)
+    try:
+        with pages.batch(ids) as io:
+            wrong = [i for i in range(len(ids)) if page_digest(io.pieces(i)) != expected[i]]
+    finally:
+        pages.close()
+    assert not wrong, f"{len(wrong)} prefetched pages differ from what was written (first: page {wrong[0]})"
+
+
 def row(store: str, size: str, op: str, state: str, nbytes: int, seconds: float, ceiling: float) -> dict:
     gbps, ceiling_gbps = nbytes / seconds / 1e9, nbytes / ceiling / 1e9
     return {"store": store, "page": size, "op": op, "cache": state, "bytes": nbytes, "gbps": gbps,
@@ -277,17 +299,22 @@ def prefetch_rows(store_kind: str, spec: str, runtime, tokens: int, directory: P
         source = HostPages(writer)
         with source.batch(np.arange(pages)) as io:
             store.set(page_keys(namespace, prompt), [io.pieces(i) for i in range(pages)])
+            expected = [page_digest(io.pieces(i)) for i in range(pages)]
         source.close()
         writer.close()
         os.sync()                                          # no writeback of the chain under the timed read
         states = [("warm", None)]
         if store_kind == "file":
             states.append(("cold", lambda: drop_cache([store.path(k) for k in page_keys(namespace, prompt)])))  # type: ignore[attr-defined]
-        for state, before in states:
+        for (state, before), pool_state in [(s, p) for s in states for p in ("touched", "fresh")]:
             if before:
                 before()
             device = DevicePool.allocate(geometry, 64, 0, runtime=runtime)
             host = HostPool.allocate(geometry, layout, pages=pages + 64, kind="pinned", runtime=runtime)
+            if pool_state == "touched":                  # as a serving process's pool is after its first backups
+                memory = host.buffer.as_tensor().numpy()
+                memory[:] = 1
+                del memory
             cache = KVCache(device, host, namespace, CacheSettings(calibrate=False, io_backend="direct"),
                             storage=store)
             try:
@@ -298,8 +325,11 @@ def prefetch_rows(store_kind: str, spec: str, runtime, tokens: int, directory: P
                 assert fetch.outcome == "complete", fetch
                 assert cache.match_prefix(prompt).host_tokens == tokens
                 nbytes = pages * geometry.bytes_per_page
+                match = cache.match_prefix(prompt)             # the bytes timed are the bytes written
+                check_pages(host, np.concatenate([node.host for node in match.host_nodes]), expected)
                 rows.append({"store": store_kind, "tokens": tokens, "cache": state, "layout": layout,
-                             "seconds": seconds, "gbps": nbytes / seconds / 1e9, "bytes": nbytes})
+                             "host_pool": pool_state, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+                             "bytes": nbytes})
             finally:
                 cache.close()
                 host.close()
@@ -383,11 +413,11 @@ def main() -> int:
     console.print(table)
     if prefetches:
         table = Table(title="prefetch of a chain into an empty host tier (Llama-3-8B, 16-token pages)")
-        for column in ("store", "tokens", "host layout", "page cache", "seconds", "GB/s"):
+        for column in ("store", "tokens", "host layout", "page cache", "host pool", "seconds", "GB/s"):
             table.add_column(column)
         for r in prefetches:
-            table.add_row(r["store"], f"{r['tokens']:,}", r["layout"], r["cache"], f"{r['seconds']:.3f}",
-                          f"{r['gbps']:.2f}")
+            table.add_row(r["store"], f"{r['tokens']:,}", r["layout"], r["cache"], r["host_pool"],
+                          f"{r['seconds']:.3f}", f"{r['gbps']:.2f}")
         console.print(table)
     if args.json:
         with open(args.json, "w") as file:
