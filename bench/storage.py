@@ -50,6 +50,7 @@ from kvtier.cache import CacheSettings, KVCache, Namespace, page_keys  # noqa: E
 from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry  # noqa: E402
 from kvtier.runtime import get as get_runtime  # noqa: E402
 from kvtier.storage import HostPages, open_store  # noqa: E402
+from kvtier.storage.format import HEADER_BYTES  # noqa: E402
 
 SIZES = {
     "llama3-8b-p16": KVGeometry.mha(layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=16),
@@ -161,7 +162,7 @@ def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runti
                     rows.append(row(store_kind, name, "get", state, nbytes, get_s, ceiling_get))
                 shutil.rmtree(plain_dir, ignore_errors=True)
             elif store_kind == "mooncake":
-                rows += mooncake_rows(store, keys, name, pieces, kv_set, kv_get, nbytes, repeats)
+                rows += mooncake_rows(store, keys, name, pieces, into, kv_set, kv_get, nbytes, repeats)
             else:
                 import redis
 
@@ -203,9 +204,10 @@ def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runti
     return rows
 
 
-def mooncake_rows(store, keys, name: str, pieces, kv_set, kv_get, nbytes: int, repeats: int) -> list[dict]:
+def mooncake_rows(store, keys, name: str, pieces, into, kv_set, kv_get, nbytes: int, repeats: int) -> list[dict]:
     """kvtier's Mooncake store against Mooncake's own batch calls of the same bytes, on the same client, from and
-    into one registered contiguous buffer (a page per key, no header, no checksum)."""
+    into one registered contiguous buffer (a page per key, no header, no checksum); and, as a third row, Mooncake's
+    own multi-buffer get of kvtier's stored pages into the pool's pieces, unchecked (what the API costs by itself)."""
     client = store.client()
     count = len(pieces)
     page = nbytes // count
@@ -231,14 +233,28 @@ def mooncake_rows(store, keys, name: str, pieces, kv_set, kv_get, nbytes: int, r
     def raw_delete() -> None:
         client.batch_remove(raw_keys, True)
 
+    def raw_get_pieces() -> None:               # Mooncake's own, into kvtier's buffers: header slot + pieces
+        for start in range(0, count, BATCH):
+            stop = min(start + BATCH, count)
+            names = [store.key(k) for k in keys[start:stop]]
+            codes = client.batch_get_into_multi_buffers(
+                names, [[headers.ctypes.data + (i - start) * HEADER_BYTES, *(piece_address(p) for p in into[i])]
+                        for i in range(start, stop)],
+                [[HEADER_BYTES, *(p.nbytes for p in into[i])] for i in range(start, stop)])
+            assert all(code == store.stored_bytes for code in codes), codes
+
+    headers = np.empty(BATCH * HEADER_BYTES, np.uint8)
+    assert client.register_buffer(headers.ctypes.data, headers.nbytes) == 0
     try:
         rows = [row("mooncake", name, "set", "", nbytes,
                     *paired(kv_set, raw_set, repeats, lambda: store.delete(keys), raw_delete))]
         rows.append(row("mooncake", name, "get", "", nbytes, *paired(kv_get, raw_get, repeats)))
         assert np.array_equal(source, target), "Mooncake's own get returned other bytes than were put"
+        rows.append(row("mooncake", name, "get", "multi-buffer, no check", nbytes,
+                        *paired(raw_get_pieces, raw_get, repeats)))
     finally:
         raw_delete()
-        for buffer in (source, target):
+        for buffer in (source, target, headers):
             client.unregister_buffer(buffer.ctypes.data)
     return rows
 
@@ -255,6 +271,10 @@ def start_mooncake(directory: Path) -> str | None:
     done = subprocess.run(["bash", str(script), "start", str(directory), segment], capture_output=True, text=True,
                           env={**os.environ, "PYTHON": sys.executable}, check=True)
     return done.stdout.strip().split("=", 1)[1].strip("'")
+
+
+def piece_address(piece) -> int:
+    return int(np.frombuffer(piece, np.uint8).__array_interface__["data"][0])
 
 
 def page_digest(pieces) -> bytes:
