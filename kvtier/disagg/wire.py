@@ -49,9 +49,11 @@ class MooncakeWire:
     """One Mooncake ``TransferEngine``: ``session`` is what a peer calls this process by (``host:rpc_port``)."""
 
     def __init__(self, hostname: str = "127.0.0.1", metadata: str = "P2PHANDSHAKE", protocol: str = "tcp",
-                 device_name: str = "", *, device_memory: bool = False) -> None:
+                 device_name: str = "", *, device_memory: bool = False, batch_entries: int = MAX_ENTRIES,
+                 batch_bytes: int = MAX_BATCH_BYTES) -> None:
         """``metadata``: ``P2PHANDSHAKE`` (peers exchange segment descriptors themselves: no server) or a metadata
-        server's URL. ``device_memory``: this wire may register device addresses (see :func:`reaches_device`)."""
+        server's URL. ``device_memory``: this wire may register device addresses (see :func:`reaches_device`).
+        ``batch_entries`` / ``batch_bytes``: the most one Mooncake batch carries."""
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
@@ -64,6 +66,7 @@ class MooncakeWire:
         self.session = f"{hostname}:{self.engine.get_rpc_port()}"
         self.device_memory = device_memory
         self._registered: list[int] = []
+        self.batch_entries, self.batch_bytes = batch_entries, batch_bytes
 
     def register(self, address: CpuAddress | DeviceAddress, nbytes: int) -> None:
         if isinstance(address, DeviceAddress) and not self.device_memory:
@@ -94,7 +97,7 @@ class MooncakeWire:
         have landed; the peer must not take any of it as valid). ``going()`` runs before each batch: it raises to
         stop a write between batches (a close)."""
         total = 0
-        for batch in batches(local, remote, lengths):
+        for batch in batches(local, remote, lengths, self.batch_entries, self.batch_bytes):
             reached("disagg.wire.batch")
             if going is not None:
                 going()
@@ -107,8 +110,10 @@ class MooncakeWire:
         return total
 
 
-def batches(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> Iterator[tuple[list, list, list]]:
-    """Runs cut into entries of at most MAX_ENTRY_BYTES, grouped into batches within MAX_ENTRIES / MAX_BATCH_BYTES."""
+def batches(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, max_entries: int = MAX_ENTRIES,
+            max_bytes: int = MAX_BATCH_BYTES) -> Iterator[tuple[list, list, list]]:
+    """Runs cut into entries of at most MAX_ENTRY_BYTES, grouped into batches of at most ``max_entries`` entries and
+    ``max_bytes`` bytes (a larger entry alone)."""
     pieces = np.maximum(1, -(-lengths // MAX_ENTRY_BYTES))
     if pieces.max(initial=1) > 1:
         index = np.repeat(np.arange(len(lengths)), pieces)
@@ -118,7 +123,7 @@ def batches(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> Itera
         lengths = np.minimum(lengths[index] - offset, MAX_ENTRY_BYTES)
     start, size = 0, 0
     for end in range(len(lengths)):
-        if end > start and (end - start >= MAX_ENTRIES or size + int(lengths[end]) > MAX_BATCH_BYTES):
+        if end > start and (end - start >= max_entries or size + int(lengths[end]) > max_bytes):
             yield local[start:end].tolist(), remote[start:end].tolist(), lengths[start:end].tolist()
             start, size = end, 0
         size += int(lengths[end])
