@@ -50,8 +50,8 @@ class Channel:
 
     def recv(self, timeout: float | None = None) -> dict[str, Any]:
         """The next message; PeerLost at end-of-file or a broken connection, TransferTimedOut after ``timeout``."""
-        self.sock.settimeout(timeout)
         try:
+            self.sock.settimeout(timeout)
             (length,) = _LENGTH.unpack(self._exactly(_LENGTH.size))
             if length > MAX_MESSAGE:
                 raise TransferFailed(f"{self.peer} sent a {length}-byte control message (at most {MAX_MESSAGE}): "
@@ -61,6 +61,8 @@ class Channel:
             raise TransferTimedOut(f"no message from {self.peer} within {timeout} s", peer=self.peer) from exc
         except (ValueError, UnicodeDecodeError) as exc:
             raise TransferFailed(f"{self.peer} sent a malformed control message: {exc}", peer=self.peer) from exc
+        except OSError as exc:
+            raise PeerLost(f"the connection to {self.peer} is closed: {exc}", peer=self.peer) from exc
         finally:
             if not self.closed:
                 try:

@@ -228,8 +228,12 @@ class KVSender:
 
     def _write(self, request_id: str, runs: Any) -> int:
         self._check_going(request_id)
-        return self.wire.write(self.target_session, runs.src, runs.dst, runs.lengths, request_id=request_id,
-                               going=lambda: self._check_going(request_id))
+        try:
+            return self.wire.write(self.target_session, runs.src, runs.dst, runs.lengths, request_id=request_id,
+                                   going=lambda: self._check_going(request_id))
+        except TransferFailed as exc:
+            raise TransferFailed(f"request {request_id!r} to {self.peer}: {exc}", peer=self.peer,
+                                 request_id=request_id) from exc
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
     def drain(self) -> None:

@@ -103,7 +103,7 @@ class MooncakeWire:
                 going()
             code = self.engine.batch_transfer_sync_write(peer, *batch)
             if code != 0:
-                raise TransferFailed(f"request {request_id!r}: Mooncake batch_transfer_sync_write to {peer} "
+                raise TransferFailed(f"Mooncake batch_transfer_sync_write to {peer} "
                                      f"returned {code} after {total} bytes (peer gone, or memory not registered "
                                      f"there)", peer=peer, request_id=request_id)
             total += sum(batch[2])
