@@ -116,7 +116,7 @@ def decode_main(spec: dict) -> None:
 class Child:
     def __init__(self, spec: dict) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2")}
+               "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "2")}  # noqa: SIM112 (glog's own name)
         self.process = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 

@@ -7,6 +7,7 @@ end-of-file here at once, with no heartbeat.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -65,10 +66,8 @@ class Channel:
             raise PeerLost(f"the connection to {self.peer} is closed: {exc}", peer=self.peer) from exc
         finally:
             if not self.closed:
-                try:
+                with contextlib.suppress(OSError):
                     self.sock.settimeout(None)
-                except OSError:
-                    pass
         if not isinstance(message, dict) or not isinstance(message.get("kind"), str):
             raise TransferFailed(f"{self.peer} sent a control message without a kind: {message!r:.200}",
                                  peer=self.peer)
@@ -94,8 +93,6 @@ class Channel:
         if self.closed:
             return
         self.closed = True
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()

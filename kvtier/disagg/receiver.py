@@ -11,6 +11,7 @@ reported landed, and the receiver and its pools stay usable for the next request
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from typing import Any
@@ -22,8 +23,15 @@ from kvtier.disagg.control import VERSION, Channel
 from kvtier.disagg.plan import Side, check_fit, default_staging_pages
 from kvtier.disagg.staging import Staging
 from kvtier.disagg.wire import MooncakeWire, reaches_device
-from kvtier.errors import BufferClosed, HandshakeRefused, InvalidArgument, KvtierError, PeerLost, TransferFailed, \
-    TransferTimedOut
+from kvtier.errors import (
+    BufferClosed,
+    HandshakeRefused,
+    InvalidArgument,
+    KvtierError,
+    PeerLost,
+    TransferFailed,
+    TransferTimedOut,
+)
 from kvtier.locks import named_condition
 from kvtier.pools import DevicePool, HostLayout, HostPool
 from kvtier.transfer import TransferEngine
@@ -236,7 +244,7 @@ class KVReceiver:
             sock, where = self._listener.accept()
         except TimeoutError as exc:
             raise TransferTimedOut(f"no sender connected to {self.address} within {timeout} s") from exc
-        except OSError as exc:
+        except OSError:
             self._check_open()
             raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -267,10 +275,8 @@ class KVReceiver:
             session = str(hello["session"])
         except (HandshakeRefused, KeyError, TypeError) as exc:
             reason = str(exc) if isinstance(exc, HandshakeRefused) else f"a malformed hello: {exc!r}"
-            try:
+            with contextlib.suppress(PeerLost):
                 channel.send("refused", reason=reason)
-            except PeerLost:
-                pass
             if isinstance(exc, HandshakeRefused):
                 raise
             raise HandshakeRefused(f"{channel.peer} sent {reason}", peer=channel.peer) from exc

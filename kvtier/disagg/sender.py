@@ -10,6 +10,7 @@ unless the wire reaches device memory (the CUDA wheel on a GPU), where it is reg
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -17,12 +18,27 @@ import numpy as np
 
 from kvtier.checks import index_array
 from kvtier.disagg.control import VERSION, Channel
-from kvtier.disagg.plan import DEVICE, Side, check_fit, compatible, default_staging_pages, gather, plan_runs, \
-    staging_layout
+from kvtier.disagg.plan import (
+    DEVICE,
+    Side,
+    check_fit,
+    compatible,
+    default_staging_pages,
+    gather,
+    plan_runs,
+    staging_layout,
+)
 from kvtier.disagg.staging import Staging
 from kvtier.disagg.wire import MooncakeWire, reaches_device
-from kvtier.errors import BufferClosed, HandshakeRefused, InvalidArgument, KvtierError, PeerLost, TransferFailed, \
-    TransferTimedOut
+from kvtier.errors import (
+    BufferClosed,
+    HandshakeRefused,
+    InvalidArgument,
+    KvtierError,
+    PeerLost,
+    TransferFailed,
+    TransferTimedOut,
+)
 from kvtier.locks import named_condition
 from kvtier.pause_points import reached
 from kvtier.pools import DevicePool, HostPool
@@ -190,10 +206,8 @@ class KVSender:
 
     def _fail(self, request_id: str, reason: str, cause: BaseException | None = None) -> None:
         """Tell the receiver the request failed (if it can still hear it), and raise here."""
-        try:
+        with contextlib.suppress(PeerLost):
             self._channel.send("failed", request=request_id, reason=reason)
-        except PeerLost:
-            pass
         if isinstance(cause, KvtierError):
             raise cause
         raise TransferFailed(f"request {request_id!r} to {self.peer}: {reason}", peer=self.peer,

@@ -128,7 +128,7 @@ class Peer:
         return e
 
     def stderr(self) -> str:
-        return "".join(line for line in self._stderr if not line[:1] in "IW")
+        return "".join(line for line in self._stderr if line[:1] not in "IW")
 
     def kill(self) -> None:
         if self.process.poll() is None:
