@@ -204,8 +204,13 @@ def test_receiver_close_with_a_request_pending_fails_it_and_is_idempotent(rt):
 
 
 def test_sender_close_during_a_write_stops_it_and_the_receiver_hears_the_request_failed(rt):
-    src, dst = make_pool(GEOMETRY, "page_first", 32, rt), make_pool(GEOMETRY, "layer_first", 32, rt)
-    sender, link, receiver = pair(src, dst, sender_staging_pages=2)
+    """One write, no staging (same layouts), scattered pages in batches of 4 runs: the close lands between two
+    batches of the wire."""
+    from kvtier.disagg import MooncakeWire
+
+    src, dst = make_pool(GEOMETRY, "page_first", 32, rt), make_pool(GEOMETRY, "page_first", 32, rt)
+    sender, link, receiver = pair(src, dst, sender_wire=MooncakeWire(batch_entries=4))
+    assert not sender.converts
     try:
         landing = link.expect("r", range(31, -1, -1))
         closer = threading.Thread(target=sender.close)
