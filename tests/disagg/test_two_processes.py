@@ -111,3 +111,23 @@ def test_two_requests_in_flight_at_once_from_two_threads(rt):
         peer.close()
         receiver.close()
         pool.close()
+
+
+@pytest.mark.gpu
+def test_a_request_lands_between_gpu_pools_of_two_processes(cuda):
+    """On a GPU: device pool to device pool, each process with its own CUDA context; with the non-CUDA wheel both
+    sides stage through registered host memory (kvtier's transfer engine copies device ↔ host)."""
+    pool = make_pool(GEOMETRY, DEVICE, 32, cuda)
+    receiver = KVReceiver(pool, dtype="bfloat16")
+    src_pages, dst_pages = list(range(2, 20)), [31, *range(4, 21)]
+    peer = Peer("prefill", address=receiver.address, runtime="cuda", layout=DEVICE, pages=24,
+                requests=[request("gpu", src_pages, 9)])
+    try:
+        landing = receiver.accept(60).expect("gpu", dst_pages)
+        assert landing.wait(60).tolist() == dst_pages
+        assert np.array_equal(read_pages(pool, dst_pages), expected(9, len(src_pages)))
+        peer.finish()
+    finally:
+        peer.close()
+        receiver.close()
+        pool.close()
