@@ -109,7 +109,12 @@ class Link:
                 raise InvalidArgument(f"request id {request_id!r} was used on this link already: ids are used once")
             self._used.add(request_id)
         staging = self.receiver._staging
-        wire_pages = staging.take(len(values), partial=False) if staging is not None else values
+        try:
+            wire_pages = staging.take(len(values), partial=False) if staging is not None else values
+        except BaseException:
+            with self._cond:
+                self._used.discard(request_id)
+            raise
         landing = Landing(self, request_id, values, wire_pages)
         with self._cond:
             lost = self._lost

@@ -222,23 +222,58 @@ class KVSender:
         if self._staging is None:
             runs = plan_runs(self.side, src, self.target, dst)
             return self._write(request_id, runs)
-        written, done = 0, 0
-        while done < len(src):
-            self._check_going(request_id)
-            staged = self._staging.take(len(src) - done, partial=True)
-            try:
-                chunk = src[done:done + len(staged)]
-                if self._engine is not None:
-                    self._engine.backup(chunk, staged).wait()
-                else:
-                    assert isinstance(self.pool, HostPool)
-                    gather(self.pool, chunk, self._staging.pool, staged)
-                runs = plan_runs(self.side, staged, self.target, dst[done:done + len(staged)])
-                written += self._write(request_id, runs)
-            finally:
-                self._staging.give(staged)
-            done += len(staged)
+        return self._move_staged(request_id, src, dst, self._staging)
+
+    def _move_staged(self, request_id: str, src: np.ndarray, dst: np.ndarray, staging: Staging) -> int:
+        """Chunk by chunk through staging: chunk k+1 is gathered (or copied from the device) while chunk k is on
+        the wire, so the conversion costs little beyond the wire's own time. A chunk is at most half the staging
+        pages; with none free, the oldest chunk in flight is finished first (two sends sharing staging never wait
+        for each other's pages while holding their own)."""
+        assert self.side is not None
+        flying: list[tuple[Any, np.ndarray]] = []
+        written, done, chunk = 0, 0, max(1, staging.pool.pages // 2)
+        try:
+            while done < len(src):
+                self._check_going(request_id)
+                staged = staging.take(min(chunk, len(src) - done), partial=True, wait=not flying)
+                if not len(staged):
+                    written += self._finish(request_id, *flying.pop(0))
+                    continue
+                try:
+                    part = src[done:done + len(staged)]
+                    if self._engine is not None:
+                        self._engine.backup(part, staged).wait()
+                    else:
+                        assert isinstance(self.pool, HostPool)
+                        gather(self.pool, part, staging.pool, staged)
+                    runs = plan_runs(self.side, staged, self.target, dst[done:done + len(staged)])
+                except BaseException:
+                    staging.give(staged)
+                    raise
+                flying.append((self.wire.start(self.target_session, runs.src, runs.dst, runs.lengths,
+                                               going=lambda: self._check_going(request_id)), staged))
+                done += len(staged)
+                if len(flying) > 1:
+                    written += self._finish(request_id, *flying.pop(0))
+            while flying:
+                written += self._finish(request_id, *flying.pop(0))
+        finally:
+            for writing, staged in flying:
+                with contextlib.suppress(BaseException):
+                    writing.finish()
+                staging.give(staged)
         return written
+
+    def _finish(self, request_id: str, writing: Any, staged: np.ndarray) -> int:
+        """Wait for one chunk's batches, then give its staging pages back (only then: the wire reads them)."""
+        assert self._staging is not None
+        try:
+            return int(writing.finish())
+        except TransferFailed as exc:
+            raise TransferFailed(f"request {request_id!r} to {self.peer}: {exc}", peer=self.peer,
+                                 request_id=request_id) from exc
+        finally:
+            self._staging.give(staged)
 
     def _write(self, request_id: str, runs: Any) -> int:
         self._check_going(request_id)

@@ -18,14 +18,16 @@ class Staging:
         self._cond = named_condition("disagg.staging")
         self._closed = False
 
-    def take(self, count: int, *, partial: bool) -> np.ndarray:
-        """``count`` pages; with ``partial``, as many as are free (at least one, waiting for one if none is). Without
-        it, all ``count`` now or InvalidArgument (a receiver cannot wait: its pages are asked for up front)."""
+    def take(self, count: int, *, partial: bool, wait: bool = True) -> np.ndarray:
+        """``count`` pages; with ``partial``, as many as are free (at least one, waiting for one if none is and
+        ``wait``; none without). Without it, all ``count`` now or InvalidArgument (a receiver cannot wait: its pages
+        are asked for up front)."""
         with self._cond:
             if not partial and count > len(self._free):
                 raise InvalidArgument(f"{count} pages do not fit the {len(self._free)} free staging pages (of "
                                       f"{self.pool.pages}): give the endpoint more staging_pages")
-            self._cond.wait_for(lambda: self._free or self._closed)
+            if wait:
+                self._cond.wait_for(lambda: self._free or self._closed)
             if self._closed:
                 raise BufferClosed("the endpoint closed while a transfer waited for staging pages")
             taken, self._free = self._free[:count], self._free[count:]

@@ -109,6 +109,52 @@ class MooncakeWire:
             total += sum(batch[2])
         return total
 
+    def start(self, peer: str, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, *,
+              going: Callable[[], None] | None = None) -> Writing:
+        """Submit the runs' batches without waiting for them (the caller prepares the next ones meanwhile), then
+        ``finish()`` the result. A failure to submit, or ``going()`` raising, is raised by ``finish`` (after the
+        batches submitted before it were waited for), so the caller has one place to wait."""
+        writing = Writing(self, peer)
+        for batch in batches(local, remote, lengths, self.batch_entries, self.batch_bytes):
+            try:
+                reached("disagg.wire.batch")
+                if going is not None:
+                    going()
+            except BaseException as exc:
+                writing.error = exc
+                break
+            batch_id = self.engine.batch_transfer_async_write(peer, *batch)
+            if batch_id <= 0:
+                writing.error = TransferFailed(f"Mooncake batch_transfer_async_write to {peer} returned {batch_id}",
+                                               peer=peer)
+                break
+            writing.batches.append((batch_id, sum(batch[2])))
+        return writing
+
+
+class Writing:
+    """Batches submitted with ``batch_transfer_async_write`` and not yet waited for (:meth:`MooncakeWire.start`):
+    the memory they read must stay registered and unchanged until :meth:`finish` returned."""
+
+    def __init__(self, wire: MooncakeWire, peer: str) -> None:
+        self.wire, self.peer = wire, peer
+        self.batches: list[tuple[int, int]] = []
+        self.error: BaseException | None = None
+
+    def finish(self) -> int:
+        """Wait for every batch; the bytes written, or the first failure raised once all were waited for."""
+        failed, total = self.error, 0
+        for batch_id, nbytes in self.batches:
+            code = self.wire.engine.get_batch_transfer_status([batch_id])
+            if code != 0 and failed is None:
+                failed = TransferFailed(f"Mooncake batch transfer to {self.peer} returned {code} after {total} "
+                                        f"bytes (peer gone, or memory not registered there)", peer=self.peer)
+            total += nbytes
+        self.batches, self.error = [], None
+        if failed is not None:
+            raise failed
+        return total
+
 
 def batches(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, max_entries: int = MAX_ENTRIES,
             max_bytes: int = MAX_BATCH_BYTES) -> Iterator[tuple[list, list, list]]:

@@ -36,7 +36,7 @@ def test_a_request_lands_byte_for_byte_across_layouts(rt, src_layout, dst_layout
     receiver = KVReceiver(pool, dtype="bfloat16")
     src_pages, dst_pages = list(range(3, 19)), [30, 2, *range(10, 24)]
     peer = Peer("prefill", address=receiver.address, runtime=rt.name, layout=src_layout, pages=24,
-                requests=[request("r1", src_pages, 7)])
+                staging_pages=4, requests=[request("r1", src_pages, 7)])      # staged in chunks of 2 pages
     try:
         link = receiver.accept(60)
         landing = link.expect("r1", dst_pages)
@@ -89,7 +89,7 @@ def test_two_requests_in_flight_at_once_from_two_threads(rt):
     pool = make_pool(GEOMETRY, "layer_first", 64, rt)
     receiver = KVReceiver(pool, dtype="bfloat16")
     peer = Peer("prefill", address=receiver.address, runtime=rt.name, layout="page_first", pages=64, threads=True,
-                batch_entries=4, requests=[request("a", range(0, 20), 11), request("b", range(20, 40), 12)])
+                batch_entries=4, staging_pages=5, requests=[request("a", range(0, 20), 11), request("b", range(20, 40), 12)])
     try:
         link = receiver.accept(60)
         results: dict[str, object] = {}
