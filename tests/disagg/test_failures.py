@@ -11,24 +11,14 @@ import time
 
 import numpy as np
 import pytest
-from helpers.disagg import GEOMETRY, Peer, expected, make_pool, pair, read_pages, write_pages
-from helpers.mooncake import need_mooncake
+from helpers.disagg import GEOMETRY, Peer, expected, make_pool, pair, read_kv, request_spec, write_kv
 
 from kvtier import pause_points
 from kvtier.disagg import KVReceiver, KVSender
 from kvtier.errors import BufferClosed, HandshakeRefused, InvalidArgument, PeerLost, TransferFailed
 from kvtier.pools import KVGeometry
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def mooncake() -> None:
-    need_mooncake()
-
-
-def request(rid: str, pages, seed: int) -> dict:
-    return {"id": rid, "pages": [int(p) for p in pages], "seed": seed}
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("mooncake_wheel")]
 
 
 @pytest.mark.parametrize("pause", [["disagg.wire.batch", 3], ["disagg.sender.before_done", 1]],
@@ -38,7 +28,7 @@ def test_a_prefill_killed_mid_transfer_fails_the_request_and_the_receiver_serves
     receiver = KVReceiver(pool, dtype="bfloat16")
     pages = list(range(40, 8, -1))                        # scattered runs: many batches of 4 entries
     doomed = Peer("prefill", address=receiver.address, runtime=rt.name, layout="page_first", pages=48,
-                  batch_entries=4, pause=pause, requests=[request("doomed", range(32), 1)])
+                  batch_entries=4, pause=pause, requests=[request_spec("doomed", range(32), 1)])
     try:
         link = receiver.accept(60)
         landing = link.expect("doomed", pages)
@@ -55,10 +45,10 @@ def test_a_prefill_killed_mid_transfer_fails_the_request_and_the_receiver_serves
         with pytest.raises(PeerLost, match="'later'"):
             link.expect("later", [0])
         survivor = Peer("prefill", address=receiver.address, runtime=rt.name, layout="page_first", pages=48,
-                        requests=[request("next", range(32), 2)])
+                        requests=[request_spec("next", range(32), 2)])
         try:
             assert receiver.accept(60).expect("next", pages).wait(60).tolist() == pages
-            assert np.array_equal(read_pages(pool, pages), expected(2, 32))
+            assert np.array_equal(read_kv(pool, pages), expected(2, 32))
             survivor.finish()
         finally:
             survivor.close()
@@ -70,9 +60,9 @@ def test_a_prefill_killed_mid_transfer_fails_the_request_and_the_receiver_serves
 
 def test_a_decode_killed_mid_transfer_fails_the_send_with_the_peer_and_request_named(rt):
     pool = make_pool(GEOMETRY, "page_first", 48, rt)
-    write_pages(pool, range(32), expected(3, 32))
+    write_kv(pool, range(32), expected(3, 32))
     peer = Peer("decode", runtime=rt.name, layout="layer_first", pages=48,
-                requests=[request("r", range(40, 8, -1), 0)])
+                requests=[request_spec("r", range(40, 8, -1), 0)])
     sender = None
     try:
         address = peer.event("ready")["address"]
@@ -108,7 +98,7 @@ def test_a_peer_that_closes_before_the_handshake_is_reported_and_the_next_one_se
                                                                                  )).close()
         with pytest.raises(PeerLost, match="before the handshake"):
             receiver.accept(10)
-        write_pages(src, [0], expected(4, 1))
+        write_kv(src, [0], expected(4, 1))
         accepted = []
         thread = threading.Thread(target=lambda: accepted.append(receiver.accept(30)))
         thread.start()
@@ -117,7 +107,7 @@ def test_a_peer_that_closes_before_the_handshake_is_reported_and_the_next_one_se
             landing = accepted[0].expect("r", [5])
             sender.send("r", [0])
             landing.wait(30)
-        assert np.array_equal(read_pages(dst, [5]), expected(4, 1))
+        assert np.array_equal(read_kv(dst, [5]), expected(4, 1))
     finally:
         receiver.close()
         src.close()
@@ -150,7 +140,7 @@ def test_kv_that_does_not_fit_is_refused_on_both_sides_before_any_byte_moves(rt,
             KVSender(receiver.address, src, dtype=dtype)
         thread.join()
         assert receiver.address in str(error.value) and len(refused) == 1 and what in str(refused[0])
-        assert not read_pages(dst, range(8)).any()
+        assert not read_kv(dst, range(8)).any()
         assert src.buffer.closed is False      # the sender gave everything back: the pool closes cleanly
     finally:
         receiver.close()

@@ -8,7 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers.disagg import DEVICE, GEOMETRY, expected, make_pool, read_pages, write_pages
+from helpers.disagg import DEVICE, GEOMETRY, expected, make_pool, read_kv, write_kv
 
 from kvtier.disagg.plan import Side, compatible, gather, plan_runs
 from kvtier.disagg.wire import MAX_ENTRY_BYTES, batches
@@ -30,7 +30,7 @@ def test_runs_or_a_conversion_move_every_byte_to_its_place(rt, src_layout, dst_l
     try:
         src_pages, dst_pages = np.array([3, 4, 5, 0, 11]), np.array([7, 8, 9, 1, 2])
         data = expected(1, len(src_pages))
-        write_pages(src, src_pages, data)
+        write_kv(src, src_pages, data)
         a, b = side(src, src_layout), side(dst, dst_layout)
         fits = compatible(a, b)
         assert fits == (src_layout == dst_layout or {src_layout, dst_layout} <= {"layer_first", "page_first_direct",
@@ -39,7 +39,7 @@ def test_runs_or_a_conversion_move_every_byte_to_its_place(rt, src_layout, dst_l
             if not fits and DEVICE not in (src_layout, dst_layout):
                 staging = HostPool.allocate(GEOMETRY, dst_layout, pages=len(src_pages), runtime=rt)
                 gather(src, src_pages, staging, np.arange(len(src_pages)))
-                assert np.array_equal(read_pages(staging, np.arange(len(src_pages))), data)
+                assert np.array_equal(read_kv(staging, np.arange(len(src_pages))), data)
                 staging.close()
             return
         runs = plan_runs(a, src_pages, b, dst_pages)
@@ -47,7 +47,7 @@ def test_runs_or_a_conversion_move_every_byte_to_its_place(rt, src_layout, dst_l
         for s, d, n in zip(runs.src.tolist(), runs.dst.tolist(), runs.lengths.tolist(), strict=True):
             rt.memcpy(dst.buffer.cpu_address + (d - dst.buffer.cpu_address.value),
                       src.buffer.cpu_address + (s - src.buffer.cpu_address.value), n)
-        assert np.array_equal(read_pages(dst, dst_pages), data)
+        assert np.array_equal(read_kv(dst, dst_pages), data)
     finally:
         src.close()
         dst.close()

@@ -10,22 +10,12 @@ import threading
 import numpy as np
 import pytest
 from helpers.cache import build
-from helpers.disagg import DEVICE, GEOMETRY, Peer, expected, make_pool, read_pages
-from helpers.mooncake import need_mooncake
+from helpers.disagg import DEVICE, GEOMETRY, Peer, expected, make_pool, read_kv, request_spec
 
 from kvtier.disagg import KVReceiver
 from kvtier.integrations.disagg import receive_prefix
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def mooncake() -> None:
-    need_mooncake()
-
-
-def request(rid: str, pages, seed: int) -> dict:
-    return {"id": rid, "pages": [int(p) for p in pages], "seed": seed}
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("mooncake_wheel")]
 
 
 @pytest.mark.parametrize("src_layout, dst_layout", [
@@ -36,7 +26,7 @@ def test_a_request_lands_byte_for_byte_across_layouts(rt, src_layout, dst_layout
     receiver = KVReceiver(pool, dtype="bfloat16")
     src_pages, dst_pages = list(range(3, 19)), [30, 2, *range(10, 24)]
     peer = Peer("prefill", address=receiver.address, runtime=rt.name, layout=src_layout, pages=24,
-                staging_pages=4, requests=[request("r1", src_pages, 7)])      # staged in chunks of 2 pages
+                staging_pages=4, requests=[request_spec("r1", src_pages, 7)])      # staged in chunks of 2 pages
     try:
         link = receiver.accept(60)
         landing = link.expect("r1", dst_pages)
@@ -47,7 +37,7 @@ def test_a_request_lands_byte_for_byte_across_layouts(rt, src_layout, dst_layout
         pieces = {"layer_first", "page_first_direct"}
         converts = src_layout == DEVICE or not (src_layout == wire_layout or {src_layout, wire_layout} <= pieces)
         assert peer.event("ready")["converts"] == converts
-        assert np.array_equal(read_pages(pool, dst_pages), expected(7, len(src_pages)))
+        assert np.array_equal(read_kv(pool, dst_pages), expected(7, len(src_pages)))
         peer.finish()
     finally:
         peer.close()
@@ -64,7 +54,7 @@ def test_the_decode_cache_serves_the_received_prefix(rt):
     rng = np.random.default_rng()
     tokens = rng.integers(0, 128000, 12 * GEOMETRY.page_size)
     peer = Peer("prefill", address=receiver.address, runtime=rt.name, layout="page_first", pages=24,
-                requests=[request("first", range(0, 6), 3), request("whole", range(10, 22), 5)])
+                requests=[request_spec("first", range(0, 6), 3), request_spec("whole", range(10, 22), 5)])
     try:
         link = receiver.accept(60)
         assert receive_prefix(cache, link, "first", tokens[:6 * GEOMETRY.page_size], timeout=60) == 6
@@ -74,7 +64,7 @@ def test_the_decode_cache_serves_the_received_prefix(rt):
             served.wait()
             pages = served.prefix_pages
             assert len(pages) == 12 and served.match.device_pages.size == 12
-            got = read_pages(device, pages)
+            got = read_kv(device, pages)
         assert np.array_equal(got[:6], expected(3, 6))
         assert np.array_equal(got[6:], expected(5, 12)[6:])
     finally:
@@ -89,7 +79,8 @@ def test_two_requests_in_flight_at_once_from_two_threads(rt):
     pool = make_pool(GEOMETRY, "layer_first", 64, rt)
     receiver = KVReceiver(pool, dtype="bfloat16")
     peer = Peer("prefill", address=receiver.address, runtime=rt.name, layout="page_first", pages=64, threads=True,
-                batch_entries=4, staging_pages=5, requests=[request("a", range(0, 20), 11), request("b", range(20, 40), 12)])
+                batch_entries=4, staging_pages=5,
+                requests=[request_spec("a", range(0, 20), 11), request_spec("b", range(20, 40), 12)])
     try:
         link = receiver.accept(60)
         results: dict[str, object] = {}
@@ -104,8 +95,8 @@ def test_two_requests_in_flight_at_once_from_two_threads(rt):
         for t in threads:
             t.join()
         assert set(results) == {"a", "b"}
-        assert np.array_equal(read_pages(pool, range(40, 60)), expected(11, 20))
-        assert np.array_equal(read_pages(pool, range(0, 20)), expected(12, 20))
+        assert np.array_equal(read_kv(pool, range(40, 60)), expected(11, 20))
+        assert np.array_equal(read_kv(pool, range(0, 20)), expected(12, 20))
         peer.finish()
     finally:
         peer.close()
@@ -121,11 +112,11 @@ def test_a_request_lands_between_gpu_pools_of_two_processes(cuda):
     receiver = KVReceiver(pool, dtype="bfloat16")
     src_pages, dst_pages = list(range(2, 20)), [31, *range(4, 21)]
     peer = Peer("prefill", address=receiver.address, runtime="cuda", layout=DEVICE, pages=24,
-                requests=[request("gpu", src_pages, 9)])
+                requests=[request_spec("gpu", src_pages, 9)])
     try:
         landing = receiver.accept(60).expect("gpu", dst_pages)
         assert landing.wait(60).tolist() == dst_pages
-        assert np.array_equal(read_pages(pool, dst_pages), expected(9, len(src_pages)))
+        assert np.array_equal(read_kv(pool, dst_pages), expected(9, len(src_pages)))
         peer.finish()
     finally:
         peer.close()

@@ -2,7 +2,7 @@
 interpreter, its own Mooncake engine), and the KV every page must hold.
 
 A request's KV is ``expected(seed, pages, geometry)``: random bytes, never zero, as [page, tensor, layer, slot, head,
-byte], the same in every process. ``write_pages`` / ``read_pages`` put it into and read it out of any pool (host
+byte], the same in every process. ``write_kv`` / ``read_kv`` put it into and read it out of any pool (host
 pools through a CPU view in their own layout, device pools through the runtime's copies), so a test compares every
 byte a transfer moved whatever the layouts on the two sides.
 
@@ -40,6 +40,11 @@ def expected(seed: int, pages: int, geometry: KVGeometry = GEOMETRY) -> np.ndarr
     return np.random.default_rng(seed).integers(1, 256, shape, dtype=np.uint8)
 
 
+def request_spec(rid: str, pages: Any, seed: int) -> dict[str, Any]:
+    """A request as a prefill peer takes it: its id, its pages there, the seed of its KV."""
+    return {"id": rid, "pages": [int(p) for p in pages], "seed": seed}
+
+
 def make_pool(geometry: KVGeometry, layout: str, pages: int, runtime: Any) -> HostPool | DevicePool:
     """A host pool of ``layout``, or a device pool (``layout == "device"``) on device 0."""
     if layout == DEVICE:
@@ -55,7 +60,7 @@ def _host_view(pool: HostPool, tensor: int) -> np.ndarray:
                                            (s.page, s.layer, s.slot, s.head, 1), writeable=True)
 
 
-def write_pages(pool: HostPool | DevicePool, pages: Any, data: np.ndarray) -> None:
+def write_kv(pool: HostPool | DevicePool, pages: Any, data: np.ndarray) -> None:
     g = pool.geometry
     for i, page in enumerate(np.asarray(pages).tolist()):
         for tensor in range(g.tensors):
@@ -67,7 +72,7 @@ def write_pages(pool: HostPool | DevicePool, pages: Any, data: np.ndarray) -> No
                 pool.runtime.memcpy(base + page * g.page_bytes, CpuAddress(chunk.ctypes.data), chunk.nbytes)
 
 
-def read_pages(pool: HostPool | DevicePool, pages: Any) -> np.ndarray:
+def read_kv(pool: HostPool | DevicePool, pages: Any) -> np.ndarray:
     g = pool.geometry
     pages = np.asarray(pages).tolist()
     out = np.zeros((len(pages), g.tensors, g.layers, g.page_size, g.heads, g.head_bytes), dtype=np.uint8)
@@ -176,7 +181,7 @@ def prefill_main() -> None:
     spec = _spec()
     pool = _pool(spec)
     for request in spec["requests"]:
-        write_pages(pool, request["pages"], expected(request["seed"], len(request["pages"]), pool.geometry))
+        write_kv(pool, request["pages"], expected(request["seed"], len(request["pages"]), pool.geometry))
     wire = MooncakeWire(batch_entries=spec.get("batch_entries", 512))
     try:
         sender = KVSender(spec["address"], pool, dtype=spec.get("dtype", "bfloat16"), wire=wire,
