@@ -225,6 +225,12 @@ def measure(pair: str, args) -> dict:
             "converts": converts, "runs": args.repeats, "verified_pages": pages * args.repeats}
 
 
+def _has_gpu() -> bool:
+    from kvtier.runtime import get as get_runtime
+
+    return not get_runtime().name.startswith("emulated")
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         decode_main(json.loads(sys.argv[2]))
@@ -257,6 +263,9 @@ def main() -> None:
                       f"{r['mooncake_gbps']:.2f}", f"{r['ratio']:.0%}", "yes" if r["converts"] else "no",
                       f"{r['verified_pages']} pages")
     Console(width=max(120, Console().width)).print(table)
+    if machine["runtime"].startswith("emulated") or (not args.runtime and not _has_gpu()):
+        print("on the emulator, a device source's copies to host memory run Python reference code: those rows are "
+              "not speeds")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "machine": machine}, indent=2))
 
