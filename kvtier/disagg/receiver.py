@@ -208,8 +208,8 @@ class KVReceiver:
         self._links: list[Link] = []
         self._staging: Staging | None = None
         self._engine: TransferEngine | None = None
-        self._listener = socket.create_server((host, port))
         self.wire = wire or MooncakeWire(host, device_memory=direct)
+        self._listener = socket.create_server((host, port))
         try:
             if isinstance(pool, HostPool):
                 self.side = Side.of(pool, dtype)
