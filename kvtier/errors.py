@@ -102,3 +102,26 @@ class WrongRuntime(KvtierError, TypeError):
 class LoadFailed(KvtierError):
     """A load-back a request relies on failed (a device fault): the pages it was filling went back to the cache and
     hold no KV of the request's tokens, so the request serves none of them; close it and make a new one."""
+
+
+class TransferFailed(KvtierError):
+    """A KV transfer between processes (``kvtier.disagg``) failed: the wire refused a write, the peer reported a
+    failure, or it went away. ``peer`` names the other process, ``request_id`` the request (None: not about one).
+    No page of the request was marked landed."""
+
+    def __init__(self, message: str, *, peer: str = "", request_id: str | None = None) -> None:
+        self.peer, self.request_id = peer, request_id
+        super().__init__(message)
+
+
+class PeerLost(TransferFailed):
+    """The peer's control connection closed or broke (the process died, was killed, or closed its side)."""
+
+
+class TransferTimedOut(TransferFailed, TimeoutError):
+    """A wait for a peer's message or a request's landing ran out of time; what it waited for is still pending."""
+
+
+class HandshakeRefused(TransferFailed):
+    """Two disaggregation endpoints do not fit each other (geometry, dtype, page size, protocol version): refused
+    before any byte of KV moved."""

@@ -209,3 +209,20 @@ def test_dma_queue_on_the_emulator(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 5 * 2 * 2 * 2 and all(r["queue_us_per_copy"] > 0 and r["gbps"] > 0 for r in rows)
     assert {r["mode"] for r in rows} == {"batch", "one call each"}
+
+
+def test_disagg_on_the_emulator(tmp_path):
+    """Two processes, a tiny request, every page verified; a device source staged through host memory too."""
+    from helpers.mooncake import need_mooncake
+
+    need_mooncake()
+    out = tmp_path / "disagg.json"
+    done = run(str(BENCH / "disagg.py"), "--runtime", "emulated:split", "--tokens", "256", "--repeats", "1",
+               "--pairs", "page_first/page_first,page_first/layer_first,device/page_head", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [r["pair"] for r in data["rows"]] == ["page_first/page_first", "page_first/layer_first",
+                                                 "device/page_head"]
+    assert [r["converts"] for r in data["rows"]] == [False, True, True]
+    assert all(r["kvtier_gbps"] > 0 and r["mooncake_gbps"] > 0 and r["verified_pages"] == 16 for r in data["rows"])
+    assert data["machine"]["cores"] >= 1 and "kvtier / Mooncake" in done.stdout

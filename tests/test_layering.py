@@ -147,3 +147,13 @@ def test_storage_never_sees_a_device_address():
                              r"kvtier\.transfer|kvtier\.kernels|device_alias", text), path
     views = (PACKAGE / "storage" / "views.py").read_text()
     assert "page_pieces" in views and "cpu_address" in views
+
+
+def test_disagg_hands_the_wire_cpu_addresses_and_knows_no_cache():
+    """kvtier.disagg registers host memory by its CPU address (a device pool by its device addresses only where
+    the wire reaches device memory) and never resolves an alias; the radix tree is out of its sight."""
+    for path in (PACKAGE / "disagg").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"get_device_accessible_ptr|layer_regions|device_alias|kvtier\.cache", text), path
+    sender = (PACKAGE / "disagg" / "sender.py").read_text() + (PACKAGE / "disagg" / "receiver.py").read_text()
+    assert sender.count("buffer.cpu_address, ") >= 3
