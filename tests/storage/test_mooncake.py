@@ -383,15 +383,15 @@ def test_a_read_in_parts_stops_at_a_miss_in_a_later_part_and_leaves_nothing_in_f
 
     big = KVGeometry.mha(layers=4, kv_heads=8, head_dim=128, itemsize=2, page_size=16)     # 256 KiB pages
     ns = namespace(big)
-    with open_store(mooncake_spec, ns, batch_pages=150) as store:      # one batch: three parts of 64 pages
-        keys = page_keys(ns, np.arange(150 * big.page_size))
-        data = random_pages(150, big)
-        assert store.set(keys, [[p] for p in data]) == 150
+    with open_store(mooncake_spec, ns, batch_pages=600) as store:      # one batch: three parts (64 MiB each)
+        keys = page_keys(ns, np.arange(600 * big.page_size))
+        data = random_pages(600, big)
+        assert store.set(keys, [[p] for p in data]) == 600
         count, out = read_pages(store, keys, big)
-        assert count == 150 and all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
-        assert store.delete([keys[100]]) == 1
+        assert count == 600 and all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        assert store.delete([keys[400]]) == 1
         count, out = read_pages(store, keys, big)
-        assert count == 100 and all(np.array_equal(out[i], data[i]) for i in range(100))
+        assert count == 400 and all(np.array_equal(out[i], data[i]) for i in range(400))
         assert store.stats()["miss.absent"] == 1
         ended: list[object] = []
 
