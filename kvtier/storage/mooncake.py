@@ -187,7 +187,8 @@ class MooncakeStore(StorageBackend):
     # -- the client --------------------------------------------------------------------------------------------------
     def client(self) -> Any:
         """The Mooncake client, set up on first use, after the master (and an HTTP metadata server) answered a TCP
-        probe; a forked child sets up its own (a client's threads and connections do not survive fork)."""
+        probe. In a fork child of a process that set one up, MooncakeForked (a counted error): a Mooncake client
+        does not survive fork, and a new one hangs in its set-up there."""
         with self._client_lock:
             if self.closed:
                 raise StorageError(f"{self!r} is closed")
@@ -230,9 +231,9 @@ class MooncakeStore(StorageBackend):
             from urllib.parse import urlsplit
 
             parts = urlsplit(target.metadata)
-            why = reachable(parts.hostname or "", parts.port or 80, self.connect_timeout)
-            if why:
-                why = f"its metadata server {why}"
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            if reachable(parts.hostname or "", port, self.connect_timeout) is not None:
+                raise ConnectionError(f"the Mooncake metadata server is unreachable: {target.metadata}")
         if why:
             raise ConnectionError(f"the Mooncake master is unreachable: {why}")
 
