@@ -409,3 +409,13 @@ def test_a_read_in_parts_stops_at_a_miss_in_a_later_part_and_leaves_nothing_in_f
         time.sleep(0.05)
     reading.join(20)                                   # closed under it: the reader ends (StorageError), no crash
     assert not reading.is_alive() and len(ended) == 1
+
+
+def test_a_metadata_server_that_is_not_there_is_named_and_costs_no_stall(mooncake_spec):
+    master = mooncake_spec.split("?")[0]
+    keys = page_keys(namespace(), np.arange(2 * GEOMETRY.page_size))
+    started = time.monotonic()
+    with open_store(f"{master}?metadata=http://127.0.0.1:1/metadata", namespace(), connect_timeout=0.5) as store:
+        assert store.set(keys, [[p] for p in random_pages(2)]) == 0
+        assert "metadata server is unreachable: http://127.0.0.1:1/metadata" in store.last_error
+    assert time.monotonic() - started < 5
