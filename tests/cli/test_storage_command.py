@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers.cli import kvtier
+from helpers.cli import Running, kvtier
 from helpers.storage import GEOMETRY, namespace
 
 from kvtier.cache import page_keys
@@ -139,3 +139,29 @@ def test_an_unreachable_store_is_one_line_from_the_cli(capsys):
     assert main(["storage", "stats", "redis://127.0.0.1:1/0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtier storage: redis://127.0.0.1:1/0: ConnectionError") and "Traceback" not in err
+
+
+def test_a_demo_whose_mooncake_master_is_killed_midway_serves_right_kv_and_recovers(mooncake_servers, tmp_path):
+    servers = mooncake_servers
+    report = tmp_path / "report.json"
+    demo = Running("--runtime", "emulated:split", "demo", "--users", "8", "--turns", "8", "--system-tokens", "1024",
+                   "--user-tokens", "64", "--reply-tokens", "32", "--storage", servers.spec, "--save", str(report))
+    try:
+        demo.wait_for("serving")
+        time.sleep(1.0)
+        servers.stop_master()
+        code, _, err = demo.finish()
+    finally:
+        demo.kill()
+    assert code == 0 and "Traceback" not in err, err[-2000:]
+    seen = json.loads(report.read_text())
+    assert seen["mismatched_pages"] == 0 and seen["storage_errors"] >= 1, seen
+    assert "mooncake" in err.lower(), "the outage is said on stderr"
+    servers.start_master()
+    servers.wait_segment()
+    seed = str(np.random.default_rng().integers(1 << 30))
+    runs = [kvtier(*DEMO, "--seed", seed, "--storage", servers.spec, cwd=tmp_path) for _ in range(2)]
+    assert all(run.returncode == 0 for run in runs), runs[-1].stderr[-2000:]
+    first, second = (json.loads(run.stdout) for run in runs)
+    assert first["storage_pages_written"] > 0 and second["storage_pages_read"] > 0
+    assert first["mismatched_pages"] == second["mismatched_pages"] == 0
