@@ -32,10 +32,13 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import json
 import os
+import re
 import sys
 import tempfile
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -44,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.address import CpuAddress
-from kvtier.checks import positive_number
+from kvtier.checks import integer, positive_number
 from kvtier.errors import InvalidArgument
 from kvtier.keys import Namespace
 from kvtier.locks import named_condition, named_lock
@@ -59,6 +62,9 @@ CODES = {-200: "no space (NO_AVAILABLE_HANDLE)", -600: "invalid parameters", -70
          -704: "object not found", -705: "object exists", -706: "object has a lease", -707: "lease expired",
          -800: "transfer failed", -900: "RPC failed (the master is unreachable)", -901: "RPC timed out"}
 SCRATCH_ALIGN = 4096
+RPC_TIMEOUT_MS = 3000
+"""A call to a master that stopped answering gives up after this (``MC_RPC_TIMEOUT_MS``, Mooncake's default 30 s;
+kvtier sets it unless the environment does)."""
 PIPELINE_BYTES = 64 << 20
 """Bytes per transfer while the part before is verified. Measured on 2 cores (loopback TCP, 2 MiB and 8 MiB
 pages): parts of 16 MiB read 10-20% slower than parts of 64 MiB or more (smaller Mooncake calls, and no spare
@@ -67,6 +73,17 @@ core to verify on meanwhile), so a default batch of 32 two-MiB pages goes whole;
 
 _SET_UP_IN: set[int] = set()
 """The process that set up a Mooncake client (a fork child has the parent's pid here, not its own)."""
+_CLIENTS: list[Any] = []
+"""Every client set up in this process. A fork child must never destroy one (its destructor crashes there): after a
+fork each gets a reference that is never given back, and the child's stores only drop theirs."""
+
+
+def _keep_inherited_clients() -> None:
+    for client in _CLIENTS:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
+
+
+os.register_at_fork(after_in_child=_keep_inherited_clients)
 
 
 class MooncakeForked(Exception):
@@ -82,7 +99,8 @@ class MooncakeError(Exception):
         self.code = code
 
 
-BENIGN = ("Logging before InitGoogleLogging", "metadata not found", "Failed to retrieve segment descriptor")
+BENIGN = ("Logging before InitGoogleLogging", "metadata not found", "Failed to retrieve segment descriptor",
+          "Local segment descriptor not found")
 """What a Mooncake client prints on stderr every time it sets up (its first look-up of itself): not ours to show."""
 _STDERR_LOCK = named_lock("storage.mooncake_stderr", fork_safe=True)
 
@@ -163,9 +181,8 @@ class MooncakeStore(StorageBackend):
         super().__init__(namespace, **options)
         if not isinstance(prefix, str) or not prefix or ":" in prefix or not prefix.isprintable():
             raise InvalidArgument(f"prefix={prefix!r}: a non-empty name without ':'")
-        for name, value, least in (("segment_bytes", segment_bytes, 0), ("buffer_bytes", buffer_bytes, 1 << 20)):
-            if type(value) is not int or value < least:
-                raise InvalidArgument(f"{name}={value!r}: whole bytes >= {least}")
+        segment_bytes = integer(segment_bytes, "segment_bytes", low=0, high=1 << 50)
+        buffer_bytes = integer(buffer_bytes, "buffer_bytes", low=1 << 20, high=1 << 40)
         self.connect_timeout = positive_number(connect_timeout, "connect_timeout", unit="seconds")
         self.target = parse_mooncake_url(spec)
         self.where = self.target.master
@@ -200,6 +217,7 @@ class MooncakeStore(StorageBackend):
                                      f"crash): open the store in a process started with spawn")
             self._probe()
             os.environ.setdefault("MC_LOG_LEVEL", "ERROR")     # its INFO lines, a dozen a client, are not ours
+            os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(RPC_TIMEOUT_MS))
             from mooncake.store import MooncakeDistributedStore
 
             client = MooncakeDistributedStore()
@@ -222,20 +240,30 @@ class MooncakeStore(StorageBackend):
                     raise MooncakeError("register_buffer", code, self.where)
             self._client, self._client_pid, self._scratch = client, os.getpid(), scratch
             _SET_UP_IN.add(os.getpid())
+            _CLIENTS.append(client)
             return client
 
     def _probe(self) -> None:
+        """Raise unless the master takes a connection and an HTTP server it runs answers within
+        ``connect_timeout``: a frozen (stopped, swapping) master still accepts connections in its kernel's backlog,
+        and a client set up against it holds the GIL until it gives up."""
         target = self.target
         why = reachable(target.host, target.port, self.connect_timeout)
-        if why is None and target.metadata != P2P:
-            from urllib.parse import urlsplit
-
-            parts = urlsplit(target.metadata)
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-            if reachable(parts.hostname or "", port, self.connect_timeout) is not None:
-                raise ConnectionError(f"the Mooncake metadata server is unreachable: {target.metadata}")
         if why:
             raise ConnectionError(f"the Mooncake master is unreachable: {why}")
+        if target.admin is not None:
+            url, what = f"{target.admin}/health", "the Mooncake master's admin endpoint"
+        elif target.metadata != P2P:
+            url, what = f"{target.metadata}?key=kvtier-probe", "the Mooncake metadata server"
+        else:
+            return
+        try:
+            with urllib.request.urlopen(url, timeout=self.connect_timeout):
+                pass
+        except urllib.error.HTTPError:
+            pass                                     # it answered: a 404 for the probe's key is an answer
+        except (OSError, ValueError) as exc:
+            raise ConnectionError(f"{what} does not answer: {url}: {getattr(exc, 'reason', exc)}") from None
 
     @contextlib.contextmanager
     def _live(self) -> Iterator[tuple[Any, _Scratch]]:
@@ -529,7 +557,7 @@ class MooncakeStore(StorageBackend):
         return found
 
     def _remove(self, namespace_id: str | None) -> int:
-        pattern = f"^{self.prefix}:{namespace_id or '[0-9a-f]{16}'}:p:[0-9a-f]{{64}}$"
+        pattern = f"^{re.escape(self.prefix)}:{namespace_id or '[0-9a-f]{16}'}:p:[0-9a-f]{{64}}$"
         removed = self.client().remove_by_regex(pattern, True)
         if removed < 0:
             raise MooncakeError("remove_by_regex", removed, self.where)
@@ -552,4 +580,6 @@ class MooncakeStore(StorageBackend):
             scratch.release()
         with contextlib.suppress(Exception):     # nothing else to release
             client.close()
+        with contextlib.suppress(ValueError):
+            _CLIENTS.remove(client)
 

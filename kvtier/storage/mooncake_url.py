@@ -55,6 +55,15 @@ def parse_mooncake_url(spec: str) -> MooncakeTarget:
     """The parts of a ``mooncake://`` spec, each checked; InvalidArgument names what is wrong."""
     if not isinstance(spec, str) or not spec.startswith(f"{SCHEME}://"):
         raise InvalidArgument(f"Mooncake spec {spec!r:.80}: expected mooncake://MASTER_HOST:PORT[?metadata=…]")
+    try:
+        return _parsed(spec)
+    except ValueError as exc:                        # urlsplit's own refusals (an unclosed IPv6 bracket)
+        if isinstance(exc, InvalidArgument):
+            raise
+        raise InvalidArgument(f"Mooncake spec {spec!r}: {exc}") from None
+
+
+def _parsed(spec: str) -> MooncakeTarget:
     parts = urlsplit(spec)
     if parts.username is not None or parts.password is not None:
         raise InvalidArgument(f"Mooncake spec {spec!r}: a Mooncake master takes no user or password")
@@ -69,6 +78,8 @@ def parse_mooncake_url(spec: str) -> MooncakeTarget:
             raise InvalidArgument(f"Mooncake spec {spec!r}: {name} is given twice")
         if not value:
             raise InvalidArgument(f"Mooncake spec {spec!r}: {name}= is empty")
+        if not value.isprintable() or any(c.isspace() for c in value):
+            raise InvalidArgument(f"Mooncake spec {spec!r}: {name}={value!r} holds a space or a control character")
         options[name] = value
     if parts.query and not options:
         raise InvalidArgument(f"Mooncake spec {spec!r}: the query holds no option=value")
@@ -96,12 +107,14 @@ def _joined(host: str, port: int) -> str:
 
 
 def _check_host(spec: str, host: str, what: str) -> None:
-    try:
-        ipaddress.ip_address(host)
-        return
-    except ValueError:
-        pass
-    if not _HOST.match(host) or len(host) > 253:
+    if "%" not in host:
+        try:
+            ipaddress.ip_address(host)
+            return
+        except ValueError:
+            pass
+    numeric = all(label.isdigit() for label in host.split("."))       # 999.1.1.1 is no address and no name
+    if not host.isascii() or not _HOST.fullmatch(host) or len(host) > 253 or numeric:
         raise InvalidArgument(f"Mooncake spec {spec!r}: {what} {host!r} is not a host name or IP address")
 
 
@@ -116,16 +129,20 @@ def _host_port(spec: str, netloc: str, what: str) -> tuple[str, int]:
     if not host or not port_text:
         raise InvalidArgument(f"Mooncake spec {spec!r}: the {what} needs host:port (e.g. 127.0.0.1:50051)")
     _check_host(spec, host, f"the {what}'s host")
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         raise InvalidArgument(f"Mooncake spec {spec!r}: the {what}'s port {port_text!r} is not 1-65535")
     return host, int(port_text)
 
 
 def _http(spec: str, url: str, what: str) -> str:
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise InvalidArgument(f"Mooncake spec {spec!r}: {what}={url!r}; expected http://host:port"
-                              + ("/path or P2PHANDSHAKE" if what == "metadata" else ""))
+    expected = "http://host:port/path or P2PHANDSHAKE" if what == "metadata" else "http://host:port"
+    if parts.scheme not in ("http", "https") or parts.query or parts.fragment or "?" in url or "#" in url:
+        raise InvalidArgument(f"Mooncake spec {spec!r}: {what}={url!r}; expected {expected}")
+    if what == "admin" and parts.path not in ("", "/"):
+        raise InvalidArgument(f"Mooncake spec {spec!r}: admin={url!r} takes no path; expected {expected}")
+    if parts.username is not None or parts.password is not None:
+        raise InvalidArgument(f"Mooncake spec {spec!r}: {what}={url!r} takes no user or password")
     _host_port(spec, parts.netloc, what)
     return url
 
