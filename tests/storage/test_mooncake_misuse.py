@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
