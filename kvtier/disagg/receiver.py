@@ -21,7 +21,7 @@ import numpy as np
 from kvtier.checks import index_array
 from kvtier.disagg.control import VERSION, Channel
 from kvtier.disagg.plan import Side, check_fit, default_staging_pages
-from kvtier.disagg.staging import Staging
+from kvtier.disagg.staging import Staging, release_endpoint
 from kvtier.disagg.wire import MooncakeWire, reaches_device
 from kvtier.errors import (
     BufferClosed,
@@ -320,14 +320,7 @@ class KVReceiver:
 
     def _release(self) -> None:
         self._listener.close()
-        try:
-            if self._engine is not None:
-                self._engine.close()
-            self.wire.unregister_all()
-        finally:
-            if self._staging is not None:
-                self._staging.close()
-            self.pool.remove_user(self)
+        release_endpoint(self)
 
     def __enter__(self) -> KVReceiver:
         return self

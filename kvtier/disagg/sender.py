@@ -28,7 +28,7 @@ from kvtier.disagg.plan import (
     plan_runs,
     staging_layout,
 )
-from kvtier.disagg.staging import Staging
+from kvtier.disagg.staging import Staging, release_endpoint
 from kvtier.disagg.wire import MooncakeWire, reaches_device
 from kvtier.errors import (
     BufferClosed,
@@ -312,14 +312,7 @@ class KVSender:
         self._channel.close()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join()
-        if self._engine is not None:
-            self._engine.close()
-        try:
-            self.wire.unregister_all()
-        finally:
-            if self._staging is not None:
-                self._staging.close()
-            self.pool.remove_user(self)
+        release_endpoint(self)
 
     def __enter__(self) -> KVSender:
         return self

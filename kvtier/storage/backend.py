@@ -222,16 +222,9 @@ class StorageBackend(abc.ABC):
 
     def exists(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are stored (0 when the store is down)."""
-        keys = self._keys(keys)
         total = 0
-        step = self.exists_batch or self.batch_pages
-        for start in range(0, len(keys), step):
-            batch = keys[start:start + step]
-            found = self._guarded("exists", READ, lambda b=batch: self._exists(b), None,
-                                  skipped="exists.skipped_down")
-            if found is None:
-                return total
-            run = next((i for i, hit in enumerate(found) if not hit), len(batch))
+        for batch, hits in self._lookups(self._keys(keys)):
+            run = next((i for i, hit in enumerate(hits) if not hit), len(batch))
             total += run
             if run < len(batch):
                 break
@@ -242,16 +235,20 @@ class StorageBackend(abc.ABC):
         of a chain, this which of some independent keys are there (a hybrid cache asks which pages of a stored chain
         have a state snapshot)."""
         keys = self._keys(keys)
-        found: list[bool] = []
+        found = [hit for _, hits in self._lookups(keys) for hit in hits]
+        return found + [False] * (len(keys) - len(found))
+
+    def _lookups(self, keys: list[bytes]) -> Iterator[tuple[list[bytes], list[bool]]]:
+        """Batches of ``keys`` (``exists_batch`` or ``batch_pages`` at a time) with what the store says of each, in
+        order, until the store is down; a caller that stops early asks no more."""
         step = self.exists_batch or self.batch_pages
         for start in range(0, len(keys), step):
             batch = keys[start:start + step]
             hits = self._guarded("exists", READ, lambda b=batch: self._exists(b), None,
                                  skipped="exists.skipped_down")
             if hits is None:
-                break
-            found.extend(bool(hit) for hit in hits)
-        return found + [False] * (len(keys) - len(found))
+                return
+            yield batch, [bool(hit) for hit in hits]
 
     def get(self, keys: Sequence[bytes], pages: Sequence[Pieces]) -> int:
         """Read the pages of ``keys`` into ``pages`` (per page, its buffers in order) and return how many leading
