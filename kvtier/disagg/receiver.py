@@ -14,14 +14,16 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kvtier.checks import index_array
 from kvtier.disagg.control import VERSION, Channel
+from kvtier.disagg.endpoint import Endpoint
 from kvtier.disagg.plan import Side, check_fit, default_staging_pages
-from kvtier.disagg.staging import Staging, release_endpoint
+from kvtier.disagg.staging import Staging
 from kvtier.disagg.wire import MooncakeWire, reaches_device
 from kvtier.errors import (
     BufferClosed,
@@ -188,7 +190,7 @@ class Link:
             self._reader.join()
 
 
-class KVReceiver:
+class KVReceiver(Endpoint):
     """The decode side's endpoint: ``address`` is what senders connect to; ``accept`` gives one ``Link`` per
     sender."""
 
@@ -298,29 +300,21 @@ class KVReceiver:
         """The pool is closing: close first (no sender may write into it after)."""
         self.close()
 
-    def close(self) -> None:
-        """Stop listening, drop every link (pending requests fail with BufferClosed, none lands), unregister the
-        memory (a sender still writing is refused by Mooncake from here on), free the staging pool. Idempotent; a
-        second closer waits for the first."""
-        with self._cond:
-            if self._closing:
-                self._cond.wait_for(lambda: self._closed)
-                return
-            self._closing = True
-            links = list(self._links)
-        try:
+    def _stopping(self) -> Callable[[], None]:
+        """Stop listening, drop every link (pending requests fail with BufferClosed, none lands); then unregister
+        the memory (a sender still writing is refused by Mooncake from here on) and free the staging pool."""
+        links = list(self._links)
+
+        def stop() -> None:
             self._listener.close()
             for link in links:
                 link.close()
-            self._release()
-        finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
+
+        return stop
 
     def _release(self) -> None:
         self._listener.close()
-        release_endpoint(self)
+        self._let_go()
 
     def __enter__(self) -> KVReceiver:
         return self

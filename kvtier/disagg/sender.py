@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kvtier.checks import index_array
 from kvtier.disagg.control import VERSION, Channel
+from kvtier.disagg.endpoint import Endpoint
 from kvtier.disagg.plan import (
     DEVICE,
     Side,
@@ -28,7 +30,7 @@ from kvtier.disagg.plan import (
     plan_runs,
     staging_layout,
 )
-from kvtier.disagg.staging import Staging, release_endpoint
+from kvtier.disagg.staging import Staging
 from kvtier.disagg.wire import MooncakeWire, reaches_device
 from kvtier.errors import (
     BufferClosed,
@@ -52,7 +54,7 @@ def identity(pool: HostPool | DevicePool, dtype: str | None) -> dict[str, Any]:
             "heads": g.heads, "dtype": dtype}
 
 
-class KVSender:
+class KVSender(Endpoint):
     """One prefill → decode link. ``pool``: the pool the request's pages are in (host or device). Thread-safe:
     several requests may be sent at once from several threads."""
 
@@ -290,29 +292,18 @@ class KVSender:
         with self._cond:
             self._cond.wait_for(lambda: self._inflight == 0)
 
-    def close(self) -> None:
-        """Stop: sends waiting for a want raise BufferClosed, a send mid-write stops after its current batch (the
-        receiver hears it failed), then the link and the registrations go. Idempotent; a second closer waits for
-        the first."""
-        with self._cond:
-            if self._closing:
-                self._cond.wait_for(lambda: self._closed)
-                return
-            self._closing = True
-            self._cond.notify_all()
-            self._cond.wait_for(lambda: self._inflight == 0)
-        try:
-            self._release()
-        finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
+    def _stopping(self) -> Callable[[], None]:
+        """Sends waiting for a want raise BufferClosed, a send mid-write stops after its current batch (the receiver
+        hears it failed); once none is in flight, the link and the registrations go."""
+        self._cond.notify_all()
+        self._cond.wait_for(lambda: self._inflight == 0)
+        return lambda: None
 
     def _release(self) -> None:
         self._channel.close()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join()
-        release_endpoint(self)
+        self._let_go()
 
     def __enter__(self) -> KVSender:
         return self

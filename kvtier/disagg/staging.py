@@ -3,8 +3,6 @@ device pool; or, on the sender, pages whose layout the receiver does not share),
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from kvtier.errors import BufferClosed, InvalidArgument
@@ -47,16 +45,3 @@ class Staging:
             self._cond.notify_all()
         self.pool.close()
 
-
-def release_endpoint(endpoint: Any) -> None:
-    """What a sender or a receiver holds, let go in order: its transfer engine (no copy runs after it), its Mooncake
-    registrations (no peer reads or writes its memory after them), then its staging pool and its place among its
-    pool's users — those two even when an earlier step failed."""
-    try:
-        if endpoint._engine is not None:
-            endpoint._engine.close()
-        endpoint.wire.unregister_all()
-    finally:
-        if endpoint._staging is not None:
-            endpoint._staging.close()
-        endpoint.pool.remove_user(endpoint)
