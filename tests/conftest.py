@@ -24,11 +24,14 @@ from pathlib import Path
 
 import pytest
 from helpers.runtimes import cuda_runtime
+from helpers.sglang import place_torchvision
 
 from kvtier import lock_order, locks
 from kvtier.memory.shm import DEFAULT_DIR as DEFAULT_SHM_DIR
 from kvtier.memory.shm import DIR_ENV_VAR as SHM_DIR_ENV_VAR
 from kvtier.runtime import Runtime, create
+
+place_torchvision()                                # before anything imports transformers (helpers/sglang.py)
 
 RUNTIMES = ["emulated:split", "emulated:unified", pytest.param("cuda", marks=pytest.mark.gpu)]
 NO_GPU = "no usable CUDA GPU"
