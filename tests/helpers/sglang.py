@@ -19,11 +19,13 @@ Two stand-ins, both outside what the tests exercise:
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
 import sys
 import types
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +130,9 @@ def storage_config(**fields: Any) -> Any:
 
 
 def extra_config(store: str, **options: Any) -> dict[str, Any]:
-    """The ``--hicache-storage-backend-extra-config`` a user writes for kvtier."""
+    """The ``--hicache-storage-backend-extra-config`` a user writes for kvtier; a fresh ``tenant`` unless given, so
+    tests sharing a server never see each other's pages."""
+    options.setdefault("tenant", uuid.uuid4().hex)
     return {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang", "class_name": "KVTierStorage",
             "interface_v1": 1, "store": store, **options}
 
@@ -184,3 +188,19 @@ def _rows(host_pool: Any, tensor: torch.Tensor, indices: torch.Tensor) -> tuple[
         return (indices,) if mla else (slice(None), indices)
     pages = torch.unique(indices // host_pool.page_size)
     return (pages,) if mla else (slice(None), pages)
+
+
+def page_keys(count: int, salt: str = "") -> list[str]:
+    """Keys as SGLang makes them: SHA-256 hex, each chained on the one before."""
+    keys, last = [], salt
+    for i in range(count):
+        last = hashlib.sha256(f"{last}|{i}".encode()).hexdigest()
+        keys.append(last)
+    return keys
+
+
+def pages_at(host_pool: Any, count: int) -> torch.Tensor:
+    """Host indices of ``count`` fresh pages (``page_size`` slots each), as SGLang's allocator hands them out."""
+    indices = host_pool.alloc(count * host_pool.page_size)
+    assert indices is not None, "host pool full"
+    return indices

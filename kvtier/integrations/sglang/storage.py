@@ -125,7 +125,7 @@ class KVTierStorage(HiCacheStorage):
         self._lock = threading.Lock()
         self._closed = False
         self._refusals = 0
-        self.metrics = HiCacheMetrics(lambda: dict(self.store.stats().get("counters", {})) if self.store else {})
+        self.metrics = HiCacheMetrics(self._store_counters)
 
     # -- registration ------------------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -369,6 +369,13 @@ class KVTierStorage(HiCacheStorage):
         metrics = StorageMetrics(**self.metrics.drain())
         metrics.kvtier = self.stats()
         return metrics
+
+    def _store_counters(self) -> dict[str, float]:
+        store = self.store
+        if store is None or store.closed:
+            return {}
+        return {name: value for name, value in store.stats().items()
+                if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
     def stats(self) -> dict[str, Any]:
         """kvtier's totals per call and outcome, and the store's own (misses by reason, errors, reconnects)."""
