@@ -170,6 +170,14 @@ def page_bytes(host_pool: Any, indices: torch.Tensor) -> list[bytes]:
             for tensor in _buffers(host_pool)]
 
 
+def restore_pages(host_pool: Any, indices: torch.Tensor, data: list[bytes]) -> None:
+    """Put back what ``page_bytes`` read from the slots of ``indices``."""
+    for tensor, chunk in zip(_buffers(host_pool), data, strict=True):
+        raw = tensor.view(torch.uint8)
+        rows = _rows(host_pool, tensor, indices)
+        raw[rows] = torch.frombuffer(bytearray(chunk), dtype=torch.uint8).reshape(raw[rows].shape)
+
+
 def _buffers(host_pool: Any) -> list[torch.Tensor]:
     if hasattr(host_pool, "temporal_buffer"):
         return [host_pool.temporal_buffer, *host_pool.conv_buffer]
@@ -204,3 +212,16 @@ def pages_at(host_pool: Any, count: int) -> torch.Tensor:
     indices = host_pool.alloc(count * host_pool.page_size)
     assert indices is not None, "host pool full"
     return indices
+
+
+def store_pages(backend: Any, host_pool: Any, pages: int = 4,
+                salt: str = "") -> tuple[list[str], torch.Tensor, list[bytes]]:
+    """Fresh random pages stored through ``batch_set_v1``, then poisoned in the pool: (keys, host indices, the bytes
+    they held)."""
+    keys, indices = page_keys(pages, salt), pages_at(host_pool, pages)
+    fill_pages(host_pool, indices, seed=len(salt) * 31 + pages)
+    written = page_bytes(host_pool, indices)
+    assert backend.batch_set_v1(keys, indices) == [True] * pages
+    poison_pages(host_pool, indices)
+    assert page_bytes(host_pool, indices) != written
+    return keys, indices, written

@@ -42,7 +42,8 @@ def _cpu_tensors(pool: Any) -> list[torch.Tensor]:
         tensors = list(buffer) if isinstance(buffer, (list, tuple)) else [buffer]
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
-            raise InvalidArgument(f"{type(pool).__name__}: no host buffer to read pages from (kv_buffer={tensor!r:.40})")
+            raise InvalidArgument(f"{type(pool).__name__}: no host buffer to read pages from "
+                                  f"(kv_buffer={tensor!r:.40})")
         if tensor.device.type != "cpu":
             raise InvalidArgument(f"{type(pool).__name__}: its buffer is on {tensor.device}; kvtier's storage reads "
                                   f"host pools through CPU addresses only")
@@ -89,7 +90,7 @@ class SGLangPool:
         self._check_page_bytes()
 
     def _kv_geometry(self, pool: Any) -> tuple[KVGeometry, HostLayout]:
-        layout = KV_LAYOUTS.get(getattr(pool, "layout", None))
+        layout = KV_LAYOUTS.get(str(getattr(pool, "layout", None)))
         if layout is None:
             raise InvalidArgument(f"{self.kind} layout {getattr(pool, 'layout', None)!r}: kvtier's HiCache backend "
                                   f"stores {', '.join(KV_LAYOUTS)} pools")
@@ -172,4 +173,5 @@ def flat_page(tensor: Any, nbytes: int, what: str) -> list[memoryview]:
     size = tensor.numel() * tensor.element_size()
     if size != nbytes:
         raise InvalidArgument(f"{what}: {size} bytes, a page is {nbytes}")
-    return [memoryview(tensor.view(torch.uint8).reshape(-1).numpy()).cast("B")]
+    array: Any = tensor.view(torch.uint8).reshape(-1).numpy()
+    return [memoryview(array).cast("B")]

@@ -22,7 +22,7 @@ import logging
 import string
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +38,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvtier.address import CpuAddress
 from kvtier.errors import InvalidArgument
-from kvtier.keys import state_key
-from kvtier.storage import StorageBackend, open_store, state_snapshots
-from kvtier.storage.state_format import StateFormat
 from kvtier.integrations.sglang.host_pools import SGLangPool, flat_page
 from kvtier.integrations.sglang.metrics import HiCacheMetrics
 from kvtier.integrations.sglang.settings import Deployment, Settings
+from kvtier.keys import state_key
+from kvtier.storage import StorageBackend, open_store, state_snapshots
+from kvtier.storage.state_format import StateFormat
 
 logger = logging.getLogger("kvtier.sglang")
 KV = "kv"
@@ -127,7 +127,7 @@ class KVTierStorage(HiCacheStorage):
         self._refusals = 0
         self.metrics = HiCacheMetrics(self._store_counters)
 
-    # -- registration ------------------------------------------------------------------------------------------------
+    # -- registration --------------------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """SGLang's host KV pool: opens the store in this deployment's namespace for the pool's geometry, dtype and
         layout, and registers the pool's memory with it (by CPU address) for zero-copy stores. An unsupported pool
@@ -141,6 +141,7 @@ class KVTierStorage(HiCacheStorage):
                     return
                 raise InvalidArgument(f"{self!r}: a host KV pool is registered already")
             pool = SGLangPool(mem_pool_host, KV)
+            assert pool.geometry is not None                 # a KV pool (SGLangPool says which)
             namespace = self.deployment.namespace(pool.geometry, pool.dtype, self.settings)
             store = open_store(self.settings.store, namespace, layout=pool.layout, **self.settings.store_options)
             try:
@@ -172,6 +173,8 @@ class KVTierStorage(HiCacheStorage):
                 if self.deployment.is_mla:
                     raise InvalidArgument("Mamba state beside MLA KV: the state is TP-sharded, the KV is not")
                 pool = SGLangPool(host_pool, name)
+                if pool.state is None:
+                    raise InvalidArgument(f"pool {name!r} ({pool.kind}) is not a Mamba state pool")
                 view = state_snapshots(kv.store, StateFormat.of(kv.store.namespace, pool.state, pool.layout))
                 self._register(kv.store, pool)
             except Exception as error:                   # noqa: BLE001 (logged; SGLang recomputes these)
@@ -185,7 +188,7 @@ class KVTierStorage(HiCacheStorage):
             store.register_memory(address, span.nbytes)
             self._registered.append((store, address))
 
-    # -- the stored prefix -------------------------------------------------------------------------------------------
+    # -- the stored prefix ---------------------------------------------------------------------------------------------
     @_guarded("exists", lambda *a, **k: False)
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -231,7 +234,7 @@ class KVTierStorage(HiCacheStorage):
         ordered = sorted(restorable)
         return PoolTransferResult(ordered[-1] if ordered else 0, counts, ordered)
 
-    # -- zero-copy reads and writes (interface_v1) ----------------------------------------------------------------------
+    # -- zero-copy reads and writes (interface_v1) ---------------------------------------------------------------------
     @_guarded("get", _keys_failed)
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -248,7 +251,7 @@ class KVTierStorage(HiCacheStorage):
         bound = self._kv()
         return self._write(bound, keys, lambda: bound.pool.pieces(host_indices, len(keys)))
 
-    # -- flat pages (SGLang's generic path, without interface_v1) ---------------------------------------------------------
+    # -- flat pages (SGLang's generic path, without interface_v1) ------------------------------------------------------
     @_guarded("get", lambda *a, **k: None)
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         result = self.batch_get([key], [target_location])
@@ -279,7 +282,7 @@ class KVTierStorage(HiCacheStorage):
         return all(self._write(bound, keys, lambda: [flat_page(v, bound.pool.page_bytes, f"value {i}")
                                                      for i, v in enumerate(values)]))
 
-    # -- hybrid pools (v2) ------------------------------------------------------------------------------------------------
+    # -- hybrid pools (v2) ---------------------------------------------------------------------------------------------
     @_guarded("get", _transfers_failed)
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[Any, list[bool]]:
@@ -305,7 +308,7 @@ class KVTierStorage(HiCacheStorage):
             self._refused("set" if write else "get", f"batch_{'set' if write else 'get'}_v2 {transfer.name}", error)
             return [False] * len(keys)
 
-    # -- the moves ----------------------------------------------------------------------------------------------------------
+    # -- the moves -----------------------------------------------------------------------------------------------------
     def _read(self, bound: Bound, keys: list[str], pages: list[Any]) -> list[bool]:
         kkeys = [bound.key(k) for k in keys]
         start = time.perf_counter()
@@ -350,7 +353,7 @@ class KVTierStorage(HiCacheStorage):
             logger.warning("kvtier HiCache storage: %s failed (%d so far): %s: %s", call, self._refusals,
                            type(error).__name__, error)
 
-    # -- the rest of SGLang's interface -----------------------------------------------------------------------------------
+    # -- the rest of SGLang's interface --------------------------------------------------------------------------------
     @_guarded("set", lambda *a, **k: False)
     def clear(self) -> bool:
         """Remove this deployment's pages (its namespace: KV and state snapshots), nobody else's."""

@@ -14,15 +14,6 @@ from helpers import sglang as sg
 from helpers.storage import RedisServer
 
 
-def _stored(backend, pool, pages=4, salt="failures"):
-    keys, indices = sg.page_keys(pages, salt), sg.pages_at(pool, pages)
-    sg.fill_pages(pool, indices, seed=21)
-    expected = sg.page_bytes(pool, indices)
-    assert backend.batch_set_v1(keys, indices) == [True] * pages
-    sg.poison_pages(pool, indices)
-    return keys, indices, expected
-
-
 def _page_file(store_dir: Path, key: str) -> Path:
     found = [p for p in store_dir.rglob("*") if p.is_file() and key in p.name]
     assert len(found) == 1, found
@@ -34,7 +25,7 @@ def test_a_damaged_page_is_a_miss_and_is_written_again(tmp_path, backends, damag
     pool = sg.mha_host_pool("page_first")
     backend = sg.create_backend(f"file:{tmp_path / 'store'}", pool)
     backends.append(backend)
-    keys, indices, expected = _stored(backend, pool)
+    keys, indices, expected = sg.store_pages(backend, pool, salt="failures")
     path = _page_file(tmp_path / "store", keys[2])
     data = bytearray(path.read_bytes())
     if damage == "flip":
@@ -45,7 +36,7 @@ def test_a_damaged_page_is_a_miss_and_is_written_again(tmp_path, backends, damag
     assert backend.batch_get_v1(keys, indices) == [True, True, False, False]
     reason = "corrupt" if damage == "flip" else "short"
     assert backend.store.stats().get(f"miss.{reason}") == 1
-    sg.fill_pages(pool, indices, seed=21)
+    sg.restore_pages(pool, indices, expected)
     assert backend.batch_set_v1(keys, indices) == [True] * 4      # the bad page was removed: written again
     sg.poison_pages(pool, indices)
     assert backend.batch_get_v1(keys, indices) == [True] * 4
@@ -58,7 +49,7 @@ def test_a_damaged_redis_value_is_a_miss(redis_url, backends):
     pool = sg.mha_host_pool("page_first")
     backend = sg.create_backend(redis_url, pool)
     backends.append(backend)
-    keys, indices, _ = _stored(backend, pool)
+    keys, indices, _ = sg.store_pages(backend, pool, salt="failures")
     client = redis.Redis.from_url(redis_url)
     stored = [k for k in client.scan_iter(count=1000) if keys[1].encode() in k]
     assert len(stored) == 1
@@ -75,7 +66,7 @@ def test_a_redis_server_that_goes_away_gives_misses_then_comes_back(backends):
         pool = sg.mha_host_pool("page_first")
         backend = sg.create_backend(server.url, pool, store_options={"retry_interval": 0.2, "timeout": 1.0})
         backends.append(backend)
-        keys, indices, expected = _stored(backend, pool)
+        keys, indices, expected = sg.store_pages(backend, pool, salt="failures")
         server.stop()
         assert backend.batch_exists(keys) == 0
         assert backend.batch_get_v1(keys, indices) == [False] * 4
@@ -83,7 +74,7 @@ def test_a_redis_server_that_goes_away_gives_misses_then_comes_back(backends):
         assert backend.stats()["calls"]["get.refused"] == 0           # misses, not refusals
         server.start()                                                 # empty: nothing was saved
         time.sleep(0.3)
-        sg.fill_pages(pool, indices, seed=21)
+        sg.restore_pages(pool, indices, expected)
         assert backend.batch_set_v1(keys, indices) == [True] * 4
         sg.poison_pages(pool, indices)
         assert backend.batch_get_v1(keys, indices) == [True] * 4
@@ -98,7 +89,7 @@ def test_a_mooncake_master_killed_mid_run_gives_misses_then_comes_back(mooncake_
     backend = sg.create_backend(mooncake_servers.spec, pool,
                                 store_options={"retry_interval": 0.2, "connect_timeout": 0.3})
     backends.append(backend)
-    keys, indices, expected = _stored(backend, pool)
+    keys, indices, expected = sg.store_pages(backend, pool, salt="failures")
     mooncake_servers.stop_master()
     started = time.monotonic()
     assert backend.batch_get_v1(keys, indices) == [False] * 4
@@ -107,7 +98,7 @@ def test_a_mooncake_master_killed_mid_run_gives_misses_then_comes_back(mooncake_
     mooncake_servers.start_master()                    # back, empty
     mooncake_servers.wait_segment()
     deadline = time.monotonic() + 60
-    sg.fill_pages(pool, indices, seed=21)
+    sg.restore_pages(pool, indices, expected)
     while backend.batch_set_v1(keys, indices) != [True] * 4:
         assert time.monotonic() < deadline, backend.store.last_error
         time.sleep(0.5)
@@ -134,7 +125,7 @@ def test_a_bad_call_fails_whole_without_raising_or_touching_anything(file_spec, 
     pool = sg.mha_host_pool("page_first")
     backend = sg.create_backend(file_spec, pool)
     backends.append(backend)
-    keys, indices, _ = _stored(backend, pool, pages=3)
+    keys, indices, _ = sg.store_pages(backend, pool, pages=3, salt="failures")
     before = (sg.page_bytes(pool, indices), backend.store.stats().get("set.pages"))
     with caplog.at_level(logging.WARNING, logger="kvtier.sglang"):
         answer = BAD_CALLS[bad](backend, keys, indices)

@@ -9,7 +9,7 @@ from helpers import sglang as sg
 
 
 @pytest.fixture
-def hybrid(spec, backends):
+def hybrid_backend(spec, backends):
     """A backend with SGLang's real KV and Mamba host pools registered as its hybrid controller does."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
@@ -29,11 +29,11 @@ def _transfers(keys, kv_indices, state_keys, slots):
             PoolTransfer(PoolName.MAMBA, host_indices=slots, keys=state_keys, hit_policy=PoolHitPolicy.TRAILING_PAGES)]
 
 
-def test_kv_and_state_round_trip_byte_exact(hybrid):
+def test_kv_and_state_round_trip_byte_exact(hybrid_backend):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    backend, kv, mamba = hybrid
-    keys, kv_at = sg.page_keys(4, "hybrid"), sg.pages_at(kv, 4)
+    backend, kv, mamba = hybrid_backend
+    keys, kv_at = sg.page_keys(4, "hybrid_backend"), sg.pages_at(kv, 4)
     slots = mamba.alloc(1)
     sg.fill_pages(kv, kv_at, seed=31)
     sg.fill_pages(mamba, slots, seed=32)
@@ -52,9 +52,9 @@ def test_kv_and_state_round_trip_byte_exact(hybrid):
     assert sg.page_bytes(kv, kv_at) == kv_bytes and sg.page_bytes(mamba, slots) == state_bytes
 
 
-def test_the_prefix_ends_where_a_state_was_stored(hybrid):
+def test_the_prefix_ends_where_a_state_was_stored(hybrid_backend):
     """States after pages 2 and 4 of 5: the usable prefixes are 2 and 4; with page 4's KV gone only 2 remains."""
-    backend, kv, mamba = hybrid
+    backend, kv, mamba = hybrid_backend
     keys, kv_at, slots = sg.page_keys(5, "ends"), sg.pages_at(kv, 5), mamba.alloc(2)
     sg.fill_pages(kv, kv_at, seed=41)
     sg.fill_pages(mamba, slots, seed=42)
@@ -70,11 +70,11 @@ def test_the_prefix_ends_where_a_state_was_stored(hybrid):
     assert (found.kv_hit_pages, found.restorable_prefix_pages) == (2, [2])
 
 
-def test_a_state_is_stored_as_a_verified_snapshot_of_its_own_format(hybrid):
-    from kvtier.keys import state_key
+def test_a_state_is_stored_as_a_verified_snapshot_of_its_own_format(hybrid_backend):
     from kvtier.integrations.sglang import page_key
+    from kvtier.keys import state_key
 
-    backend, kv, mamba = hybrid
+    backend, kv, mamba = hybrid_backend
     keys, kv_at, slots = sg.page_keys(1, "format"), sg.pages_at(kv, 1), mamba.alloc(1)
     sg.fill_pages(kv, kv_at, seed=1)
     sg.fill_pages(mamba, slots, seed=2)
@@ -84,10 +84,10 @@ def test_a_state_is_stored_as_a_verified_snapshot_of_its_own_format(hybrid):
     assert store.stats().get("state.set.pages") == 1
 
 
-def test_a_pool_kvtier_does_not_store_has_no_hits_and_its_transfers_fail(hybrid, caplog):
+def test_a_pool_kvtier_does_not_store_has_no_hits_and_its_transfers_fail(hybrid_backend, caplog):
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-    backend, kv, mamba = hybrid
+    backend, kv, mamba = hybrid_backend
     backend.register_mem_host_pool_v2(mamba, PoolName.SWA)       # not a pool kvtier stores: logged, left out
     keys, kv_at = sg.page_keys(2, "swa"), sg.pages_at(kv, 2)
     swa = PoolTransfer(PoolName.SWA, host_indices=torch.arange(2), keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)

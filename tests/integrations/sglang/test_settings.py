@@ -11,7 +11,7 @@ from helpers import sglang as sg
 TENANT = "deployment"
 
 
-def _stored(spec, pool, backends, config=None, **options):
+def _deployment(spec, pool, backends, config=None, **options):
     backend = sg.create_backend(spec, pool, config=config, tenant=options.pop("tenant", TENANT), **options)
     backends.append(backend)
     keys, indices = sg.page_keys(3, "namespaces"), sg.pages_at(pool, 3)
@@ -19,9 +19,9 @@ def _stored(spec, pool, backends, config=None, **options):
     return backend, keys, indices
 
 
-def test_a_restarted_deployment_hits_what_it_stored(spec, backends):
+def test_a_restarted_deployment_hits_what_it_deployment(spec, backends):
     pool = sg.mha_host_pool("page_first")
-    first, keys, indices = _stored(spec, pool, backends)
+    first, keys, indices = _deployment(spec, pool, backends)
     expected = sg.page_bytes(pool, indices)
     assert first.batch_set_v1(keys, indices) == [True] * 3
     first.close()
@@ -40,7 +40,7 @@ def test_a_restarted_deployment_hits_what_it_stored(spec, backends):
 ], ids=["model", "tp", "pp", "cp"])
 def test_other_models_and_parallel_layouts_never_share_a_page(file_spec, backends, other):
     pool = sg.mha_host_pool("page_first")
-    writer, keys, indices = _stored(file_spec, pool, backends)
+    writer, keys, indices = _deployment(file_spec, pool, backends)
     assert writer.batch_set_v1(keys, indices) == [True] * 3
     reader = sg.create_backend(file_spec, pool, config=sg.storage_config(**other), tenant=TENANT)
     backends.append(reader)
@@ -51,7 +51,7 @@ def test_other_models_and_parallel_layouts_never_share_a_page(file_spec, backend
 @pytest.mark.parametrize("option", [dict(tenant="someone-else"), dict(adapter="lora-a"), dict(model="renamed")])
 def test_a_tenant_an_adapter_or_a_model_name_in_the_extra_config_keeps_pages_apart(file_spec, backends, option):
     pool = sg.mha_host_pool("page_first")
-    writer, keys, indices = _stored(file_spec, pool, backends)
+    writer, keys, indices = _deployment(file_spec, pool, backends)
     assert writer.batch_set_v1(keys, indices) == [True] * 3
     reader = sg.create_backend(file_spec, pool, **{"tenant": TENANT, **option})
     backends.append(reader)
@@ -60,7 +60,7 @@ def test_a_tenant_an_adapter_or_a_model_name_in_the_extra_config_keeps_pages_apa
 
 def test_a_different_kv_geometry_or_dtype_is_another_namespace(file_spec, backends):
     pool = sg.mha_host_pool("page_first")
-    writer, keys, indices = _stored(file_spec, pool, backends)
+    writer, keys, indices = _deployment(file_spec, pool, backends)
     assert writer.batch_set_v1(keys, indices) == [True] * 3
     for other in (sg.mha_host_pool("page_first", heads=4), sg.mha_host_pool("page_first", dtype=torch.float16)):
         reader = sg.create_backend(file_spec, other, tenant=TENANT)
@@ -72,7 +72,7 @@ def test_pages_of_another_byte_order_are_misses_and_of_the_same_order_hits(file_
     """page_first and layer_first order a page's bytes differently: a reader of the other gets a counted miss,
     never transposed KV. layer_first and page_first_direct order them the same: they share pages."""
     pool = sg.mha_host_pool("page_first")
-    writer, keys, indices = _stored(file_spec, pool, backends)
+    writer, keys, indices = _deployment(file_spec, pool, backends)
     assert writer.batch_set_v1(keys, indices) == [True] * 3
     other = sg.mha_host_pool("layer_first")
     reader = sg.create_backend(file_spec, other, tenant=TENANT)

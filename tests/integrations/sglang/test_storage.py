@@ -16,16 +16,6 @@ LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 POOLS = {"mha": sg.mha_host_pool, "mla": sg.mla_host_pool}
 
 
-def _round_trip(backend, pool, pages=5, salt=""):
-    keys, indices = sg.page_keys(pages, salt), sg.pages_at(pool, pages)
-    sg.fill_pages(pool, indices, seed=hash(salt) & 0xFFFF)
-    written = sg.page_bytes(pool, indices)
-    assert backend.batch_set_v1(keys, indices) == [True] * pages
-    sg.poison_pages(pool, indices)
-    assert sg.page_bytes(pool, indices) != written
-    return keys, indices, written
-
-
 def test_sglang_factory_builds_it_from_the_extra_config(file_spec, backends):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
@@ -71,7 +61,7 @@ def test_zero_copy_round_trip_is_byte_exact(spec, kind, layout, backends):
     pool = POOLS[kind](layout)
     backend = sg.create_backend(spec, pool)
     backends.append(backend)
-    keys, indices, written = _round_trip(backend, pool)
+    keys, indices, written = sg.store_pages(backend, pool)
     assert backend.batch_exists(keys) == len(keys)
     assert backend.batch_get_v1(keys, indices) == [True] * len(keys)
     assert sg.page_bytes(pool, indices) == written
@@ -85,7 +75,7 @@ def test_flat_pages_and_zero_copy_store_the_same_bytes(file_spec, kind, layout, 
     pool = POOLS[kind](layout)
     backend = sg.create_backend(file_spec, pool)
     backends.append(backend)
-    keys, indices, written = _round_trip(backend, pool, pages=3)
+    keys, indices, written = sg.store_pages(backend, pool, pages=3)
     flats = [pool.get_dummy_flat_data_page() for _ in keys]
     got = backend.batch_get(keys, flats)
     assert [t is f for t, f in zip(got, flats, strict=True)] == [True] * 3
@@ -125,7 +115,7 @@ def test_pages_already_stored_are_not_written_again(file_spec, backends):
     pool = sg.mha_host_pool("page_first")
     backend = sg.create_backend(file_spec, pool)
     backends.append(backend)
-    keys, indices, _ = _round_trip(backend, pool, pages=3)
+    keys, indices, _ = sg.store_pages(backend, pool, pages=3)
     stored = backend.store.stats().get("set.pages", 0)
     assert backend.batch_set_v1(keys, indices) == [True] * 3
     assert backend.store.stats().get("set.pages", 0) == stored
@@ -167,7 +157,7 @@ def test_stats_come_in_sglangs_shape_once_per_call(file_spec, backends):
     pool = sg.mha_host_pool("page_first")
     backend = sg.create_backend(file_spec, pool)
     backends.append(backend)
-    keys, indices, _ = _round_trip(backend, pool, pages=3)
+    keys, indices, _ = sg.store_pages(backend, pool, pages=3)
     backend.batch_get_v1(keys, indices)
     stats = backend.get_stats()
     assert isinstance(stats, StorageMetrics)
@@ -185,7 +175,7 @@ def test_mooncake_moves_pages_from_the_registered_pool_without_a_copy(mooncake_s
     pool = sg.mha_host_pool("layer_first")
     backend = sg.create_backend(mooncake_spec, pool)
     backends.append(backend)
-    keys, indices, written = _round_trip(backend, pool, pages=4)
+    keys, indices, written = sg.store_pages(backend, pool, pages=4)
     assert backend.batch_get_v1(keys, indices) == [True] * 4
     assert sg.page_bytes(pool, indices) == written
     bounced = lambda: sum(v for name, v in backend.store.stats().items() if "bounce" in name)  # noqa: E731
@@ -229,7 +219,7 @@ def test_clear_removes_this_deployments_pages_only(file_spec, backends):
     mine = sg.create_backend(file_spec, pool)
     other = sg.create_backend(file_spec, pool)
     backends += [mine, other]
-    keys, indices, _ = _round_trip(mine, pool, pages=2)
+    keys, indices, _ = sg.store_pages(mine, pool, pages=2)
     assert other.batch_set_v1(keys, indices) == [True, True]
     assert mine.clear() is True
     assert mine.batch_exists(keys) == 0 and other.batch_exists(keys) == 2
