@@ -8,7 +8,7 @@
 # needs redis-server on PATH and redis-py importable.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
-PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench both gemm families small enqueue demo cache limits storage mooncake e2e sglang dmaq"}
+PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench both gemm families small enqueue demo cache limits storage mooncake e2e sglang sglang_kernel_tests dmaq"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
@@ -85,6 +85,23 @@ if want sglang; then
         | tee "$OUT/sglang_compat.txt" || status=1
     python3 bench/sglang_compat.py ${SGLANG_ARGS:-} --stream side --json "$OUT/sglang_compat_side.json" 2>&1 \
         | tee "$OUT/sglang_compat_side.txt" || status=1
+fi
+if want sglang_kernel_tests; then
+    # SGLang's own kvcacheio test against kvtier.compat.sglang.kvcacheio, through the sgl_kernel shim
+    # (scripts/sgl_kernel_shim/README.md): a copy of the test carried in .external/sglang, its CUDA-13 skip removed.
+    if [ -f .external/sglang/test_kvcacheio.py ]; then
+        mkdir -p /tmp/kvtier-sgl-test
+        sed 's/    _cuda_major >= 13, reason=/    False, reason=/' .external/sglang/test_kvcacheio.py \
+            > /tmp/kvtier-sgl-test/test_kvcacheio.py
+        grep -q "    False, reason=" /tmp/kvtier-sgl-test/test_kvcacheio.py || echo "the CUDA-13 skip was not found" >&2
+        PYTHONPATH="$PWD/scripts/sgl_kernel_shim:$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider -rfEs \
+            --rootdir /tmp/kvtier-sgl-test /tmp/kvtier-sgl-test/test_kvcacheio.py \
+            > "$OUT/sglang_kvcacheio_tests.txt" 2>&1 || status=1
+        tail -3 "$OUT/sglang_kvcacheio_tests.txt"
+    else
+        echo "sglang_kernel_tests: .external/sglang/test_kvcacheio.py is missing (carry it)" | tee "$OUT/sglang_kvcacheio_tests.txt"
+        status=1
+    fi
 fi
 if want dmaq; then
     python3 bench/dma_queue.py --json "$OUT/dma_queue.json" 2>&1 | tee "$OUT/dma_queue.txt" || status=1

@@ -1,0 +1,1 @@
+"""Only what SGLang's kvcacheio test asks of SGLang (see ../../README.md)."""
