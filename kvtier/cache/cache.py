@@ -37,7 +37,7 @@ from kvtier.cache.controller import Controller
 from kvtier.cache.index import Match, Node, RadixIndex
 from kvtier.cache.metrics import CacheMetrics
 from kvtier.cache.operation import BACKUP, LOAD, LoadBack, Operation
-from kvtier.cache.rates import H200_TABLE, RateTable
+from kvtier.cache.rates import H200_TABLE, RateTable, read_beats_recompute, storage_read_gbps
 from kvtier.cache.request import CacheRequest
 from kvtier.cache.settings import AUTO, COPY_ENGINE_BACKENDS, CacheSettings, WritePolicy
 from kvtier.cache.state_tier import StateTier
@@ -614,15 +614,11 @@ class KVCache:
         """Whether reading ``tokens`` from storage (and then loading them to the device) beats recomputing them:
         bytes / the storage read rate (measured once 64 MiB were read, else ``storage_gbps``) plus the load.
         ``extra_bytes``: what else the read moves (a hybrid prefix's state snapshot)."""
-        rate = self.settings.prefill_tokens_per_s or self._prefill_rate
         assert self.storage is not None
-        stats = self.storage.stats()
-        gbps = stats["get.gbps"] if stats.get("get.bytes", 0) >= 64 << 20 else self.settings.storage_gbps
-        if not rate or not gbps:
-            return "load"
+        gbps = storage_read_gbps(self.storage.stats(), self.settings.storage_gbps)
         nbytes = tokens // self.page_size * self.geometry.bytes_per_page + extra_bytes
-        seconds = nbytes / (gbps * 1e9) + (nbytes / (self.load_gbps * 1e9) if self.load_gbps else 0.0)
-        return "load" if seconds < tokens / rate else "slower_than_recompute"
+        rate = self.settings.prefill_tokens_per_s or self._prefill_rate
+        return "load" if read_beats_recompute(tokens, nbytes, rate, gbps, self.load_gbps) else "slower_than_recompute"
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         """Report a prefill the caller ran, so the cache learns the recompute rate (a moving average)."""

@@ -145,3 +145,24 @@ def _best_time(ops: list[Any], repeats: int) -> float:
             transfer.wait()
         times.append(time.perf_counter() - start)
     return min(times[1:])
+
+
+MEASURED_READ_BYTES = 64 << 20
+"""A store's own read rate counts once this much was read through it; before that, the configured one."""
+
+
+def storage_read_gbps(stats: dict[str, Any], configured: float | None) -> float | None:
+    """The read rate to judge a storage read by: the store's measured ``get.gbps`` once ``MEASURED_READ_BYTES`` were
+    read (``StorageBackend.stats()``), else ``configured`` (None: unknown)."""
+    return stats["get.gbps"] if stats.get("get.bytes", 0) >= MEASURED_READ_BYTES else configured
+
+
+def read_beats_recompute(tokens: int, nbytes: int, prefill_tokens_per_s: float | None, read_gbps: float | None,
+                         load_gbps: float | None = None) -> bool:
+    """Whether reading ``nbytes`` (then loading them to the device at ``load_gbps``, if given) takes less time than
+    prefilling ``tokens`` again. Users report storage hits slower than recompute, so a read is worth it only when it
+    wins; with a rate unknown, it is taken."""
+    if not prefill_tokens_per_s or not read_gbps:
+        return True
+    seconds = nbytes / (read_gbps * 1e9) + (nbytes / (load_gbps * 1e9) if load_gbps else 0.0)
+    return seconds < tokens / prefill_tokens_per_s

@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 OPS = ("get", "set", "exists")
-OUTCOMES = ("hit", "miss", "stored", "skipped", "refused", "error")
+OUTCOMES = ("hit", "miss", "declined", "stored", "skipped", "refused", "error")
 
 
 class _StoreCounters(Collector):

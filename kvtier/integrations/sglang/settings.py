@@ -26,6 +26,9 @@ OPTIONS = {
     "adapter": "the LoRA adapter every request of this deployment uses (default: none)",
     "store_options": "options for the store, as open_store takes them: {\"max_bytes\": …, \"ttl\": …, …}",
     "skip_existing": "check which pages storage holds before writing and write only the others (default: true)",
+    "prefill_tokens_per_s": "the model's prefill rate: stored pages slower to read than to recompute are reported "
+                            "as misses (default: none, every stored page is a hit)",
+    "storage_gbps": "the store's read rate to judge by until it has measured its own (over 64 MiB read)",
 }
 
 
@@ -39,6 +42,8 @@ class Settings:
     adapter: str | None = None
     store_options: dict[str, Any] = field(default_factory=dict)
     skip_existing: bool = True
+    prefill_tokens_per_s: float | None = None
+    storage_gbps: float | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> Settings:
@@ -58,7 +63,14 @@ class Settings:
         skip = extra.get("skip_existing", True)
         if not isinstance(skip, bool):
             raise InvalidArgument(f"extra config 'skip_existing'={skip!r}: true or false")
-        return cls(extra["store"], extra.get("model"), extra.get("tenant"), extra.get("adapter"), dict(options), skip)
+        rates = {}
+        for name in ("prefill_tokens_per_s", "storage_gbps"):
+            value = extra.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise InvalidArgument(f"extra config {name!r}={value!r}: a positive number ({OPTIONS[name]})")
+            rates[name] = float(value) if value is not None else None
+        return cls(extra["store"], extra.get("model"), extra.get("tenant"), extra.get("adapter"), dict(options), skip,
+                   **rates)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier.address import CpuAddress
+from kvtier.cache.rates import read_beats_recompute, storage_read_gbps
 from kvtier.errors import InvalidArgument
 from kvtier.integrations.sglang.host_pools import SGLangPool, flat_page
 from kvtier.integrations.sglang.metrics import HiCacheMetrics
@@ -199,9 +200,19 @@ class KVTierStorage(HiCacheStorage):
         SGLang's keys already chain their prefix, so ``extra_info.prefix_keys`` adds nothing."""
         bound = self._kv()
         hits = bound.store.exists([bound.key(k) for k in keys])
+        if hits and not self._worth_reading(bound, hits):
+            self.metrics.count("exists", "declined", hits)
+            hits = 0
         self.metrics.count("exists", "hit", hits)
         self.metrics.count("exists", "miss", len(keys) - hits)
         return hits
+
+    def _worth_reading(self, bound: Bound, pages: int) -> bool:
+        """kvtier's rule: a stored prefix is a hit only if reading it beats prefilling it again (with
+        ``prefill_tokens_per_s`` set; the store's measured read rate, or ``storage_gbps`` until it has one)."""
+        gbps = storage_read_gbps(bound.store.stats(), self.settings.storage_gbps)
+        return read_beats_recompute(pages * bound.pool.page_size, pages * bound.pool.page_bytes,
+                                    self.settings.prefill_tokens_per_s, gbps)
 
     @_guarded("exists", lambda *a, **k: PoolTransferResult.empty())
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,

@@ -240,3 +240,21 @@ def test_keys_index_into_the_namespace_one_to_one():
     assert len(page_key("custom-key")) == 32 and page_key("custom-key") != page_key("custom-key2")
     with pytest.raises(ValueError):
         page_key(b"bytes")
+
+
+@pytest.mark.parametrize("prefill, hits", [(1e12, 0), (1.0, 3)], ids=["recompute-faster", "read-faster"])
+def test_a_stored_prefix_slower_to_read_than_to_recompute_is_declined(file_spec, backends, prefill, hits):
+    pool = sg.mha_host_pool("page_first")
+    backend = sg.create_backend(file_spec, pool, prefill_tokens_per_s=prefill, storage_gbps=1.0)
+    backends.append(backend)
+    keys, _, _ = sg.store_pages(backend, pool, pages=3)
+    assert backend.batch_exists(keys) == hits
+    assert backend.batch_exists_v2(keys).kv_hit_pages == hits
+    assert backend.stats()["calls"]["exists.declined"] == 2 * (3 - hits)
+
+
+def test_a_rate_that_is_no_positive_number_is_refused(file_spec):
+    pool = sg.mha_host_pool("page_first")
+    for bad in (0, -1, "fast", True):
+        with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+            sg.create_backend(file_spec, pool, prefill_tokens_per_s=bad)
