@@ -71,8 +71,14 @@ def import_host_pools() -> types.SimpleNamespace:
         if os.environ.get("KVTIER_REQUIRE_SGLANG") == "1":
             raise
         pytest.skip(f"SGLang's host pools do not import here: {exc}")
+    base = importlib.import_module("sglang.srt.mem_cache.pool_host.base")
     return types.SimpleNamespace(info=info, MHA=mha.MHATokenToKVPoolHost, MLA=mla.MLATokenToKVPoolHost,
-                                 Mamba=mamba.MambaPoolHost)
+                                 Mamba=mamba.MambaPoolHost, budget=base.host_memory_budget_scope)
+
+
+TEST_POOL_BUDGET = 8 << 30
+"""What SGLang's host-memory check books the tests' pools against (its own ``host_memory_budget_scope``): the pools
+here are a few MB, and the check otherwise wants 10 GB free beyond them, which a loaded machine may not have."""
 
 
 def _pointer_table(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -90,8 +96,9 @@ def mha_host_pool(layout: str, *, layers: int = 3, heads: int = 2, head_dim: int
                                 layout=sg.info.KVBufferLayout.NHD)
     info = sg.info.MHABufferInfo(buffers=buffers, page_size=page_size, head_num=heads, head_dim=head_dim,
                                  v_head_dim=head_dim, dtype=dtype, device=torch.device("cpu"))
-    return sg.MHA(info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu", device_capacity_tokens=tokens,
-                  start_layer=0, end_layer=layers)
+    with sg.budget(TEST_POOL_BUDGET):
+        return sg.MHA(info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                      device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
 
 
 def mla_host_pool(layout: str, *, layers: int = 3, lora_rank: int = 64, rope_dim: int = 32, page_size: int = 4,
@@ -104,8 +111,9 @@ def mla_host_pool(layout: str, *, layers: int = 3, lora_rank: int = 64, rope_dim
                                  device_layer_num=layers, page_size=page_size, kv_lora_rank=lora_rank,
                                  qk_rope_head_dim=rope_dim, kv_cache_dim=dim, dtype=dtype,
                                  device=torch.device("cpu"))
-    return sg.MLA(info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu", device_capacity_tokens=tokens,
-                  start_layer=0, end_layer=layers, target_layer_num=layers)
+    with sg.budget(TEST_POOL_BUDGET):
+        return sg.MLA(info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                      device_capacity_tokens=tokens, start_layer=0, end_layer=layers, target_layer_num=layers)
 
 
 def mamba_host_pool(*, layers: int = 2, slots: int = 16, conv_shape: tuple[int, ...] = (64, 3),
@@ -115,7 +123,8 @@ def mamba_host_pool(*, layers: int = 2, slots: int = 16, conv_shape: tuple[int, 
     temporal = torch.zeros(layers, slots, *temporal_shape, dtype=torch.float32)
     conv = (torch.zeros(layers, slots, *conv_shape, dtype=torch.bfloat16),)
     info = sg.info.MambaStateBufferInfo(temporal=temporal, conv=conv)
-    return sg.Mamba(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout=layout)
+    with sg.budget(TEST_POOL_BUDGET):
+        return sg.Mamba(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout=layout)
 
 
 def storage_config(**fields: Any) -> Any:

@@ -4,13 +4,14 @@ plus every counter of the store: misses by reason, errors, reconnects), and a pl
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+from kvtier.locks import named_lock
 
 OPS = ("get", "set", "exists")
 OUTCOMES = ("hit", "miss", "declined", "stored", "skipped", "refused", "error")
@@ -38,7 +39,7 @@ class HiCacheMetrics:
         self.bytes = Counter("kvtier_hicache_bytes", "KV bytes moved for SGLang, by call", ["op"],
                              registry=self.registry)
         self.registry.register(_StoreCounters(store_counters))
-        self._lock = threading.Lock()
+        self._lock = named_lock("sglang.metrics")
         self._calls: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                                                "backup_bandwidth": []}
         self._totals: dict[str, float] = {}

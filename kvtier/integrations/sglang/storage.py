@@ -20,7 +20,6 @@ import functools
 import hashlib
 import logging
 import string
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from kvtier.integrations.sglang.host_pools import SGLangPool, flat_page
 from kvtier.integrations.sglang.metrics import HiCacheMetrics
 from kvtier.integrations.sglang.settings import Deployment, Settings
 from kvtier.keys import state_key
+from kvtier.locks import named_lock
 from kvtier.storage import StorageBackend, open_store, state_snapshots
 from kvtier.storage.state_format import StateFormat
 
@@ -123,7 +123,7 @@ class KVTierStorage(HiCacheStorage):
         self.store: StorageBackend | None = None
         self._bound: dict[str, Bound] = {}
         self._registered: list[tuple[StorageBackend, CpuAddress]] = []
-        self._lock = threading.Lock()
+        self._lock = named_lock("sglang.backend")
         self._closed = False
         self._refusals = 0
         self.metrics = HiCacheMetrics(self._store_counters)
