@@ -196,6 +196,7 @@ class MooncakeStore(StorageBackend):
         self._transfers_pid = 0
         self._calls = named_condition("storage.mooncake_calls")
         self._in_flight = 0
+        self._calls_pid = os.getpid()                    # whose calls _in_flight counts (a fork child's start at 0)
         self._record = json.dumps(self.describe()).encode() if namespace is not None else b""
 
     def __repr__(self) -> str:
@@ -273,6 +274,8 @@ class MooncakeStore(StorageBackend):
         with self._calls:
             if self.closed:
                 raise StorageError(f"{self!r} is closed")
+            if self._calls_pid != os.getpid():        # a fork child: the parent's calls in flight are not its own
+                self._in_flight, self._calls_pid = 0, os.getpid()
             self._in_flight += 1
         try:
             if not self.up:
@@ -564,8 +567,9 @@ class MooncakeStore(StorageBackend):
         return int(removed)
 
     def _close(self) -> None:
-        with self._calls:                        # calls begun before close finish first (see _live)
-            self._calls.wait_for(lambda: self._in_flight == 0)
+        if self._calls_pid == os.getpid():       # calls begun before close finish first (see _live); in a fork
+            with self._calls:                    # child, the parent's never will: no thread of the child runs them
+                self._calls.wait_for(lambda: self._in_flight == 0)
         with self._client_lock:
             client, self._client = self._client, None
             scratch, self._scratch = self._scratch, None

@@ -81,6 +81,18 @@ def test_round_trip_into_poisoned_buffers(store):
     assert store.exists(keys[3:]) == len(keys) - 3
 
 
+def test_a_key_named_twice_in_one_call_is_read_into_both_buffers_and_stored_once(store):
+    """Mooncake moves a batch's keys at once and filled one buffer of a key named twice: the other failed its
+    checksum, and the good page was removed as corrupt."""
+    keys = page_keys(store.namespace, np.arange(3 * GEOMETRY.page_size))
+    data = random_pages(3)
+    assert store.set([keys[0], keys[1], keys[1], keys[2]], [[p] for p in (data[0], data[1], data[1], data[2])]) == 4
+    out = poisoned(4)
+    assert store.get([keys[0], keys[1], keys[1], keys[2]], [[o] for o in out]) == 4
+    assert all(np.array_equal(o, d) for o, d in zip(out, (data[0], data[1], data[1], data[2]), strict=True))
+    assert store.exists(keys) == 3 and "removed_bad_pages" not in store.stats()
+
+
 def test_the_chain_stops_at_the_first_missing_page(store):
     keys = page_keys(store.namespace, np.arange(10 * GEOMETRY.page_size))
     data = random_pages(10)

@@ -66,6 +66,11 @@ class SGLangPool:
         self.pool, self.name = pool, name
         self.kind = type(pool).__name__
         self.page_size = int(getattr(pool, "page_size", 1) or 1)
+        self.stride = int(getattr(pool, "logical_page_size", self.page_size) or self.page_size)
+        """Host indices per page: SGLang addresses a page by ``logical_page_size`` slots (``page_size`` times the
+        decode-context-parallel size; this rank stores ``page_size`` tokens of each)."""
+        self.slots = int(getattr(pool, "logical_size", getattr(pool, "size", 0)) or 0)
+        self.row_split = ""
         self.state: StateGeometry | None = None
         self.geometry: KVGeometry | None = None
         self.layout = HostLayout.PAGE_FIRST
@@ -86,7 +91,7 @@ class SGLangPool:
         self.spans.sort(key=lambda s: s.start)
         self._starts = np.array([s.start for s in self.spans], dtype=np.int64)
         self._ends = self._starts + np.array([s.nbytes for s in self.spans], dtype=np.int64)
-        self.pieces_per_page = len(self._meta(torch.arange(self.page_size, dtype=torch.int64))[0])
+        self.pieces_per_page = len(self._meta(torch.arange(self.stride, dtype=torch.int64))[0])
         self._check_page_bytes()
 
     def _kv_geometry(self, pool: Any) -> tuple[KVGeometry, HostLayout]:
@@ -97,6 +102,7 @@ class SGLangPool:
         itemsize = pool.dtype.itemsize
         if hasattr(pool, "kv_cache_dim"):
             geometry = KVGeometry.mla(pool.layer_num, pool.kv_cache_dim * itemsize, self.page_size)
+            self.row_split = f"mla{getattr(pool, 'kv_lora_rank', 0)}+{getattr(pool, 'qk_rope_head_dim', 0)}"
         elif hasattr(pool, "head_num") and hasattr(pool, "head_dim"):
             if getattr(pool, "v_head_dim", pool.head_dim) != pool.head_dim:
                 raise InvalidArgument(f"{self.kind}: K and V head sizes differ ({pool.head_dim} and "
@@ -121,7 +127,7 @@ class SGLangPool:
         return np.asarray(ptrs, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
 
     def _check_page_bytes(self) -> None:
-        ptrs, sizes = self._meta(torch.arange(self.page_size, dtype=torch.int64))
+        ptrs, sizes = self._meta(torch.arange(self.stride, dtype=torch.int64))
         if int(sizes.sum()) != self.page_bytes:
             raise InvalidArgument(f"{self.kind}: a page is {int(sizes.sum())} bytes by get_page_buffer_meta but "
                                   f"{self.page_bytes} by its geometry; kvtier cannot store this pool's format")
@@ -133,18 +139,40 @@ class SGLangPool:
             return np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])
         return np.arange(n)
 
+    def check_indices(self, host_indices: Any, pages: int) -> torch.Tensor:
+        """``host_indices`` as SGLang's allocator hands them out, on the CPU: ``stride`` consecutive slots a page,
+        each page starting at a multiple of ``stride`` inside the pool, no two pages on the same slots. SGLang's
+        ``get_page_buffer_meta`` reads only each page's first index, so anything else would read or write slots
+        the caller did not name (and two pages read into one place fail their checksums as if damaged)."""
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+            raise InvalidArgument(f"{self.name}: host_indices must be a 1-D tensor, got {host_indices!r:.60}")
+        dtype = host_indices.dtype
+        if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
+            raise InvalidArgument(f"{self.name}: host_indices must be integers, got {dtype}")
+        if host_indices.numel() != pages * self.stride:
+            raise InvalidArgument(f"{self.name}: {pages} keys need {pages * self.stride} host indices "
+                                  f"({self.stride} per page), got {host_indices.numel()}")
+        indices = host_indices.detach().to("cpu", torch.int64)
+        rows = indices.reshape(pages, self.stride)
+        starts = rows[:, 0]
+        if pages and (bool((starts < 0).any()) or bool((starts + self.stride > self.slots).any())):
+            raise InvalidArgument(f"{self.name}: host indices outside the pool's {self.slots} slots")
+        if pages and (bool((starts % self.stride).any())
+                      or not torch.equal(rows, starts[:, None] + torch.arange(self.stride))):
+            raise InvalidArgument(f"{self.name}: each page's {self.stride} host indices must be one run of "
+                                  f"consecutive slots from a page boundary, as SGLang's allocator gives them")
+        if pages > 1 and torch.unique(starts).numel() != pages:
+            raise InvalidArgument(f"{self.name}: two pages of one call name the same host slots")
+        return indices
+
     def pieces(self, host_indices: torch.Tensor, pages: int) -> list[list[memoryview]]:
         """The CPU byte views of ``pages`` pages starting at each ``page_size``-th of ``host_indices``, each page's
         pieces in kvtier's order. Raises InvalidArgument (nothing read) for indices of the wrong length or a piece
         outside the pool's CPU tensors."""
-        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
-            raise InvalidArgument(f"{self.name}: host_indices must be a 1-D tensor, got {host_indices!r:.60}")
-        if host_indices.numel() != pages * self.page_size:
-            raise InvalidArgument(f"{self.name}: {pages} keys need {pages * self.page_size} host indices "
-                                  f"({self.page_size} per page), got {host_indices.numel()}")
+        indices = self.check_indices(host_indices, pages)
         if pages == 0:
             return []
-        ptrs, sizes = self._meta(host_indices.cpu())
+        ptrs, sizes = self._meta(indices)
         if len(ptrs) != pages * self.pieces_per_page or len(sizes) != len(ptrs):
             raise InvalidArgument(f"{self.kind}.get_page_buffer_meta gave {len(ptrs)} pieces for {pages} pages, "
                                   f"expected {pages * self.pieces_per_page}")

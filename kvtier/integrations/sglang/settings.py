@@ -102,8 +102,10 @@ class Deployment:
             ("dcp", getattr(config, "dcp_rank", 0), getattr(config, "dcp_size", 1))) if int(size or 1) > 1)
         return cls(str(model), tp_rank, tp_size, is_mla, bool(writer), shard)
 
-    def namespace(self, geometry: KVGeometry, dtype: str, settings: Settings) -> Namespace:
-        """The namespace of this deployment's pages of ``geometry`` and ``dtype``."""
+    def namespace(self, geometry: KVGeometry, dtype: str, settings: Settings, row_split: str = "") -> Namespace:
+        """The namespace of this deployment's pages of ``geometry`` and ``dtype``; ``row_split`` names how a row
+        divides when its width alone does not say (MLA's latent and rope parts: ``mla512+64``)."""
         rank, size = (0, 1) if self.is_mla else (self.tp_rank, self.tp_size)
-        return Namespace(self.model + self.shard, geometry, dtype, tp_rank=rank, tp_size=size,
-                         adapter=settings.adapter, tenant=settings.tenant)
+        model = self.model + self.shard + (f"|{row_split}" if row_split else "")
+        return Namespace(model, geometry, dtype, tp_rank=rank, tp_size=size, adapter=settings.adapter,
+                         tenant=settings.tenant)

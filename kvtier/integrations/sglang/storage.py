@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,13 +48,14 @@ from kvtier.storage.state_format import StateFormat
 logger = logging.getLogger("kvtier.sglang")
 KV = "kv"
 MAMBA = "mamba"
-_HEX = frozenset(string.hexdigits)
+_HEX = frozenset("0123456789abcdef")
 _KEY_TAG = b"kvtier-sglang-key-v1\0"
 
 
 def page_key(key: str) -> bytes:
-    """The kvtier key of SGLang's page key: its 32 bytes when it is SGLang's usual SHA-256 hex, else SHA-256 of it
-    (tagged, so no hex key's bytes can equal it)."""
+    """The kvtier key of SGLang's page key: its 32 bytes when it is SGLang's usual SHA-256 hex (lowercase, as
+    ``hexdigest`` writes it), else SHA-256 of it (tagged, so no hex key's bytes can equal it; an uppercase key is
+    another key, as SGLang compares them)."""
     if not isinstance(key, str) or not key:
         raise InvalidArgument(f"page key {key!r:.60}: SGLang's keys are non-empty strings")
     if len(key) == 64 and _HEX.issuperset(key):
@@ -143,7 +143,7 @@ class KVTierStorage(HiCacheStorage):
                 raise InvalidArgument(f"{self!r}: a host KV pool is registered already")
             pool = SGLangPool(mem_pool_host, KV)
             assert pool.geometry is not None                 # a KV pool (SGLangPool says which)
-            namespace = self.deployment.namespace(pool.geometry, pool.dtype, self.settings)
+            namespace = self.deployment.namespace(pool.geometry, pool.dtype, self.settings, pool.row_split)
             store = open_store(self.settings.store, namespace, layout=pool.layout, **self.settings.store_options)
             try:
                 self._register(store, pool)
@@ -163,10 +163,14 @@ class KVTierStorage(HiCacheStorage):
         name = _pool_name(host_pool_name)
         with self._lock:
             kv = self._bound.get(KV)
-            if name == KV or kv is None or name in self._bound:
+            if name == KV or kv is None:
                 if kv is None:
                     logger.warning("kvtier HiCache storage: pool %r registered before the host KV pool; ignored", name)
                 return
+            if name in self._bound:                      # registered again: the new pool replaces the old
+                if self._bound[name].pool.pool is host_pool:
+                    return
+                self._unregister(self._bound.pop(name))
             try:
                 if name != MAMBA:
                     raise InvalidArgument(f"pool {name!r} ({type(host_pool).__name__}) is not one kvtier stores "
@@ -188,6 +192,13 @@ class KVTierStorage(HiCacheStorage):
             address = CpuAddress(span.start)
             store.register_memory(address, span.nbytes)
             self._registered.append((store, address))
+
+    def _unregister(self, bound: Bound) -> None:
+        """Take a replaced pool's memory out of the store's registry (under ``_lock``)."""
+        mine = {CpuAddress(span.start) for span in bound.pool.spans}
+        for store, address in [entry for entry in self._registered if entry[1] in mine]:
+            self._registered.remove((store, address))
+            store.unregister_memory(address)
 
     # -- the stored prefix ---------------------------------------------------------------------------------------------
     @_guarded("exists", lambda *a, **k: False)
