@@ -9,6 +9,7 @@ Data-parallel replicas compute the same KV, so ``dp_rank`` is left out: they sha
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface
 
 OPTIONS = {
     "store": "the kvtier store spec: file:PATH, redis://…, redis+cluster://…, mooncake://… (required)",
-    "model": "the model's name in the namespace, when SGLang gives none (default: SGLang's model name)",
+    "model": "the model's name in the namespace where SGLang gives none (SGLang's own name always wins)",
     "tenant": "a salt that keeps this deployment's pages apart from every other's (default: none)",
     "adapter": "the LoRA adapter every request of this deployment uses (default: none)",
     "store_options": "options for the store, as open_store takes them: {\"max_bytes\": …, \"ttl\": …, …}",
@@ -82,12 +83,15 @@ class Deployment:
     tp_size: int
     is_mla: bool
     writer: bool
-    shard: str
+    shard: tuple[tuple[str, int, int], ...]
+    """(name, rank, size) of each sharding beyond tensor parallelism that has more than one shard: ``pp``, ``cp``
+    (attention context parallel), ``dcp`` (decode context parallel)."""
 
     @classmethod
     def of(cls, config: Any, settings: Settings) -> Deployment:
-        """From SGLang's ``HiCacheStorageConfig`` (read by attribute, so any object with its fields works)."""
-        model = settings.model or getattr(config, "model_name", None)
+        """From SGLang's ``HiCacheStorageConfig`` (read by attribute, so any object with its fields works). The
+        model's name is SGLang's; ``settings.model`` only stands in where SGLang gives none."""
+        model = getattr(config, "model_name", None) or settings.model
         if not model:
             raise InvalidArgument("kvtier's HiCache backend needs the model's name to keep its pages apart: SGLang "
                                   "gave none, so set \"model\" in --hicache-storage-backend-extra-config")
@@ -96,16 +100,22 @@ class Deployment:
         writer = getattr(config, "is_storage_writer", None)
         if writer is None:
             writer = not is_mla or tp_rank == 0
-        shard = "".join(f"|{name}{rank}of{size}" for name, rank, size in (
+        shard = tuple((name, int(rank or 0), int(size or 1)) for name, rank, size in (
             ("pp", getattr(config, "pp_rank", 0), getattr(config, "pp_size", 1)),
             ("cp", getattr(config, "attn_cp_rank", 0), getattr(config, "attn_cp_size", 1)),
             ("dcp", getattr(config, "dcp_rank", 0), getattr(config, "dcp_size", 1))) if int(size or 1) > 1)
         return cls(str(model), tp_rank, tp_size, is_mla, bool(writer), shard)
 
-    def namespace(self, geometry: KVGeometry, dtype: str, settings: Settings, row_split: str = "") -> Namespace:
-        """The namespace of this deployment's pages of ``geometry`` and ``dtype``; ``row_split`` names how a row
-        divides when its width alone does not say (MLA's latent and rope parts: ``mla512+64``)."""
+    def namespace(self, geometry: KVGeometry, dtype: str, settings: Settings, *, row_split: str = "",
+                  order: int = 0) -> Namespace:
+        """The namespace of this deployment's pages of ``geometry`` and ``dtype``. ``row_split`` names how a row
+        divides where its width alone does not say (MLA's latent and rope parts: ``mla512+64``); ``order`` is the
+        byte order of the host layout (``kvtier.pools.payload_order``): deployments of one order share pages,
+        deployments of two keep a copy each (a page is stored once under its key, so sharing one would leave the
+        second deployment with pages it can never read). The model's part of the namespace is JSON of all of it,
+        so no model name can spell another deployment's shard."""
         rank, size = (0, 1) if self.is_mla else (self.tp_rank, self.tp_size)
-        model = self.model + self.shard + (f"|{row_split}" if row_split else "")
-        return Namespace(model, geometry, dtype, tp_rank=rank, tp_size=size, adapter=settings.adapter,
-                         tenant=settings.tenant)
+        identity = {"sglang": self.model, "shard": {name: [r, n] for name, r, n in self.shard},
+                    "row": row_split, "order": order}
+        return Namespace(json.dumps(identity, sort_keys=True, separators=(",", ":")), geometry, dtype, tp_rank=rank,
+                         tp_size=size, adapter=settings.adapter, tenant=settings.tenant)

@@ -40,16 +40,18 @@ from kvtier.errors import InvalidArgument
 from kvtier.integrations.sglang.host_pools import SGLangPool, flat_page
 from kvtier.integrations.sglang.metrics import HiCacheMetrics
 from kvtier.integrations.sglang.settings import Deployment, Settings
-from kvtier.keys import state_key
 from kvtier.locks import named_lock
+from kvtier.pools.geometry import payload_order
+from kvtier.pools.state import StateGeometry
 from kvtier.storage import StorageBackend, open_store, state_snapshots
-from kvtier.storage.state_format import StateFormat
+from kvtier.storage.state_format import StateFormat, geometry_fingerprint
 
 logger = logging.getLogger("kvtier.sglang")
 KV = "kv"
 MAMBA = "mamba"
 _HEX = frozenset("0123456789abcdef")
 _KEY_TAG = b"kvtier-sglang-key-v1\0"
+_STATE_TAG = b"kvtier-sglang-state-v1\0"
 
 
 def page_key(key: str) -> bytes:
@@ -61,6 +63,14 @@ def page_key(key: str) -> bytes:
     if len(key) == 64 and _HEX.issuperset(key):
         return bytes.fromhex(key)
     return hashlib.sha256(_KEY_TAG + key.encode()).digest()
+
+
+def state_keys(geometry: StateGeometry) -> Callable[[str], bytes]:
+    """The key of the state snapshot taken at SGLang's page ``key``, for state of ``geometry``: SHA-256 of a tag,
+    the geometry's fingerprint and the page's key. Two deployments of one model whose state differs (another SSM
+    dtype) keep their snapshots apart instead of reading each other's as damaged."""
+    prefix = _STATE_TAG + geometry_fingerprint(geometry).to_bytes(8, "little")
+    return lambda key: hashlib.sha256(prefix + page_key(key)).digest()
 
 
 def _pool_name(name: Any) -> str:
@@ -143,7 +153,8 @@ class KVTierStorage(HiCacheStorage):
                 raise InvalidArgument(f"{self!r}: a host KV pool is registered already")
             pool = SGLangPool(mem_pool_host, KV)
             assert pool.geometry is not None                 # a KV pool (SGLangPool says which)
-            namespace = self.deployment.namespace(pool.geometry, pool.dtype, self.settings, pool.row_split)
+            namespace = self.deployment.namespace(pool.geometry, pool.dtype, self.settings, row_split=pool.row_split,
+                                                  order=payload_order(pool.geometry, pool.layout))
             store = open_store(self.settings.store, namespace, layout=pool.layout, **self.settings.store_options)
             try:
                 self._register(store, pool)
@@ -185,7 +196,8 @@ class KVTierStorage(HiCacheStorage):
             except Exception as error:                   # noqa: BLE001 (logged; SGLang recomputes these)
                 logger.warning("kvtier HiCache storage: pool %r left out: %s", name, error)
                 return
-            self._bound[name] = Bound(pool, view, lambda key: state_key(page_key(key)))
+            assert pool.state is not None
+            self._bound[name] = Bound(pool, view, state_keys(pool.state))
 
     def _register(self, store: StorageBackend, pool: SGLangPool) -> None:
         for span in pool.spans:
@@ -345,10 +357,10 @@ class KVTierStorage(HiCacheStorage):
         backends do). An MLA rank that is not the storage writer writes nothing and reports success, as
         ``HiCacheStorageConfig.is_storage_writer`` says: the writer rank stores the same bytes."""
         kkeys = [bound.key(k) for k in keys]
+        views = pages()                                  # checks the arguments, on every rank
         if not self.deployment.writer:
             self.metrics.count("set", "skipped", len(keys))
             return [True] * len(keys)
-        views = pages()
         todo = list(range(len(keys)))
         if self.settings.skip_existing and keys:
             todo = [i for i, hit in enumerate(bound.store.present(kkeys)) if not hit]

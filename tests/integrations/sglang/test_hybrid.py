@@ -72,7 +72,7 @@ def test_the_prefix_ends_where_a_state_was_stored(hybrid_backend):
 
 def test_a_state_is_stored_as_a_verified_snapshot_of_its_own_format(hybrid_backend):
     from kvtier.integrations.sglang import page_key
-    from kvtier.keys import state_key
+    from kvtier.integrations.sglang.storage import state_keys
 
     backend, kv, mamba = hybrid_backend
     keys, kv_at, slots = sg.page_keys(1, "format"), sg.pages_at(kv, 1), mamba.alloc(1)
@@ -80,7 +80,8 @@ def test_a_state_is_stored_as_a_verified_snapshot_of_its_own_format(hybrid_backe
     sg.fill_pages(mamba, slots, seed=2)
     backend.batch_set_v2(_transfers(keys, kv_at, keys, slots))
     store = backend.store
-    assert store.present([page_key(keys[0]), state_key(page_key(keys[0]))]) == [True, True]
+    snapshot = state_keys(backend._bound["mamba"].pool.state)(keys[0])
+    assert store.present([page_key(keys[0]), snapshot]) == [True, True]
     assert store.stats().get("state.set.pages") == 1
 
 

@@ -48,14 +48,25 @@ def test_other_models_and_parallel_layouts_never_share_a_page(file_spec, backend
     assert reader.store.namespace_id != writer.store.namespace_id
 
 
-@pytest.mark.parametrize("option", [dict(tenant="someone-else"), dict(adapter="lora-a"), dict(model="renamed")])
-def test_a_tenant_an_adapter_or_a_model_name_in_the_extra_config_keeps_pages_apart(file_spec, backends, option):
+@pytest.mark.parametrize("option", [dict(tenant="someone-else"), dict(adapter="lora-a")])
+def test_a_tenant_or_an_adapter_in_the_extra_config_keeps_pages_apart(file_spec, backends, option):
     pool = sg.mha_host_pool("page_first")
     writer, keys, indices = _deployment(file_spec, pool, backends)
     assert writer.batch_set_v1(keys, indices) == [True] * 3
     reader = sg.create_backend(file_spec, pool, **{"tenant": TENANT, **option})
     backends.append(reader)
     assert reader.batch_exists(keys) == 0
+
+
+def test_the_model_option_names_the_model_only_where_sglang_gives_none(file_spec, backends):
+    pool = sg.mha_host_pool("page_first")
+    unnamed = sg.create_backend(file_spec, pool, config=sg.storage_config(model_name=None), model="llama",
+                                tenant=TENANT)
+    named = sg.create_backend(file_spec, pool, config=sg.storage_config(model_name="llama"), model="other",
+                              tenant=TENANT)
+    backends += [unnamed, named]
+    keys, _, _ = sg.store_pages(unnamed, pool, pages=2, salt="model-option")
+    assert named.batch_exists(keys) == 2
 
 
 def test_a_different_kv_geometry_or_dtype_is_another_namespace(file_spec, backends):
@@ -68,26 +79,28 @@ def test_a_different_kv_geometry_or_dtype_is_another_namespace(file_spec, backen
         assert reader.batch_exists(keys) == 0
 
 
-def test_pages_of_another_byte_order_are_misses_and_of_the_same_order_hits(file_spec, backends):
-    """page_first and layer_first order a page's bytes differently: a reader of the other gets a counted miss,
-    never transposed KV. layer_first and page_first_direct order them the same: they share pages."""
+def test_deployments_of_two_byte_orders_keep_a_copy_each_and_of_one_order_share(file_spec, backends):
+    """page_first and layer_first order a page's bytes differently: each deployment stores and reads its own copy
+    (never the other's bytes transposed). layer_first and page_first_direct order them the same: they share."""
     pool = sg.mha_host_pool("page_first")
     writer, keys, indices = _deployment(file_spec, pool, backends)
     assert writer.batch_set_v1(keys, indices) == [True] * 3
     other = sg.mha_host_pool("layer_first")
     reader = sg.create_backend(file_spec, other, tenant=TENANT)
     backends.append(reader)
-    assert reader.batch_get_v1(keys, sg.pages_at(other, 3)) == [False] * 3
-    assert reader.store.stats().get("miss.layout", 0) == 1
+    at = sg.pages_at(other, 3)
+    assert reader.batch_exists(keys) == 0 and reader.batch_get_v1(keys, at) == [False] * 3
+    sg.fill_pages(other, at, seed=6)
+    own = sg.page_bytes(other, at)
+    assert reader.batch_set_v1(keys, at) == [True] * 3
+    sg.poison_pages(other, at)
+    assert reader.batch_get_v1(keys, at) == [True] * 3 and sg.page_bytes(other, at) == own
 
     direct = sg.mha_host_pool("page_first_direct")
     sharer = sg.create_backend(file_spec, direct, tenant=TENANT)
     backends.append(sharer)
-    keys2, at = sg.page_keys(2, "same-order"), sg.pages_at(other, 2)
-    sg.fill_pages(other, at, seed=8)
-    assert reader.batch_set_v1(keys2, at) == [True, True]
-    into = sg.pages_at(direct, 2)
-    assert sharer.batch_get_v1(keys2, into) == [True, True]
+    into = sg.pages_at(direct, 3)
+    assert sharer.batch_get_v1(keys, into) == [True] * 3
     assert _flat(direct, into) == _flat(other, at)
 
 
