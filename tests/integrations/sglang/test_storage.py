@@ -122,6 +122,7 @@ def test_pages_already_stored_are_not_written_again(file_spec, backends):
     assert backend.stats()["calls"]["set.skipped"] == 3
 
 
+@pytest.mark.slow                                   # a fresh process imports SGLang: about 8 s
 def test_a_second_process_reads_what_the_first_stored(spec, backends, tmp_path):
     """Two SGLang instances of one model sharing a store: one sets, the other gets every byte."""
     tenant = "shared-" + tmp_path.name
