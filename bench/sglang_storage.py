@@ -26,10 +26,11 @@ Rows, per store (each only where it is available):
   piece and read back with ``readinto`` into the destination pieces (page cache, no header, checksum, temporary file
   or rename). *redis*: redis-py's pipelined ``SET`` of each page piece straight from the pool (no copy) and ``GET``
   copied into the destination pieces, 32 pages a pipeline as kvtier's store: bound by the one-threaded redis-server
-  and redis-py's reply parsing on loopback TCP. *mooncake*: Mooncake's own ``batch_put_from_multi_buffers`` /
-  ``batch_get_into_multi_buffers`` of each page's pieces as one object (kvtier's transfer shape without its header
-  slot, existence check or checksum), 128 pages a call: bound by Mooncake's TCP transport on loopback (its threads
-  and the copies through the socket share the cores with the caller).
+  and redis-py's reply parsing on loopback TCP. *mooncake*: Mooncake's own ``batch_put_from`` / ``batch_get_into``
+  on a client of its own, an object per page piece (K and V apart: the calls SGLang's backend makes, without its
+  existence check), 128 pages a call: bound by Mooncake's TCP transport on loopback (its threads and the copies
+  through the socket share the cores with the caller). A reference row beside it: Mooncake's multi-buffer calls with
+  an object per page of its pieces, kvtier's transfer shape without kvtier's header slot, existence check or checksum.
 
 Fair play: every timed set writes keys no store holds yet (fresh SGLang keys per repeat, the same keys for every
 backend of a repeat; a backend's pages are deleted, untimed, before the next backend runs), so no backend skips a page
@@ -185,7 +186,7 @@ class Runner:
     get: Callable[[list[str]], None]
     delete: Callable[[list[str]], None]
     close: Callable[[], None] = lambda: None
-    ceiling: bool = False
+    role: str = "backend"                          # backend, ceiling or reference
     set_s: list[float] = field(default_factory=list)
     get_s: list[float] = field(default_factory=list)
     verified: bool | None = None
@@ -255,7 +256,7 @@ def file_ceiling(directory: Path, prefix: Pages) -> Runner:
                         raise BenchFailure(f"file ceiling: short read of {path}")
 
     return Runner("file", "plain file (ceiling)", "nothing", set_pages, get_pages,
-                  lambda keys: path.unlink(missing_ok=True), ceiling=True)
+                  lambda keys: path.unlink(missing_ok=True), role="ceiling")
 
 
 def redis_ceiling(url: str, prefix: Pages) -> Runner:
@@ -291,10 +292,14 @@ def redis_ceiling(url: str, prefix: Pages) -> Runner:
             client.delete(*names(keys, lo, hi))
 
     return Runner("redis", "redis-py pipeline (ceiling)", "nothing", set_pages, get_pages, delete, client.close,
-                  ceiling=True)
+                  role="ceiling")
 
 
-def mooncake_ceiling(spec: str, prefix: Pages, batch: int) -> Runner:
+def mooncake_ceiling(spec: str, prefix: Pages, batch: int) -> list[Runner]:
+    """Mooncake's own calls on a client of its own, the pool registered with it, ``batch`` pages a call: the
+    ceiling, ``batch_put_from`` / ``batch_get_into`` with an object per page piece (K and V apart: the calls
+    SGLang's backend makes, without its existence check); and for reference the multi-buffer calls with an object
+    per page of its pieces (kvtier's transfer shape, without kvtier's header slot, existence check or checksum)."""
     from mooncake.store import MooncakeDistributedStore
 
     from kvtier.storage.mooncake_url import parse_mooncake_url
@@ -310,29 +315,51 @@ def mooncake_ceiling(spec: str, prefix: Pages, batch: int) -> Runner:
     if client.register_buffer(base, size) != 0:
         raise BenchFailure("mooncake ceiling: register_buffer of the host pool failed")
     parts = batches(prefix, batch)
-
     sizes = [[p.nbytes for p in pieces] for pieces in prefix.source_pieces]
+    per = len(sizes[0])
 
-    def set_pages(keys: list[str]) -> None:
+    def objects(keys: list[str], lo: int, hi: int) -> list[str]:
+        return [f"{RAW}:{keys[i]}:{j}" for i in range(lo, hi) for j in range(per)]
+
+    def flat(rows: list[list[int]]) -> list[int]:
+        return [x for row in rows for x in row]
+
+    def check(call: str, codes: list[int], good: Callable[[int, int], bool], want: list[int]) -> None:
+        if not all(good(c, w) for c, w in zip(codes, want, strict=True)):
+            raise BenchFailure(f"mooncake ceiling: {call}: {sorted(set(codes))}")
+
+    def put(keys: list[str]) -> None:
         for lo, hi in parts:
-            codes = client.batch_put_from_multi_buffers([f"{RAW}:{k}" for k in keys[lo:hi]],
-                                                        prefix.source_addresses[lo:hi], sizes[lo:hi])
-            if any(c != 0 for c in codes):
-                raise BenchFailure(f"mooncake ceiling: batch_put_from_multi_buffers: {sorted(set(codes))}")
+            want = flat(sizes[lo:hi])
+            check("batch_put_from", client.batch_put_from(objects(keys, lo, hi), flat(prefix.source_addresses[lo:hi]),
+                                                          want), lambda c, w: c == 0, want)
+
+    def get(keys: list[str]) -> None:
+        for lo, hi in parts:
+            want = flat(sizes[lo:hi])
+            check("batch_get_into", client.batch_get_into(objects(keys, lo, hi), flat(prefix.target_addresses[lo:hi]),
+                                                          want), lambda c, w: c == w, want)
+
+    def put_pages(keys: list[str]) -> None:
+        for lo, hi in parts:
+            check("batch_put_from_multi_buffers", client.batch_put_from_multi_buffers(
+                [f"{RAW}:{k}" for k in keys[lo:hi]], prefix.source_addresses[lo:hi], sizes[lo:hi]),
+                lambda c, w: c == 0, [0] * (hi - lo))
 
     def get_pages(keys: list[str]) -> None:
         for lo, hi in parts:
-            codes = client.batch_get_into_multi_buffers([f"{RAW}:{k}" for k in keys[lo:hi]],
-                                                        prefix.target_addresses[lo:hi], sizes[lo:hi])
-            if any(c != prefix.page_bytes for c in codes):
-                raise BenchFailure(f"mooncake ceiling: batch_get_into_multi_buffers: {sorted(set(codes))}")
+            check("batch_get_into_multi_buffers", client.batch_get_into_multi_buffers(
+                [f"{RAW}:{k}" for k in keys[lo:hi]], prefix.target_addresses[lo:hi], sizes[lo:hi]),
+                lambda c, w: c == w, [prefix.page_bytes] * (hi - lo))
 
     def close() -> None:
         client.unregister_buffer(base)
         client.close()
 
-    return Runner("mooncake", "Mooncake multi-buffer calls (ceiling)", "nothing", set_pages, get_pages,
-                  lambda keys: client.batch_remove([f"{RAW}:{k}" for k in keys], True), close, ceiling=True)
+    return [Runner("mooncake", "Mooncake batch_put_from / batch_get_into (ceiling)", "nothing", put, get,
+                   lambda keys: client.batch_remove(objects(keys, 0, len(keys)), True), close, role="ceiling"),
+            Runner("mooncake", "Mooncake multi-buffer, a page an object", "nothing", put_pages, get_pages,
+                   lambda keys: client.batch_remove([f"{RAW}:{k}" for k in keys], True), role="reference")]
 
 
 # -- the run ----------------------------------------------------------------------------------------------------------
@@ -388,7 +415,7 @@ def summary(runner: Runner, nbytes: int) -> dict[str, Any]:
 
     set_gbps, set_worst = rates(runner.set_s)
     get_gbps, get_worst = rates(runner.get_s)
-    return {"store": runner.store, "backend": runner.name, "checks_on_read": runner.checks, "ceiling": runner.ceiling,
+    return {"store": runner.store, "backend": runner.name, "checks_on_read": runner.checks, "role": runner.role,
             "set_s": runner.set_s, "get_s": runner.get_s, "set_gbps": set_gbps, "set_gbps_worst": set_worst,
             "get_gbps": get_gbps, "get_gbps_worst": get_worst, "verified": runner.verified}
 
@@ -462,6 +489,7 @@ def run(args: argparse.Namespace) -> int:
     directory = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-bench-sglang-"))
     directory.mkdir(parents=True, exist_ok=True)
     run_id = uuid.uuid4().hex
+    load_before = [round(x, 2) for x in os.getloadavg()]
     notes: list[str] = []
     unavailable: list[dict[str, str]] = []
     failures: list[str] = []
@@ -520,7 +548,7 @@ def run(args: argparse.Namespace) -> int:
                              f"only")
             else:
                 try:
-                    runners.append(mooncake_ceiling(spec, prefix, STORAGE_BATCH_SIZE))
+                    runners += mooncake_ceiling(spec, prefix, STORAGE_BATCH_SIZE)
                 except BenchFailure as failure:
                     unavailable.append({"store": store, "backend": "Mooncake ceiling", "reason": str(failure)})
                 if "mooncake" in sglang_backends:
@@ -552,12 +580,14 @@ def run(args: argparse.Namespace) -> int:
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)
 
-    machine = {"cpus": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()],
+    machine = {"cpus": os.cpu_count(), "load_avg_before": load_before,
+               "load_avg_after": [round(x, 2) for x in os.getloadavg()],
                "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
-    ceilings = {r["store"]: r for r in rows if r["ceiling"]}
+    ceilings = {r["store"]: r for r in rows if r["role"] == "ceiling"}
     table = Table(title=f"SGLang HiCache L3 storage: {args.tokens:,} tokens of Llama-3-8B ({prefix.nbytes / 2**30:.2f} "
                         f"GiB, {prefix.pages} pages of {prefix.page_bytes / 2**20:g} MiB, {args.layout}), median "
-                        f"(worst) of {args.repeats}, {machine['cpus']} CPUs")
+                        f"(worst) of {args.repeats}, {machine['cpus']} CPUs, load {load_before[0]} -> "
+                        f"{machine['load_avg_after'][0]}")
     for column in ("store", "backend", "checks each page read", "set GB/s", "% ceiling", "get GB/s", "% ceiling "):
         table.add_column(column, justify="right" if "GB/s" in column or "%" in column else "left")
 
@@ -565,7 +595,7 @@ def run(args: argparse.Namespace) -> int:
         if row[f"{op}_gbps"] is None:
             return "-", ""
         top = ceilings.get(row["store"], {}).get(f"{op}_gbps")
-        pct = "" if row["ceiling"] or not top else f"{100 * row[f'{op}_gbps'] / top:.0f}%"
+        pct = "" if row["role"] == "ceiling" or not top else f"{100 * row[f'{op}_gbps'] / top:.0f}%"
         return f"{row[f'{op}_gbps']:.2f} ({row[f'{op}_gbps_worst']:.2f})", pct
 
     for r in rows:
