@@ -37,7 +37,8 @@ backend of a repeat; a backend's pages are deleted, untimed, before the next bac
 as "already stored"; kvtier's existence check (``skip_existing``) and SGLang's own (``exists`` / ``batch_is_exist``)
 stay in the timed calls, as in serving. File rows: ``os.sync()`` before each timed call (no writeback of an earlier
 write under it). One warm-up round first (dropped), then ``--repeats`` timed rounds, the backends' order rotated each
-round; median and worst reported. After the timed rounds each backend reads its pages once more into poisoned
+round; median and worst reported, and beside them the CPU seconds per GB of this process (every thread) and of
+the servers the run started. After the timed rounds each backend reads its pages once more into poisoned
 destination slots, and every byte is compared with the source: a mismatch or a page a backend could not read fails
 the run (exit status 1).
 
@@ -189,6 +190,8 @@ class Runner:
     role: str = "backend"                          # backend, ceiling or reference
     set_s: list[float] = field(default_factory=list)
     get_s: list[float] = field(default_factory=list)
+    cpu_s: dict[str, list[float]] = field(default_factory=lambda: {"set": [], "get": []})
+    server_cpu_s: dict[str, list[float]] = field(default_factory=lambda: {"set": [], "get": []})
     verified: bool | None = None
 
 
@@ -372,10 +375,30 @@ def mooncake_ceiling(spec: str, prefix: Pages, batch: int) -> list[Runner]:
 
 
 # -- the run ----------------------------------------------------------------------------------------------------------
+def cpu_seconds(pids: list[int]) -> float | None:
+    """CPU seconds (user + system) the processes ``pids`` used so far (from /proc), or None where one cannot be read."""
+    total = 0.0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
+def own_cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
 def time_rounds(sp: Any, torch: Any, prefix: Pages, store: str, runners: list[Runner], repeats: int, run: str,
-                settle: bool) -> list[str]:
+                settle: bool, server_pids: list[int]) -> list[str]:
     """One warm-up round and ``repeats`` timed rounds of every runner (order rotated per round), each a set then a
-    get of fresh keys; then the final check of each runner's pages. Returns the failures (one line each)."""
+    get of fresh keys; then the final check of each runner's pages. Returns the failures (one line each). Beside
+    each timed call's seconds: the CPU seconds of this process (every thread: the caller's, the stores' I/O and
+    transfer threads, Mooncake's) and of the server processes this run started (``server_pids``)."""
     failures: list[str] = []
     live = list(runners)
     for round_ in range(repeats + 1):
@@ -389,11 +412,17 @@ def time_rounds(sp: Any, torch: Any, prefix: Pages, store: str, runners: list[Ru
                         poison(sp, prefix)
                     if settle:
                         os.sync()
+                    cpu, server = own_cpu_seconds(), cpu_seconds(server_pids) if server_pids else None
                     start = time.perf_counter()
                     (runner.set if op == "set" else runner.get)(keys)
                     seconds = time.perf_counter() - start
+                    cpu = own_cpu_seconds() - cpu
+                    server_after = cpu_seconds(server_pids) if server is not None else None
                     if round_:
                         times.append(seconds)
+                        runner.cpu_s[op].append(cpu)
+                        if server is not None and server_after is not None:
+                            runner.server_cpu_s[op].append(server_after - server)
                     progress(f"  {store} {runner.name}: {op} {'warm-up' if not round_ else f'{round_}/{repeats}'} "
                              f"{seconds:.3f} s ({prefix.nbytes / seconds / 1e9:.2f} GB/s)")
                 if last:
@@ -422,11 +451,17 @@ def summary(runner: Runner, nbytes: int) -> dict[str, Any]:
             return None, None
         return nbytes / statistics.median(times) / 1e9, nbytes / max(times) / 1e9
 
+    def per_gb(seconds: list[float]) -> float | None:
+        return statistics.median(seconds) / (nbytes / 1e9) if seconds else None
+
     set_gbps, set_worst = rates(runner.set_s)
     get_gbps, get_worst = rates(runner.get_s)
     return {"store": runner.store, "backend": runner.name, "checks_on_read": runner.checks, "role": runner.role,
             "set_s": runner.set_s, "get_s": runner.get_s, "set_gbps": set_gbps, "set_gbps_worst": set_worst,
-            "get_gbps": get_gbps, "get_gbps_worst": get_worst, "verified": runner.verified}
+            "get_gbps": get_gbps, "get_gbps_worst": get_worst, "verified": runner.verified,
+            "cpu_s": runner.cpu_s, "server_cpu_s": runner.server_cpu_s,
+            **{f"{op}_cpu_s_per_gb": per_gb(runner.cpu_s[op]) for op in ("set", "get")},
+            **{f"{op}_server_cpu_s_per_gb": per_gb(runner.server_cpu_s[op]) for op in ("set", "get")}}
 
 
 def ratio(rows: list[dict], store: str, mine: str, theirs: str, op: str) -> float | None:
@@ -551,6 +586,11 @@ def run(args: argparse.Namespace) -> int:
                         notes.append("mooncake: the Mooncake wheel is not installed and no --mooncake spec: not "
                                      "measured")
                         continue
+            server_pids: list[int] = []                # the servers this run started: their CPU time is measured
+            if store == "redis" and started_redis is not None:
+                server_pids = [started_redis[1].pid]
+            elif store == "mooncake" and mooncake_dir is not None:
+                server_pids = [int((mooncake_dir / f"{name}.pid").read_text()) for name in ("holder", "master")]
             progress(f"{store}: setting up the backends")
             runners: list[Runner] = []
             for label, options in [("kvtier", {})] + [(f"kvtier {json.dumps(o, separators=(',', ':'))}", o)
@@ -589,7 +629,7 @@ def run(args: argparse.Namespace) -> int:
                         runners.append(runner)
             try:
                 failures += time_rounds(sp, torch, prefix, store, runners, args.repeats, run_id,
-                                        settle=store == "file")
+                                        settle=store == "file", server_pids=server_pids)
             finally:
                 for runner in runners:
                     with contextlib.suppress(Exception):
@@ -617,8 +657,16 @@ def run(args: argparse.Namespace) -> int:
                         f"GiB, {prefix.pages} pages of {prefix.page_bytes / 2**20:g} MiB, {args.layout}), median "
                         f"(worst) of {args.repeats}, {machine['cpus']} CPUs, load {load_before[0]} -> "
                         f"{machine['load_avg_after'][0]}")
-    for column in ("store", "backend", "checks each page read", "set GB/s", "% ceiling", "get GB/s", "% ceiling "):
-        table.add_column(column, justify="right" if "GB/s" in column or "%" in column else "left")
+    for column in ("store", "backend", "checks each page read", "set GB/s", "% ceiling", "get GB/s", "% ceiling ",
+                   "CPU s/GB set / get", "server's"):
+        table.add_column(column, justify="left" if column in ("store", "backend", "checks each page read") else "right")
+
+    def cpu_cells(row: dict) -> tuple[str, str]:
+        def pair(key: str) -> str:
+            values = [row[f"{op}_{key}"] for op in ("set", "get")]
+            return "" if None in values else f"{values[0]:.2f} / {values[1]:.2f}"
+        return pair("cpu_s_per_gb"), pair("server_cpu_s_per_gb")
+
 
     def cell(row: dict, op: str) -> tuple[str, str]:
         if row[f"{op}_gbps"] is None:
@@ -628,9 +676,9 @@ def run(args: argparse.Namespace) -> int:
         return f"{row[f'{op}_gbps']:.2f} ({row[f'{op}_gbps_worst']:.2f})", pct
 
     for r in rows:
-        table.add_row(r["store"], r["backend"], r["checks_on_read"], *cell(r, "set"), *cell(r, "get"))
+        table.add_row(r["store"], r["backend"], r["checks_on_read"], *cell(r, "set"), *cell(r, "get"), *cpu_cells(r))
     for u in unavailable:
-        table.add_row(u["store"], u["backend"], "", "not measured", "", "", "")
+        table.add_row(u["store"], u["backend"], "", "not measured", "", "", "", "", "")
     console.print(table)
     goals = []
     for store, theirs, goal in GOALS:
@@ -649,6 +697,9 @@ def run(args: argparse.Namespace) -> int:
         console.print(note)
     console.print("kvtier verifies every page it reads (header fields and an xxh3-128 checksum of the payload) "
                   "before it counts; SGLang's file and mooncake backends and the ceilings check nothing.")
+    console.print("CPU s/GB: median CPU seconds per GB moved, of this process (every thread, the kernel's work for "
+                  "it included) and of the servers this run started (redis-server; Mooncake's segment holder and "
+                  "master). Where the CPUs are shared with other work, GB/s follows these.")
     if args.json:
         with open(args.json, "w") as file:
             json.dump({"machine": machine, "tokens": args.tokens, "page_size": args.page_size, "layout": args.layout,
