@@ -130,10 +130,34 @@ def piece_views(pool: Any, indices: Any, pages: int) -> tuple[list[list[memoryvi
             [addresses[i * per:(i + 1) * per] for i in range(pages)])
 
 
+TOKEN_BYTES = 2 * LLAMA3_8B["layers"] * LLAMA3_8B["heads"] * LLAMA3_8B["head_dim"] * 2   # K and V, bf16
+HEADROOM = 2 << 30
+"""Memory beside the host pool: SGLang's flat pages of one storage batch (its file backend's get and set hold 128)."""
+
+
+def available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def build_pages(sp: Any, torch: Any, layout: str, tokens: int, page_size: int) -> Pages:
+    """SGLang's host pool of ``2 * tokens`` slots, booked with SGLang's own host-memory check against what it takes
+    (checked here first against the machine's available memory), the source pages filled."""
     pages = tokens // page_size
+    nbytes = 2 * tokens * TOKEN_BYTES
+    free = available_bytes()
+    if free is not None and nbytes + HEADROOM > free:
+        raise BenchFailure(f"the host pool takes {nbytes / 2**30:.1f} GiB (twice the {tokens:,} tokens' KV) and "
+                           f"{HEADROOM / 2**30:.0f} GiB beside it; {free / 2**30:.1f} GiB are available: use a "
+                           f"smaller --tokens")
     pool = sp.mha_host_pool(layout, **LLAMA3_8B, page_size=page_size, tokens=page_size, dtype=torch.bfloat16,
-                            host_tokens=2 * tokens)
+                            host_tokens=2 * tokens, budget=nbytes)
     source = torch.arange(0, tokens, dtype=torch.int64)
     target = torch.arange(tokens, 2 * tokens, dtype=torch.int64)
     step = CHECK_PAGES * page_size
