@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _options import name_list  # noqa: E402
+from _servers import start_mooncake, start_redis, stop_mooncake, stop_redis  # noqa: E402
 
 from kvtier.cache import CacheSettings, KVCache, Namespace, page_keys  # noqa: E402
 from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry  # noqa: E402
@@ -85,28 +85,6 @@ def drop_cache(paths: list[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def start_redis() -> tuple[str, subprocess.Popen[bytes], str] | None:
-    server = shutil.which("redis-server") or shutil.which("valkey-server")
-    if server is None:
-        return None
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="kvtier-bench-redis-")
-    process = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                "no", "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return f"redis://127.0.0.1:{port}/0", process, workdir
-        except OSError:
-            time.sleep(0.05)
-    process.kill()
-    return None
 
 
 def page_rows(store_kind: str, spec: str, name: str, geometry: KVGeometry, runtime, mib: int, repeats: int,
@@ -259,20 +237,6 @@ def mooncake_rows(store, keys, name: str, pieces, into, kv_set, kv_get, nbytes: 
     return rows
 
 
-def start_mooncake(directory: Path) -> str | None:
-    """A private Mooncake Store (master + a segment holder lending ``KVTIER_BENCH_MOONCAKE_SEGMENT``, default 12 GB)
-    through scripts/mooncake_servers.sh, or None without the wheel."""
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError:
-        return None
-    script = Path(__file__).resolve().parent.parent / "scripts" / "mooncake_servers.sh"
-    segment = os.environ.get("KVTIER_BENCH_MOONCAKE_SEGMENT", "12 GB")
-    done = subprocess.run(["bash", str(script), "start", str(directory), segment], capture_output=True, text=True,
-                          env={**os.environ, "PYTHON": sys.executable}, check=True)
-    return done.stdout.strip().split("=", 1)[1].strip("'")
-
-
 def piece_address(piece) -> int:
     return int(np.frombuffer(piece, np.uint8).__array_interface__["data"][0])
 
@@ -416,11 +380,9 @@ def main() -> int:
                     prefetches += prefetch_rows(kind, spec, runtime, args.prefetch_tokens, directory, layout)
     finally:
         if started is not None:
-            started[1].kill()
-            shutil.rmtree(started[2], ignore_errors=True)
+            stop_redis(started)
         if mooncake_dir is not None:
-            script = Path(__file__).resolve().parent.parent / "scripts" / "mooncake_servers.sh"
-            subprocess.run(["bash", str(script), "stop", str(mooncake_dir)], check=False)
+            stop_mooncake(mooncake_dir)
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)
     table = Table(title=f"kvtier storage — pages through kvtier vs the plain tool, same bytes, same run "

@@ -211,6 +211,29 @@ def test_dma_queue_on_the_emulator(tmp_path):
     assert {r["mode"] for r in rows} == {"batch", "one call each"}
 
 
+def test_sglang_storage_small_run(tmp_path):
+    """kvtier's file store and SGLang's own file backend on the same pages of SGLang's real host pool, with the plain
+    file ceiling: every row timed, every page read back byte for byte."""
+    from helpers.sglang import need_sglang
+
+    need_sglang()
+    out = tmp_path / "sglang.json"
+    done = run(str(BENCH / "sglang_storage.py"), "--stores", "file", "--sglang", "file", "--tokens", "512",
+               "--repeats", "1", "--dir", str(tmp_path / "store"), "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert (data["tokens"], data["pages"], data["page_bytes"]) == (512, 8, 8 << 20)
+    rows = {r["backend"]: r for r in data["rows"]}
+    assert set(rows) == {"kvtier", "SGLang file", "plain file (ceiling)"}
+    assert all(r["set_gbps"] > 0 and r["get_gbps"] > 0 and r["verified"] for r in rows.values())
+    assert rows["plain file (ceiling)"]["role"] == "ceiling"
+    assert rows["kvtier"]["checks_on_read"] == "header + xxh3-128"
+    assert rows["SGLang file"]["checks_on_read"] == "nothing"
+    assert [(g["backend"], g["against"]) for g in data["goals"]] == [("kvtier", "SGLang file")]
+    assert data["failures"] == []
+    assert "kvtier / SGLang file" in done.stdout
+
+
 def test_disagg_on_the_emulator(tmp_path):
     """Two processes, a tiny request, every page verified; a device source staged through host memory too."""
     from helpers.mooncake import need_mooncake
