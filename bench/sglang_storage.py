@@ -572,8 +572,6 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 160)   # whole rows in the saved output
     sglang_backends = [] if args.no_sglang else args.sglang
-    directory = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-bench-sglang-"))
-    directory.mkdir(parents=True, exist_ok=True)
     run_id = uuid.uuid4().hex
     load_before = [round(x, 2) for x in os.getloadavg()]
     notes: list[str] = []
@@ -586,6 +584,8 @@ def run(args: argparse.Namespace) -> int:
              f"{args.page_size}) and filling the source pages")
     prefix = build_pages(sp, torch, args.layout, args.tokens, args.page_size)
     extra = HiCacheStorageExtraInfo()
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="kvtier-bench-sglang-"))   # removed below unless given
+    directory.mkdir(parents=True, exist_ok=True)
     try:
         for store in args.stores:
             spec = None
