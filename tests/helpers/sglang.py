@@ -31,6 +31,7 @@ from helpers.sglang_pools import (  # noqa: F401 (the tests' names for them)
     pages_at,
     place_torchvision,
     poison_pages,
+    reads_back,
     restore_pages,
     store_pages,
 )

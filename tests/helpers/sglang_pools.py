@@ -248,3 +248,11 @@ def store_pages(backend: Any, host_pool: Any, pages: int = 4,
     poison_pages(host_pool, indices)
     assert page_bytes(host_pool, indices) != written
     return keys, indices, written
+
+
+def reads_back(backend: Any, host_pool: Any, keys: list[str], indices: torch.Tensor, expected: list[bytes]) -> bool:
+    """Poison the slots of ``indices``, read ``keys`` into them with ``batch_get_v1``: whether every page was a hit
+    and the slots hold ``expected`` byte for byte."""
+    poison_pages(host_pool, indices)
+    hits = backend.batch_get_v1(keys, indices)
+    return hits == [True] * len(keys) and page_bytes(host_pool, indices) == expected
