@@ -1,0 +1,34 @@
+"""Fixtures of the vLLM connector's tests: vLLM's scheduler and a model-runner stand-in over the emulated runtime
+(split and unified), built per test and closed after it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from helpers import vllm_engine as ve
+
+
+@pytest.fixture(autouse=True)
+def _vllm() -> None:
+    ve.need_vllm()
+
+
+@pytest.fixture(params=["emulated:split", "emulated:unified"])
+def engines(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.MonkeyPatch
+            ) -> Iterator[Callable[..., Any]]:
+    """``engines(extra, **config)``: an Engine of vLLM's scheduler and kvtier's connector with ``extra`` as the
+    connector's extra config; every one is closed after the test."""
+    monkeypatch.setenv("KVTIER_RUNTIME", request.param)
+    made: list[Any] = []
+
+    def build(extra: dict[str, Any] | None = None, *, blocks: int = 96, **config: Any) -> Any:
+        options = {"host_tokens": 2048, "io_backend": "direct", **(extra or {})}
+        engine = ve.Engine(ve.vllm_config(ve.model_dir(tmp_path), options, **config), blocks=blocks)
+        made.append(engine)
+        return engine
+
+    yield build
+    for engine in made:
+        engine.close()
