@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -257,13 +258,17 @@ class Engine:
     def _next_token(req: Any) -> int:
         return 100 + (len(req.all_token_ids) * 7) % 1000
 
-    def run(self, limit: int = 200) -> None:
-        """Step until every request has finished and every transfer is settled."""
-        for _ in range(limit):
-            if not self.scheduler.has_requests() and not self.worker.worker.busy():
-                self.step()
-                return
+    def run(self, seconds: float = 60.0) -> None:
+        """Step until every request has finished and every transfer is settled, as vLLM's engine loop keeps
+        stepping (idle steps included) while transfers are in flight."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            idle = not self.scheduler.has_requests() and not self.worker.worker.busy()
             self.step()
+            if idle:
+                return
+            if not self.outputs[-1].total_num_scheduled_tokens:
+                time.sleep(0.001)
         raise AssertionError("the requests did not finish")
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ until the save is done. A block whose key the host tier already has (or is filli
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,10 +27,12 @@ from kvtier.cache.rates import read_beats_recompute, storage_read_gbps
 from kvtier.integrations.vllm.host_index import READING, WRITING, HostIndex
 from kvtier.integrations.vllm.jobs import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.integrations.vllm.settings import ConnectorSettings, Deployment, rank_keys
+from kvtier.integrations.vllm.stores import OpenStores
 from kvtier.keys import Namespace, chain_keys
-from kvtier.storage import StorageBackend, open_store
 
 log = logging.getLogger("kvtier.vllm")
+
+UNREADABLE_KEYS = 1 << 16
 
 
 @dataclass
@@ -96,10 +99,11 @@ class SchedulerSide:
         self._awaiting: set[str] = set()
         self._namespaces: dict[tuple[str | None, str | None], Namespace] = {}
         self.counters = Counters()
-        self.store: StorageBackend | None = None
-        if settings.store:
-            self.store = open_store(settings.store, deployment.namespace(), layout=settings.host_layout,
-                                    **settings.store_options)
+        self.unreadable: OrderedDict[bytes, None] = OrderedDict()
+        """Keys whose stored page failed to read (missing or failing its checks): never offered again, so vLLM's
+        recompute of them does not loop back into the same failed load."""
+        self.stores = (OpenStores(settings.store, settings.store_options, settings.host_layout)
+                       if settings.store else None)
 
     # -- requests ---------------------------------------------------------------------------------------------------
     def namespace(self, adapter: str | None, salt: str | None) -> Namespace:
@@ -143,7 +147,7 @@ class SchedulerSide:
             self.counters.declined_tokens += (host_end - start) * page
             return 0, False
         end = host_end
-        if self.store is not None and host_end < limit:
+        if self.stores is not None and host_end < limit:
             stored = self._stored(tracked, keys, host_end)
             if stored and read_beats_recompute(stored * page, stored * self.page_bytes, rate, self._storage_gbps(),
                                                self.settings.load_gbps):
@@ -160,20 +164,22 @@ class SchedulerSide:
         """How many blocks from ``start`` every rank has in storage (asked once per request and start)."""
         if tracked.stored is not None and tracked.stored[0] == start:
             return tracked.stored[1]
-        assert self.store is not None
+        assert self.stores is not None
         logical, wanted = tracked.namespace, keys[start:]
         count = len(wanted)
         for rank in range(1 if self.deployment.is_mla else self.deployment.tp_size):
             if not count:
                 break
             rank_space = self.deployment.on_rank(rank).namespace(tracked.adapter, tracked.salt)
-            count = min(count, self.store.exists(rank_keys(wanted[:count], logical, rank_space)))
+            store, _ = self.stores.get(rank_space)
+            count = min(count, store.exists(rank_keys(wanted[:count], logical, rank_space)))
+        count = next((i for i, key in enumerate(wanted[:count]) if key in self.unreadable), count)
         tracked.stored = (start, count)
         return count
 
     def _storage_gbps(self) -> float | None:
-        assert self.store is not None
-        return storage_read_gbps(self.store.stats(), self.settings.storage_gbps)
+        store = self.stores.first() if self.stores is not None else None
+        return storage_read_gbps(store.stats() if store is not None else {}, self.settings.storage_gbps)
 
     def allocated(self, request: Any, block_ids: list[int], external_tokens: int) -> None:
         """vLLM's ``update_state_after_alloc``: the request's blocks, and (when ``external_tokens``) the load of the
@@ -313,6 +319,11 @@ class SchedulerSide:
                 read = max(0, ok - job.host)
                 self.index.commit(job.keys[:read])
                 self.index.drop(job.keys[read:])
+                if read < len(job.keys):
+                    self._unreadable(job.keys[read])
+                    tracked = self.tracked.get(job.request)
+                    if tracked is not None:
+                        tracked.stored = None
             elif isinstance(job, SaveJob):
                 self._settle_save(job, ok)
 
@@ -323,6 +334,11 @@ class SchedulerSide:
         tracked = self.tracked.get(job.request)
         if tracked is not None:
             tracked.saves.discard(job.job)
+
+    def _unreadable(self, key: bytes) -> None:
+        self.unreadable[key] = None
+        while len(self.unreadable) > UNREADABLE_KEYS:
+            self.unreadable.popitem(last=False)
 
     def take_counters(self) -> dict[str, int]:
         """The counters since the last call (vLLM's stats interval), then zeroed."""
@@ -336,5 +352,5 @@ class SchedulerSide:
         return True
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
+        if self.stores is not None:
+            self.stores.close()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,18 +23,15 @@ from typing import Any
 from kvtier.integrations.vllm.jobs import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.integrations.vllm.kv_tensors import device_pool_of
 from kvtier.integrations.vllm.settings import ConnectorSettings, Deployment, rank_keys
-from kvtier.locks import named_lock
+from kvtier.integrations.vllm.stores import OpenStores
 from kvtier.pools import HostPool
 from kvtier.runtime import Runtime
-from kvtier.storage import HostPages, StorageBackend, open_store
+from kvtier.storage import HostPages, StorageBackend
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.completion import Transfer
 from kvtier.transfer.ordering import CURRENT, after_events
 
 log = logging.getLogger("kvtier.vllm")
-
-OPEN_STORES = 8
-"""Stores kept open at once, one per namespace (adapter, salt) in use; the least recently used one closes."""
 
 READ_CHUNK_PAGES = 32
 """Pages read from storage between two checks of the timeout prefetch policy's deadline."""
@@ -65,8 +61,7 @@ class WorkerSide:
         self.device_pool: Any = None
         self.host_pool: HostPool | None = None
         self.engine: TransferEngine | None = None
-        self._stores: OrderedDict[bytes, tuple[StorageBackend, HostPages]] = OrderedDict()
-        self._stores_lock = named_lock("vllm.stores")
+        self.stores: OpenStores | None = None
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-vllm-io")
         self._step_load: Transfer | None = None
         self._inflight: list[InFlight] = []
@@ -88,29 +83,22 @@ class WorkerSide:
             self.host_pool = HostPool.allocate(geometry, self.settings.host_layout, pages=pages,
                                                kind=self.settings.host_kind, runtime=self.runtime)
             self.engine = TransferEngine(self.device_pool, self.host_pool, backend=self.settings.io_backend)
+            if self.settings.store:
+                self.stores = OpenStores(self.settings.store, self.settings.store_options, self.settings.host_layout,
+                                         self.host_pool)
         except BaseException:
             self.close()
             raise
 
     def _store(self, adapter: str | None, salt: str | None) -> tuple[StorageBackend, HostPages, list[Any]]:
-        """This rank's store of a request's namespace (opened on first use), its page views, and the namespaces to
-        turn logical keys into this rank's keys."""
-        assert self.settings.store and self.host_pool is not None
+        """This rank's store of a request's namespace, its page views, and the namespaces that turn logical keys
+        into this rank's keys."""
+        assert self.stores is not None
         logical = self.deployment.on_rank(0).namespace(adapter, salt)
         mine = self.deployment.namespace(adapter, salt)
-        with self._stores_lock:
-            held = self._stores.get(mine.digest)
-            if held is None:
-                store = open_store(self.settings.store, mine, layout=self.settings.host_layout,
-                                   **self.settings.store_options)
-                held = (store, HostPages(self.host_pool, store))
-                self._stores[mine.digest] = held
-                while len(self._stores) > OPEN_STORES:
-                    _, (old, pages) = self._stores.popitem(last=False)
-                    pages.close()
-                    old.close()
-            self._stores.move_to_end(mine.digest)
-        return held[0], held[1], [logical, mine]
+        store, pages = self.stores.get(mine)
+        assert pages is not None
+        return store, pages, [logical, mine]
 
     # -- loads ------------------------------------------------------------------------------------------------------
     def start_load(self, meta: KVTierMetadata) -> None:
@@ -273,10 +261,8 @@ class WorkerSide:
             if flight.transfer is not None:
                 flight.transfer.wait()
         self._inflight = []
-        for store, pages in self._stores.values():
-            pages.close()
-            store.close()
-        self._stores.clear()
+        if self.stores is not None:
+            self.stores.close()
         for resource in (self.engine, self.host_pool, self.device_pool):
             if resource is not None:
                 resource.close()

@@ -1,21 +1,186 @@
-"""kvtier's connector inside vLLM's real scheduler: prefixes saved to the host tier come back into new blocks,
-byte for byte, once vLLM's own prefix cache has dropped them."""
+"""kvtier's connector inside vLLM's real scheduler: prefixes saved to the host tier or to storage come back into new
+blocks, byte for byte (the model stand-in checks every computed block), once vLLM's own prefix cache has dropped them;
+namespaces keep salts, adapters and models apart; failed loads are recomputed; aborted loads leave nothing pinned."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 from helpers import vllm_engine as ve
 
 
-def test_a_prefix_saved_to_host_is_loaded_into_new_blocks_byte_for_byte(engines) -> None:
+def _loads(engine, req) -> list:
+    return [job for job in engine.loaded_jobs if job.request == req.request_id]
+
+
+def _settled(engine) -> None:
+    """Nothing pinned, nothing in flight, the index consistent, vLLM's scheduler empty."""
+    side = engine.connector.scheduler
+    side.index.check()
+    assert all(entry.pins == 0 for entry in side.index.entries.values())
+    assert not side.jobs and not engine.worker.worker.busy()
+    assert not engine.scheduler.requests
+
+
+def test_the_factory_builds_the_connector_from_its_module_path(engines) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvtier.integrations.vllm import KVTierConnector
+
     engine = engines()
-    first = engine.add(ve.request(ve.prompt(1, 200)))
+    assert KVConnectorFactory.get_connector_class(engine.config.kv_transfer_config) is KVTierConnector
+    assert isinstance(engine.connector, KVTierConnector) and isinstance(engine.worker, KVTierConnector)
+
+
+def test_a_prefix_saved_to_host_is_loaded_layer_by_layer_into_new_blocks(engines) -> None:
+    engine = engines()
+    engine.add(ve.request(ve.prompt(1, 200)))
     engine.run()
-    assert engine.connector.scheduler.index.match(engine.connector.scheduler.tracked.get(first.request_id).keys
-                                                  if first.request_id in engine.connector.scheduler.tracked else [],
-                                                  0) == 0
+    assert engine.connector.scheduler.index.entries, "the first request's blocks were not saved"
     assert engine.scheduler.reset_prefix_cache()
     second = engine.add(ve.request(ve.prompt(1, 200)[:160] + ve.prompt(2, 60)))
     engine.run()
-    loads = [job for job in engine.loaded_jobs if job.request == second.request_id]
-    assert len(loads) == 1 and len(loads[0].blocks) == 10 and not loads[0].asynchronous
+    (load,) = _loads(engine, second)
+    assert len(load.blocks) == 10 and load.host == 10 and not load.asynchronous
     assert engine.checked_blocks > 0
+    _settled(engine)
+
+
+def test_a_prompt_that_shares_no_whole_block_loads_nothing(engines) -> None:
+    engine = engines()
+    engine.add(ve.request(ve.prompt(1, 100)))
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    other = engine.add(ve.request(ve.prompt(1, 100)[:15] + ve.prompt(3, 85)))
+    engine.run()
+    assert not _loads(engine, other)
+
+
+def test_vllms_own_prefix_cache_hit_is_not_loaded_again(engines) -> None:
+    engine = engines()
+    engine.add(ve.request(ve.prompt(1, 160)))
+    engine.run()
+    again = engine.add(ve.request(ve.prompt(1, 160)))
+    engine.run()
+    assert not _loads(engine, again)
+
+
+@pytest.mark.parametrize("change", ["salt", "adapter", "model"])
+def test_salts_adapters_and_models_never_share_pages(engines, tmp_path, change) -> None:
+    store = f"file:{tmp_path / 'store'}"
+    first = engines({"store": store})
+    tokens = ve.prompt(4, 130)
+    first.add(ve.request(tokens, salt="a", lora="x"))
+    first.run()
+    config = {"model": "another-model"} if change == "model" else {}
+    second = engines({"store": store}, **config)
+    salt, lora = ("b" if change == "salt" else "a"), ("y" if change == "adapter" else "x")
+    req = second.add(ve.request(tokens, salt=salt, lora=lora))
+    second.run()
+    assert not _loads(second, req)
+    same = second.add(ve.request(tokens, salt="a", lora="x")) if change != "model" else None
+    if same is not None:
+        second.run()
+        assert _loads(second, same), "the same salt and adapter should have found the stored pages"
+
+
+def test_a_prefix_in_storage_loads_asynchronously_into_another_instance(engines, tmp_path) -> None:
+    store = f"file:{tmp_path / 'store'}"
+    writer = engines({"store": store})
+    tokens = ve.prompt(5, 300)
+    writer.add(ve.request(tokens))
+    writer.run()
+    reader = engines({"store": store})
+    req = reader.add(ve.request(tokens[:288] + ve.prompt(6, 40)))
+    reader.run()
+    (load,) = _loads(reader, req)
+    assert load.asynchronous and load.host == 0 and len(load.pages) == 18
+    assert reader.checked_blocks >= 18 * 4
+    _settled(reader)
+    again = reader.add(ve.request(tokens[:288] + ve.prompt(7, 40)))   # now in this instance's host tier
+    assert reader.scheduler.reset_prefix_cache()
+    reader.run()
+    (host,) = _loads(reader, again)
+    assert host.host == 18 and not host.asynchronous
+
+
+def test_a_stored_page_that_fails_its_check_is_recomputed_not_used(engines, tmp_path) -> None:
+    root = tmp_path / "store"
+    writer = engines({"store": f"file:{root}"})
+    tokens = ve.prompt(8, 200)
+    writer.add(ve.request(tokens))
+    writer.run()
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.stat().st_size > 4096)
+    assert files
+    for path in files:                       # flip a payload byte of every stored page
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    reader = engines({"store": f"file:{root}"})
+    req = reader.add(ve.request(tokens[:192] + ve.prompt(9, 30)))
+    reader.run()
+    loads = _loads(reader, req)
+    assert loads and all(job.asynchronous for job in loads)
+    assert reader.connector.scheduler.index.entries            # recomputed blocks were saved again
+    _settled(reader)
+
+
+def test_a_request_aborted_mid_load_leaves_no_pin_behind(engines, tmp_path) -> None:
+    from vllm.v1.request import RequestStatus
+
+    store = f"file:{tmp_path / 'store'}"
+    writer = engines({"store": store})
+    tokens = ve.prompt(10, 400)
+    writer.add(ve.request(tokens))
+    writer.run()
+    reader = engines({"store": store})
+    req = reader.add(ve.request(tokens))
+    reader.step()                                               # the load is queued and starts
+    assert _loads(reader, req)
+    reader.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+    reader.run()
+    _settled(reader)
+
+
+def test_write_back_saves_a_request_when_it_finishes(engines) -> None:
+    engine = engines({"write_policy": "write_back"})
+    req = engine.add(ve.request(ve.prompt(11, 120), max_tokens=3))
+    engine.step()
+    assert not engine.connector.scheduler.index.entries        # nothing saved while it runs
+    engine.run()
+    assert len(engine.connector.scheduler.index.entries) == (120 + 3 - 1) // 16
+    assert engine.scheduler.reset_prefix_cache()
+    again = engine.add(ve.request(ve.prompt(11, 120)))
+    engine.run()
+    assert _loads(engine, again)
+    del req
+
+
+def test_a_full_host_pool_evicts_the_least_recent_prefix(engines) -> None:
+    engine = engines({"host_tokens": 16 * 20})
+    for seed in (12, 13, 14):
+        engine.add(ve.request(ve.prompt(seed, 160)))
+        engine.run()
+    side = engine.connector.scheduler
+    assert side.index.allocator.used_pages <= 20
+    side.index.check()
+    assert engine.scheduler.reset_prefix_cache()
+    newest = engine.add(ve.request(ve.prompt(14, 160)))
+    engine.run()
+    assert _loads(engine, newest)
+
+
+@pytest.mark.skipif(os.cpu_count() is None, reason="never")
+def test_many_requests_with_shared_prefixes_are_served_in_one_batch(engines) -> None:
+    engine = engines(blocks=256, batched_tokens=256)
+    system = ve.prompt(15, 64)
+    for seed in range(6):
+        engine.add(ve.request(ve.prompt(100 + seed, 150, system)))
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    for seed in range(6):
+        engine.add(ve.request(ve.prompt(100 + seed, 150, system)[:144] + ve.prompt(200 + seed, 20)))
+    engine.run()
+    assert engine.checked_blocks > 0
+    _settled(engine)
