@@ -102,13 +102,13 @@ def request(tokens: list[int], *, max_tokens: int = 4, salt: str | None = None, 
                    block_hasher=get_request_block_hasher(16, sha256))
 
 
-def prompt(seed: int, length: int, prefix: list[int] | None = None) -> list[int]:
+def tokens_of(seed: int, length: int, prefix: list[int] | None = None) -> list[int]:
     rng = np.random.default_rng(seed)
     head = list(prefix or [])
     return head + rng.integers(3, 30000, length - len(head)).tolist()
 
 
-class Engine:
+class VllmHarness:
     """A scheduler, its connector, one worker's connector over emulated KV tensors, and the model stand-in."""
 
     def __init__(self, config: Any, blocks: int = 96) -> None:

@@ -15,8 +15,8 @@ until the save is done. A block whose key the host tier already has (or is filli
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -18,7 +18,7 @@ def _vllm() -> None:
 @pytest.fixture(params=["emulated:split", "emulated:unified"])
 def engines(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.MonkeyPatch
             ) -> Iterator[Callable[..., Any]]:
-    """``engines(extra, **config)``: an Engine of vLLM's scheduler and kvtier's connector with ``extra`` as the
+    """``engines(extra, **config)``: a VllmHarness of vLLM's scheduler and kvtier's connector with ``extra`` as the
     connector's extra config; every one is closed after the test."""
     monkeypatch.setenv("KVTIER_RUNTIME", request.param)
     made: list[Any] = []
@@ -27,7 +27,7 @@ def engines(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.Monkey
         """``model``: the directory name of the model (another name is another model, with the same shape)."""
         options = {"host_tokens": 2048, "io_backend": "direct", **(extra or {})}
         (tmp_path / model).mkdir(exist_ok=True)
-        engine = ve.Engine(ve.vllm_config(ve.model_dir(tmp_path / model), options, **config), blocks=blocks)
+        engine = ve.VllmHarness(ve.vllm_config(ve.model_dir(tmp_path / model), options, **config), blocks=blocks)
         made.append(engine)
         return engine
 

@@ -35,11 +35,11 @@ def test_the_factory_builds_the_connector_from_its_module_path(engines) -> None:
 
 def test_a_prefix_saved_to_host_is_loaded_layer_by_layer_into_new_blocks(engines) -> None:
     engine = engines()
-    engine.add(ve.request(ve.prompt(1, 200)))
+    engine.add(ve.request(ve.tokens_of(1, 200)))
     engine.run()
     assert engine.connector.scheduler.index.entries, "the first request's blocks were not saved"
     assert engine.scheduler.reset_prefix_cache()
-    second = engine.add(ve.request(ve.prompt(1, 200)[:160] + ve.prompt(2, 60)))
+    second = engine.add(ve.request(ve.tokens_of(1, 200)[:160] + ve.tokens_of(2, 60)))
     engine.run()
     (load,) = _loads(engine, second)
     assert len(load.blocks) == 10 and load.host == 10 and not load.asynchronous
@@ -49,19 +49,19 @@ def test_a_prefix_saved_to_host_is_loaded_layer_by_layer_into_new_blocks(engines
 
 def test_a_prompt_that_shares_no_whole_block_loads_nothing(engines) -> None:
     engine = engines()
-    engine.add(ve.request(ve.prompt(1, 100)))
+    engine.add(ve.request(ve.tokens_of(1, 100)))
     engine.run()
     assert engine.scheduler.reset_prefix_cache()
-    other = engine.add(ve.request(ve.prompt(1, 100)[:15] + ve.prompt(3, 85)))
+    other = engine.add(ve.request(ve.tokens_of(1, 100)[:15] + ve.tokens_of(3, 85)))
     engine.run()
     assert not _loads(engine, other)
 
 
 def test_vllms_own_prefix_cache_hit_is_not_loaded_again(engines) -> None:
     engine = engines()
-    engine.add(ve.request(ve.prompt(1, 160)))
+    engine.add(ve.request(ve.tokens_of(1, 160)))
     engine.run()
-    again = engine.add(ve.request(ve.prompt(1, 160)))
+    again = engine.add(ve.request(ve.tokens_of(1, 160)))
     engine.run()
     assert not _loads(engine, again)
 
@@ -70,7 +70,7 @@ def test_vllms_own_prefix_cache_hit_is_not_loaded_again(engines) -> None:
 def test_salts_adapters_and_models_never_share_pages(engines, tmp_path, change) -> None:
     store = f"file:{tmp_path / 'store'}"
     first = engines({"store": store})
-    tokens = ve.prompt(4, 130)
+    tokens = ve.tokens_of(4, 130)
     first.add(ve.request(tokens, salt="a", lora="x"))
     first.run()
     config = {"model": "another-model"} if change == "model" else {}
@@ -88,17 +88,17 @@ def test_salts_adapters_and_models_never_share_pages(engines, tmp_path, change) 
 def test_a_prefix_in_storage_loads_asynchronously_into_another_instance(engines, tmp_path) -> None:
     store = f"file:{tmp_path / 'store'}"
     writer = engines({"store": store})
-    tokens = ve.prompt(5, 300)
+    tokens = ve.tokens_of(5, 300)
     writer.add(ve.request(tokens))
     writer.run()
     reader = engines({"store": store})
-    req = reader.add(ve.request(tokens[:288] + ve.prompt(6, 40)))
+    req = reader.add(ve.request(tokens[:288] + ve.tokens_of(6, 40)))
     reader.run()
     (load,) = _loads(reader, req)
     assert load.asynchronous and load.host == 0 and len(load.pages) == 18
     assert reader.checked_blocks >= 18 * 4
     _settled(reader)
-    again = reader.add(ve.request(tokens[:288] + ve.prompt(7, 40)))   # now in this instance's host tier
+    again = reader.add(ve.request(tokens[:288] + ve.tokens_of(7, 40)))   # now in this instance's host tier
     assert reader.scheduler.reset_prefix_cache()
     reader.run()
     (host,) = _loads(reader, again)
@@ -108,7 +108,7 @@ def test_a_prefix_in_storage_loads_asynchronously_into_another_instance(engines,
 def test_a_stored_page_that_fails_its_check_is_recomputed_not_used(engines, tmp_path) -> None:
     root = tmp_path / "store"
     writer = engines({"store": f"file:{root}"})
-    tokens = ve.prompt(8, 200)
+    tokens = ve.tokens_of(8, 200)
     writer.add(ve.request(tokens))
     writer.run()
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.stat().st_size > 4096)
@@ -118,7 +118,7 @@ def test_a_stored_page_that_fails_its_check_is_recomputed_not_used(engines, tmp_
         data[-100] ^= 0xFF
         path.write_bytes(bytes(data))
     reader = engines({"store": f"file:{root}"})
-    req = reader.add(ve.request(tokens[:192] + ve.prompt(9, 30)))
+    req = reader.add(ve.request(tokens[:192] + ve.tokens_of(9, 30)))
     reader.run()
     loads = _loads(reader, req)
     assert loads and all(job.asynchronous for job in loads)
@@ -131,7 +131,7 @@ def test_a_request_aborted_mid_load_leaves_no_pin_behind(engines, tmp_path) -> N
 
     store = f"file:{tmp_path / 'store'}"
     writer = engines({"store": store})
-    tokens = ve.prompt(10, 400)
+    tokens = ve.tokens_of(10, 400)
     writer.add(ve.request(tokens))
     writer.run()
     reader = engines({"store": store})
@@ -145,13 +145,13 @@ def test_a_request_aborted_mid_load_leaves_no_pin_behind(engines, tmp_path) -> N
 
 def test_write_back_saves_a_request_when_it_finishes(engines) -> None:
     engine = engines({"write_policy": "write_back"})
-    req = engine.add(ve.request(ve.prompt(11, 120), max_tokens=3))
+    req = engine.add(ve.request(ve.tokens_of(11, 120), max_tokens=3))
     engine.step()
     assert not engine.connector.scheduler.index.entries        # nothing saved while it runs
     engine.run()
     assert len(engine.connector.scheduler.index.entries) == (120 + 3 - 1) // 16
     assert engine.scheduler.reset_prefix_cache()
-    again = engine.add(ve.request(ve.prompt(11, 120)))
+    again = engine.add(ve.request(ve.tokens_of(11, 120)))
     engine.run()
     assert _loads(engine, again)
     del req
@@ -160,13 +160,13 @@ def test_write_back_saves_a_request_when_it_finishes(engines) -> None:
 def test_a_full_host_pool_evicts_the_least_recent_prefix(engines) -> None:
     engine = engines({"host_tokens": 16 * 20})
     for seed in (12, 13, 14):
-        engine.add(ve.request(ve.prompt(seed, 160)))
+        engine.add(ve.request(ve.tokens_of(seed, 160)))
         engine.run()
     side = engine.connector.scheduler
     assert side.index.allocator.used_pages <= 20
     side.index.check()
     assert engine.scheduler.reset_prefix_cache()
-    newest = engine.add(ve.request(ve.prompt(14, 160)))
+    newest = engine.add(ve.request(ve.tokens_of(14, 160)))
     engine.run()
     assert _loads(engine, newest)
 
@@ -174,13 +174,13 @@ def test_a_full_host_pool_evicts_the_least_recent_prefix(engines) -> None:
 @pytest.mark.skipif(os.cpu_count() is None, reason="never")
 def test_many_requests_with_shared_prefixes_are_served_in_one_batch(engines) -> None:
     engine = engines(blocks=256, batched_tokens=256)
-    system = ve.prompt(15, 64)
+    system = ve.tokens_of(15, 64)
     for seed in range(6):
-        engine.add(ve.request(ve.prompt(100 + seed, 150, system)))
+        engine.add(ve.request(ve.tokens_of(100 + seed, 150, system)))
     engine.run()
     assert engine.scheduler.reset_prefix_cache()
     for seed in range(6):
-        engine.add(ve.request(ve.prompt(100 + seed, 150, system)[:144] + ve.prompt(200 + seed, 20)))
+        engine.add(ve.request(ve.tokens_of(100 + seed, 150, system)[:144] + ve.tokens_of(200 + seed, 20)))
     engine.run()
     assert engine.checked_blocks > 0
     _settled(engine)
