@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.integrations.vllm.jobs import KVTierMetadata
+from kvtier.integrations.vllm.messages import KVTierMetadata, KVTierWorkerMeta
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.settings import ConnectorSettings, deployment_of
 from kvtier.integrations.vllm.stats import KVTierConnectorStats
@@ -135,7 +135,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> Any:
         assert self.worker is not None
-        return self.worker.worker_meta()
+        reports = self.worker.worker_meta()
+        return KVTierWorkerMeta(reports.done) if reports is not None else None
 
     def shutdown(self) -> None:
         if self.worker is not None:

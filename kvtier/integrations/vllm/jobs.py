@@ -5,13 +5,14 @@ the storage part of them into their pages first, for an asynchronous load); a sa
 writes them on to storage). Every worker does every job on its own shard and reports each job once it is finished,
 with how many of its pages made it (``KVTierWorkerMeta``); vLLM sums the reports of all workers before the scheduler
 sees them, and a job is settled when every worker has reported it, by the fewest pages any worker managed.
+
+These are plain classes, so the worker side runs without vLLM (the GPU harness drives it so); ``messages.py`` makes
+them vLLM's metadata types.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -47,7 +48,7 @@ class SaveJob:
 
 
 @dataclass
-class KVTierMetadata(KVConnectorMetadata):
+class StepJobs:
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     awaiting: set[str] = field(default_factory=set)
@@ -55,14 +56,13 @@ class KVTierMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+class JobReports:
     done: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Job -> (workers that finished it, the fewest pages any of them completed)."""
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMeta:
-        assert isinstance(other, KVTierWorkerMeta)
+    def aggregate(self, other: JobReports) -> JobReports:
         merged = dict(self.done)
         for job, (count, ok) in other.done.items():
             have = merged.get(job)
             merged[job] = (count, ok) if have is None else (have[0] + count, min(have[1], ok))
-        return KVTierWorkerMeta(merged)
+        return type(self)(merged)

@@ -25,7 +25,8 @@ import numpy as np
 from kvtier.cache import WritePolicy
 from kvtier.cache.rates import read_beats_recompute, storage_read_gbps
 from kvtier.integrations.vllm.host_index import READING, WRITING, HostIndex
-from kvtier.integrations.vllm.jobs import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
+from kvtier.integrations.vllm.jobs import JobReports, LoadJob, SaveJob
+from kvtier.integrations.vllm.messages import KVTierMetadata
 from kvtier.integrations.vllm.settings import ConnectorSettings, Deployment, rank_keys
 from kvtier.integrations.vllm.stores import OpenStores
 from kvtier.keys import Namespace, chain_keys
@@ -304,7 +305,7 @@ class SchedulerSide:
     def reported(self, output: Any) -> None:
         """vLLM's ``update_connector_output``: settle the jobs every worker has finished."""
         meta = getattr(output, "kv_connector_worker_meta", None)
-        if not isinstance(meta, KVTierWorkerMeta):
+        if not isinstance(meta, JobReports):
             return
         for job_id, (count, ok) in meta.done.items():
             have = self._reports.get(job_id)

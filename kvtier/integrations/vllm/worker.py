@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.integrations.vllm.jobs import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
+from kvtier.integrations.vllm.jobs import JobReports, LoadJob, SaveJob, StepJobs
 from kvtier.integrations.vllm.kv_tensors import device_pool_of
 from kvtier.integrations.vllm.settings import ConnectorSettings, Deployment, rank_keys
 from kvtier.integrations.vllm.stores import OpenStores
@@ -101,7 +101,7 @@ class WorkerSide:
         return store, pages, [logical, mine]
 
     # -- loads ------------------------------------------------------------------------------------------------------
-    def start_load(self, meta: KVTierMetadata) -> None:
+    def start_load(self, meta: StepJobs) -> None:
         """vLLM's ``start_load_kv``: queue this step's host loads as one layer-wise load, and hand the asynchronous
         ones to the I/O thread (ordered after the compute stream's work so far: their blocks may have been another
         request's a moment ago)."""
@@ -159,7 +159,7 @@ class WorkerSide:
                 self._step_load.stream_wait(layer=layer)
 
     # -- saves ------------------------------------------------------------------------------------------------------
-    def save(self, meta: KVTierMetadata) -> None:
+    def save(self, meta: StepJobs) -> None:
         """vLLM's ``wait_for_save``: one backup of every block this step's saves name, ordered after the forward that
         wrote them; the storage writes follow on the I/O thread."""
         assert self.engine is not None
@@ -232,12 +232,12 @@ class WorkerSide:
         errors, self._errors = self._errors, set()
         return errors
 
-    def worker_meta(self) -> KVTierWorkerMeta | None:
+    def worker_meta(self) -> JobReports | None:
         if not self._finished:
             return None
         done = {job: (1, ok) for job, ok in self._finished.items()}
         self._finished = {}
-        return KVTierWorkerMeta(done)
+        return JobReports(done)
 
     def take_counters(self) -> dict[str, int]:
         """This worker's counters since the last call, then zeroed."""
