@@ -43,7 +43,7 @@ OPTIONS = {
     "storage_gbps": "the store's read rate to judge by until it has measured its own",
     "model": "the model's name in the namespace (default: vLLM's model name or path)",
     "tenant": "a salt that keeps this deployment's pages apart from every other's (default: none)",
-    "min_load_tokens": "hits shorter than this are recomputed rather than loaded (default: one block)",
+    "min_load_tokens": "hits shorter than this are recomputed rather than loaded (default 0)",
 }
 
 
