@@ -4,11 +4,11 @@
 # probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py,
 # TESTS narrows the AOT suite (default: tests), ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane),
-# STORAGE_ARGS to bench/storage.py (MOONCAKE_STORAGE_ARGS in the mooncake phase, DISAGG_ARGS to bench/disagg.py), FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, BOTH_ARGS to bench/bidirectional.py, GEMM_ARGS to bench/gemm_beside.py, SGLANG_ARGS to bench/sglang_compat.py (phase dmaq: bench/dma_queue.py), E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark). The storage phase
+# STORAGE_ARGS to bench/storage.py (MOONCAKE_STORAGE_ARGS in the mooncake phase, DISAGG_ARGS to bench/disagg.py), FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, BOTH_ARGS to bench/bidirectional.py, GEMM_ARGS to bench/gemm_beside.py, SGLANG_ARGS to bench/sglang_compat.py (phase dmaq: bench/dma_queue.py), E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark), VLLM_ARGS to bench/vllm_connector.py --worker (the vLLM connector's worker path). The storage phase
 # needs redis-server on PATH and redis-py importable.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
-PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench both gemm families small enqueue demo cache limits storage mooncake e2e sglang sglang_kernel_tests dmaq"}
+PHASES=${PHASES:-"build tests jit sanitizer spans doctor bench both gemm families small enqueue demo cache limits storage mooncake e2e sglang sglang_kernel_tests dmaq vllm"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export KVTIER_CACHE_DIR=/tmp/kvtier-cache
@@ -151,6 +151,10 @@ if want mooncake; then
     [ -e bench/disagg.py ] && { python3 bench/disagg.py ${DISAGG_ARGS:-} --json "$OUT/disagg.json" 2>&1 | tail -30 \
         | tee "$OUT/disagg.txt" || status=1; }
     bash scripts/mooncake_servers.sh stop "$mooncake_dir"
+fi
+if want vllm; then
+    python3 bench/vllm_connector.py --worker ${VLLM_ARGS:-} --json "$OUT/vllm_connector.json" 2>&1 \
+        | tee "$OUT/vllm_connector.txt" || status=1
 fi
 if want limits; then
     python3 bench/batch_limits.py 2>&1 | tee "$OUT/batch_limits.txt" || status=1

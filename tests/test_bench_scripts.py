@@ -249,3 +249,15 @@ def test_disagg_on_the_emulator(tmp_path):
     assert [r["converts"] for r in data["rows"]] == [False, True, True]
     assert all(r["kvtier_gbps"] > 0 and r["mooncake_gbps"] > 0 and r["verified_pages"] == 16 for r in data["rows"])
     assert data["machine"]["cores"] >= 1 and "kvtier / Mooncake" in done.stdout
+
+
+def test_vllm_connector_scheduler_side_runs_on_the_cpu(tmp_path):
+    from helpers.vllm_engine import need_vllm
+
+    need_vllm()
+    out = tmp_path / "vllm.json"
+    done = run(str(BENCH / "vllm_connector.py"), "--scheduler", "--running", "8", "--steps", "3", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["row"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"no connector", "with kvtier"}
+    assert rows["with kvtier"]["connector_us_per_request"] > 0 == rows["no connector"]["connector_us_per_request"]

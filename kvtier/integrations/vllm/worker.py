@@ -158,6 +158,12 @@ class WorkerSide:
             if layer is not None:
                 self._step_load.stream_wait(layer=layer)
 
+    def wait_step_load(self) -> None:
+        """The current stream waits, on the GPU, for the whole of this step's load (what a connector without
+        layer-wise waits gives: the forward starts when the last layer has landed)."""
+        if self._step_load is not None:
+            self._step_load.stream_wait()
+
     # -- saves ------------------------------------------------------------------------------------------------------
     def save(self, meta: StepJobs) -> None:
         """vLLM's ``wait_for_save``: one backup of every block this step's saves name, ordered after the forward that

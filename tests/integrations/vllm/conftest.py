@@ -10,13 +10,14 @@ import pytest
 from helpers import vllm_engine as ve
 
 
-@pytest.fixture(autouse=True)
-def _vllm() -> None:
+@pytest.fixture
+def vllm() -> None:
+    """vLLM's own modules (a skip without them, a failure in CI)."""
     ve.need_vllm()
 
 
 @pytest.fixture(params=["emulated:split", "emulated:unified"])
-def engines(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.MonkeyPatch
+def engines(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.MonkeyPatch, vllm: None
             ) -> Iterator[Callable[..., Any]]:
     """``engines(extra, **config)``: a VllmHarness of vLLM's scheduler and kvtier's connector with ``extra`` as the
     connector's extra config; every one is closed after the test."""

@@ -35,12 +35,12 @@ def test_the_defaults_serve_without_options() -> None:
     assert settings.host_pages(1 << 20, 16) == 3814
 
 
-def test_vllm_refuses_to_build_it_with_a_bad_option(tmp_path) -> None:
+def test_vllm_refuses_to_build_it_with_a_bad_option(tmp_path, vllm) -> None:
     with pytest.raises(InvalidArgument, match="host_gbs"):
         ve.VllmHarness(ve.vllm_config(ve.model_dir(tmp_path), {"host_gbs": 4}))
 
 
-def test_a_model_with_a_sliding_window_group_is_refused(tmp_path) -> None:
+def test_a_model_with_a_sliding_window_group_is_refused(tmp_path, vllm) -> None:
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
