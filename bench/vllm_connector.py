@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scheduler", action="store_true", help="the scheduler side's cost per step (CPU)")
     parser.add_argument("--runtime", help="kvtier runtime (default: cuda)")
     parser.add_argument("--tokens", type=tokens_arg, default=32 * 1024, help="prefix tokens (default: 32k)")
-    parser.add_argument("--suffixes", default="512,2k", help="suffix tokens whose prefill each layer computes (default: %(default)s)")
+    parser.add_argument("--suffixes", default="512,2k",
+                        help="suffix tokens whose prefill each layer computes (default: %(default)s)")
     parser.add_argument("--backends", type=name_list(["kernel", "direct", "staged", "batch"], "io backend"),
                         default=["kernel", "direct"], help="kvtier io backends (default: kernel,direct)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up (default: 5)")
@@ -96,96 +97,112 @@ class Layer:
         torch.matmul(torch.matmul(self.x, self.up)[:, :self.down.shape[0]], self.down)
 
 
+class Harness:
+    """A worker side over vLLM-layout KV tensors whose first ``pages`` blocks were backed up to host pages ``0..``;
+    each run loads them into the other ``pages`` blocks (poisoned first) and checks them."""
+
+    def __init__(self, args: argparse.Namespace, backend: str, runtime: Any) -> None:
+        import torch
+
+        from kvtier.integrations.vllm.settings import ConnectorSettings, Deployment
+        from kvtier.integrations.vllm.worker import WorkerSide
+        from kvtier.pools import KVGeometry
+
+        self.torch, self.backend = torch, backend
+        layers, heads = (4, 2) if args.tiny else (LAYERS, KV_HEADS)
+        self.pages = pages = args.tokens // BLOCK
+        self.geometry = KVGeometry("k_only", layers, BLOCK, heads * 2 * HEAD * 2, 1)
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        self.physical = [torch.empty((2 * pages, BLOCK, heads, 2 * HEAD), dtype=torch.bfloat16, device="cuda")
+                         for _ in self.names]
+        for tensor in self.physical:
+            tensor[:pages].view(torch.int16).random_(-32768, 32767)
+        self.originals = [tensor[:pages].clone() for tensor in self.physical]
+        kv = {name: tensor.permute(0, 2, 1, 3) for name, tensor in zip(self.names, self.physical, strict=True)}
+        settings = ConnectorSettings(host_tokens=args.tokens, io_backend=backend)
+        deployment = Deployment("bench", self.geometry, "bfloat16", "LBNHC", 0, 1, False)
+        self.worker = WorkerSide(settings, deployment, self.names, runtime)
+        self.worker.register(kv)
+        assert self.worker.engine is not None
+        self.worker.engine.backup(list(range(pages)), list(range(pages))).wait()
+        self.job = 0
+
+    def load(self, layerwise: bool, forward: list[Layer] | None) -> float:
+        """ms from ``start_load_kv`` to the end of the forward (or of the load, without one)."""
+        from kvtier.integrations.vllm.jobs import LoadJob, StepJobs
+
+        torch, worker, pages = self.torch, self.worker, self.pages
+        for tensor in self.physical:
+            tensor[pages:].view(torch.uint8).fill_(0xA7)
+        torch.cuda.synchronize()
+        self.job += 1
+        target = list(range(pages, 2 * pages))
+        meta = StepJobs(loads=[LoadJob(self.job, "bench", target, list(range(pages)), pages, [], [], False)])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        worker.start_load(meta)
+        if forward is None:
+            worker.wait_step_load()
+        for i, name in enumerate(self.names):
+            if forward is not None:
+                if layerwise:
+                    worker.wait_layer(name)
+                elif i == 0:
+                    worker.wait_step_load()
+                forward[i]()
+        end.record()
+        worker.save(StepJobs())
+        torch.cuda.synchronize()
+        while worker.busy():
+            worker.poll()
+        worker.worker_meta()
+        for original, tensor in zip(self.originals, self.physical, strict=True):
+            if not torch.equal(tensor[pages:].view(torch.uint8), original.view(torch.uint8)):
+                raise AssertionError(f"{self.backend}: a loaded block differs from what was backed up")
+        return float(start.elapsed_time(end))
+
+    def compute(self, forward: list[Layer]) -> float:
+        torch = self.torch
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for layer in forward:
+            layer()
+        end.record()
+        torch.cuda.synchronize()
+        return float(start.elapsed_time(end))
+
+    def close(self) -> None:
+        self.worker.close()
+
+
 def worker_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    from kvtier.integrations.vllm.jobs import LoadJob, StepJobs
-    from kvtier.integrations.vllm.settings import ConnectorSettings, Deployment
-    from kvtier.integrations.vllm.worker import WorkerSide
-    from kvtier.pools import KVGeometry
     from kvtier.runtime import get as get_runtime
 
     runtime = get_runtime(args.runtime or "cuda")
-    device = torch.device("cuda", 0)
-    layers, heads = (4, 2) if args.tiny else (LAYERS, KV_HEADS)
-    pages = args.tokens // BLOCK
-    row = heads * 2 * HEAD * 2
-    geometry = KVGeometry("k_only", layers, BLOCK, row, 1)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    physical = [torch.empty((2 * pages, BLOCK, heads, 2 * HEAD), dtype=torch.bfloat16, device=device)
-                for _ in names]
-    kv = {name: tensor.permute(0, 2, 1, 3) for name, tensor in zip(names, physical, strict=True)}   # LBNHC view
-    source, target = list(range(pages)), list(range(pages, 2 * pages))
-    for tensor in physical:
-        tensor[:pages].view(torch.int16).random_(-32768, 32767)
-    originals = [tensor[:pages].clone() for tensor in physical]
     rows: list[dict[str, Any]] = []
     for backend in args.backends:
-        settings = ConnectorSettings(host_tokens=args.tokens, io_backend=backend)
-        worker = WorkerSide(settings, Deployment("bench", geometry, "bfloat16", "LBNHC", 0, 1, False), names, runtime)
-        worker.register(kv)
-        assert worker.engine is not None
-        worker.engine.backup(source, list(range(pages))).wait()
-        job = 0
-
-        def load(layerwise: bool, forward: list[Layer] | None) -> float:
-            nonlocal job
-            for tensor in physical:
-                tensor[pages:].view(torch.uint8).fill_(0xA7)
-            torch.cuda.synchronize()
-            job += 1
-            meta = StepJobs(loads=[LoadJob(job, "bench", target, list(range(pages)), pages, [], [], False)])
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            worker.start_load(meta)
-            if forward is None:
-                worker.wait_step_load()
-            for i, name in enumerate(names):
-                if forward is not None:
-                    if layerwise:
-                        worker.wait_layer(name)
-                    elif i == 0:
-                        worker.wait_step_load()
-                    forward[i]()
-            end.record()
-            worker.save(StepJobs())
-            torch.cuda.synchronize()
-            while worker.busy():
-                worker.poll()
-            worker.worker_meta()
-            for original, tensor in zip(originals, physical, strict=True):
-                if not torch.equal(tensor[pages:].view(torch.uint8), original.view(torch.uint8)):
-                    raise AssertionError(f"{backend}: a loaded block differs from what was backed up")
-            return float(start.elapsed_time(end))
-
-        def compute(forward: list[Layer]) -> float:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for layer in forward:
-                layer()
-            end.record()
-            torch.cuda.synchronize()
-            return float(start.elapsed_time(end))
-
+        harness = Harness(args, backend, runtime)
         try:
-            load_alone = timed(lambda: load(True, None), args.repeats)
+            load_alone = timed(lambda h=harness: h.load(True, None), args.repeats)
             for suffix in args.suffix_list:
-                forward = [Layer(torch, suffix, args.tokens, device, args.tiny) for _ in range(min(2, layers))]
-                forward = [forward[i % len(forward)] for i in range(layers)]
-                alone = timed(lambda f=forward: compute(f), args.repeats)
-                overlap = timed(lambda f=forward: load(True, f), args.repeats)
-                whole = timed(lambda f=forward: load(False, f), args.repeats)
+                shared = [Layer(torch, suffix, args.tokens, "cuda", args.tiny) for _ in range(2)]
+                forward = [shared[i % 2] for i in range(len(harness.names))]
+                alone = timed(lambda h=harness, f=forward: h.compute(f), args.repeats)
+                overlap = timed(lambda h=harness, f=forward: h.load(True, f), args.repeats)
+                whole = timed(lambda h=harness, f=forward: h.load(False, f), args.repeats)
                 bound = max(alone, load_alone)
-                gib = pages * geometry.bytes_per_page / 2**30
+                nbytes = harness.pages * harness.geometry.bytes_per_page
                 for name, ms in (("compute alone", alone), ("load alone", load_alone),
                                  ("kvtier layer-wise", overlap), ("whole load first", whole)):
                     rows.append({"backend": backend, "prefix": args.tokens, "suffix": suffix, "row": name,
-                                 "ms": ms, "bound_ms": bound, "x_bound": ms / bound, "kv_gib": gib,
-                                 "load_gbps": pages * geometry.bytes_per_page / (load_alone * 1e6)})
-                del forward
+                                 "ms": ms, "bound_ms": bound, "x_bound": ms / bound, "kv_gib": nbytes / 2**30,
+                                 "load_gbps": nbytes / (load_alone * 1e6)})
+                del shared, forward
         finally:
-            worker.close()
+            harness.close()
     return rows
 
 
