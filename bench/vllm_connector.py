@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _options import name_list  # noqa: E402
 
@@ -64,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up (default: 5)")
     parser.add_argument("--running", type=int, default=256, help="running requests (--scheduler; default: 256)")
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed (--scheduler; default: 50)")
+    parser.add_argument("--blocks", choices=["scattered", "contiguous"], default="scattered",
+                        help="the vLLM block ids loaded into: a random permutation, as after churn, or one run "
+                             "(default: %(default)s)")
     parser.add_argument("--tiny", action="store_true", help="a small shape (a smoke run, not a speed)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
@@ -126,6 +131,9 @@ class Harness:
         assert self.worker.engine is not None
         self.worker.engine.backup(list(range(pages)), list(range(pages))).wait()
         self.job = 0
+        order = np.random.default_rng(0).permutation(pages) if args.blocks == "scattered" else np.arange(pages)
+        self.target = (pages + order).tolist()
+        self.target_index = torch.tensor(self.target, device="cuda")
 
     def load(self, layerwise: bool, forward: list[Layer] | None) -> float:
         """ms from ``start_load_kv`` to the end of the forward (or of the load, without one)."""
@@ -136,8 +144,7 @@ class Harness:
             tensor[pages:].view(torch.uint8).fill_(0xA7)
         torch.cuda.synchronize()
         self.job += 1
-        target = list(range(pages, 2 * pages))
-        meta = StepJobs(loads=[LoadJob(self.job, "bench", target, list(range(pages)), pages, [], [], False)])
+        meta = StepJobs(loads=[LoadJob(self.job, "bench", self.target, list(range(pages)), pages, [], [], False)])
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         worker.start_load(meta)
@@ -157,7 +164,7 @@ class Harness:
             worker.poll()
         worker.worker_meta()
         for original, tensor in zip(self.originals, self.physical, strict=True):
-            if not torch.equal(tensor[pages:].view(torch.uint8), original.view(torch.uint8)):
+            if not torch.equal(tensor[self.target_index].view(torch.uint8), original.view(torch.uint8)):
                 raise AssertionError(f"{self.backend}: a loaded block differs from what was backed up")
         return float(start.elapsed_time(end))
 
@@ -197,7 +204,8 @@ def worker_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                 nbytes = harness.pages * harness.geometry.bytes_per_page
                 for name, ms in (("compute alone", alone), ("load alone", load_alone),
                                  ("kvtier layer-wise", overlap), ("whole load first", whole)):
-                    rows.append({"backend": backend, "prefix": args.tokens, "suffix": suffix, "row": name,
+                    rows.append({"backend": backend, "blocks": args.blocks, "prefix": args.tokens, "suffix": suffix,
+                                 "row": name,
                                  "ms": ms, "bound_ms": bound, "x_bound": ms / bound, "kv_gib": nbytes / 2**30,
                                  "load_gbps": nbytes / (load_alone * 1e6)})
                 del shared, forward
@@ -291,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker = worker_rows(args)
         rows += worker
-        table = Table(title=f"vLLM connector worker path: {args.tokens:,}-token prefix, Llama-3-8B-shaped KV "
-                            f"({worker[0]['kv_gib']:.2f} GiB)" if worker else "worker path")
+        table = Table(title=f"vLLM connector worker path: {args.tokens:,}-token prefix into {args.blocks} blocks, "
+                            f"Llama-3-8B-shaped KV ({worker[0]['kv_gib']:.2f} GiB)" if worker else "worker path")
         for column in ("backend", "suffix", "row", "ms", "bound ms", "x bound", "load GB/s"):
             table.add_column(column)
         for r in worker:
