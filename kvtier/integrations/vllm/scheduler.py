@@ -229,13 +229,14 @@ class SchedulerSide:
         """vLLM's ``build_connector_meta``: this step's loads, saves of the blocks it completes, and the finished
         requests whose blocks wait for their saves."""
         if self.settings.write_policy is WritePolicy.WRITE_THROUGH:
-            spec = output.scheduled_spec_decode_tokens or {}
+            spec, page = output.scheduled_spec_decode_tokens or {}, self.page_size
             for new in output.scheduled_new_reqs:
                 tracked = self.tracked.get(new.req_id)
                 if tracked is not None:
                     tracked.blocks = list(new.block_ids[0])
                     done = new.num_computed_tokens + output.num_scheduled_tokens.get(new.req_id, 0)
-                    self._save(tracked, done - len(spec.get(new.req_id, ())))
+                    if done // page > tracked.saved:
+                        self._save(tracked, done - len(spec.get(new.req_id, ())))
             cached = output.scheduled_cached_reqs
             for i, req_id in enumerate(cached.req_ids):
                 tracked = self.tracked.get(req_id)
@@ -244,7 +245,8 @@ class SchedulerSide:
                 if cached.new_block_ids[i] is not None:
                     tracked.blocks.extend(cached.new_block_ids[i][0])
                 done = cached.num_computed_tokens[i] + output.num_scheduled_tokens.get(req_id, 0)
-                self._save(tracked, done - len(spec.get(req_id, ())))
+                if done // page > tracked.saved:            # most decode steps complete no block
+                    self._save(tracked, done - len(spec.get(req_id, ())))
         else:
             for new in output.scheduled_new_reqs:
                 if new.req_id in self.tracked:
