@@ -69,14 +69,17 @@ def vllm_config(model: Path, extra: dict[str, Any], *, block_size: int = 16, bat
                       kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))
 
 
-def kv_cache_config(config: Any, blocks: int) -> Any:
-    """One group of full-attention layers as vLLM's FlashAttention backend sizes it for the model config."""
+def kv_cache_config(config: Any, blocks: int, *, mla: bool = False) -> Any:
+    """One group of full-attention layers as vLLM's FlashAttention backend sizes it for the model config (``mla``:
+    DeepSeek's latent cache instead, 512 + 64 values a token)."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
 
     hf = config.model_config.hf_config
-    spec = FullAttentionSpec(block_size=config.cache_config.block_size, num_kv_heads=hf.num_key_value_heads,
-                             head_size=hf.head_dim, dtype=torch.bfloat16)
+    block = config.cache_config.block_size
+    spec = (MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=576, dtype=torch.bfloat16) if mla else
+            FullAttentionSpec(block_size=block, num_kv_heads=hf.num_key_value_heads, head_size=hf.head_dim,
+                              dtype=torch.bfloat16))
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(hf.num_hidden_layers)]
     result = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
     config.cache_config.num_gpu_blocks = blocks
@@ -111,7 +114,7 @@ def tokens_of(seed: int, length: int, prefix: list[int] | None = None) -> list[i
 class VllmHarness:
     """A scheduler, its connector, one worker's connector over emulated KV tensors, and the model stand-in."""
 
-    def __init__(self, config: Any, blocks: int = 96) -> None:
+    def __init__(self, config: Any, blocks: int = 96, *, mla: bool = False) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -120,7 +123,7 @@ class VllmHarness:
         from kvtier.compat.device_array import DeviceArray
         from kvtier.runtime import get as get_runtime
 
-        self.config, self.kv_config = config, kv_cache_config(config, blocks)
+        self.config, self.kv_config = config, kv_cache_config(config, blocks, mla=mla)
         self.block_size = config.cache_config.block_size
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=self.kv_config, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(config),
@@ -129,13 +132,12 @@ class VllmHarness:
         self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kv_config)
         self.runtime = get_runtime()
         group = self.kv_config.kv_cache_groups[0]
-        spec = group.kv_cache_spec
         self.layers = list(group.layer_names)
-        self.page_bytes = spec.page_size_bytes
+        self.page_bytes = group.kv_cache_spec.page_size_bytes
         self.row_bytes = self.page_bytes // self.block_size
         import torch
 
-        shape = (blocks, self.block_size, spec.num_kv_heads, 2 * spec.head_size)   # LBNHC, physical order
+        shape = (blocks, self.block_size, self.row_bytes // 2)     # a block's bytes, in vLLM's physical order
         self.kv = {name: DeviceArray.empty(shape, torch.bfloat16, runtime=self.runtime) for name in self.layers}
         for array in self.kv.values():
             array.buffer.upload(np.full(array.nbytes, 0x5A, np.uint8), 0)
@@ -144,6 +146,8 @@ class VllmHarness:
         self.checked_blocks = 0
         self.loaded_jobs: list[Any] = []
         self.outputs: list[Any] = []
+        self.connector_stats: dict[str, int] = {}
+        self.external_hits = 0
 
     # -- the model stand-in -----------------------------------------------------------------------------------------
     def expected(self, tokens: list[int], start: int, end: int, layer: int) -> np.ndarray:
@@ -237,6 +241,13 @@ class VllmHarness:
         runner = ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, kv_connector_output=connector_output)
         result = self.scheduler.update_from_output(output, runner)
         self.outputs.append(output)
+        for outputs in result.values():                 # what vLLM's stats logger would receive
+            stats = getattr(outputs, "scheduler_stats", None)
+            for name, value in ((getattr(stats, "kv_connector_stats", None) or {}).items()):
+                self.connector_stats[name] = self.connector_stats.get(name, 0) + value
+            prefix = getattr(stats, "connector_prefix_cache_stats", None)
+            if prefix is not None:
+                self.external_hits += prefix.hits
         return result
 
     def _scheduled(self, output: Any) -> list[tuple[str, list[int], int, int]]:

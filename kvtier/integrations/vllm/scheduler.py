@@ -61,6 +61,8 @@ class Tracked:
     plan: Plan | None = None
     stored: tuple[int, int] | None = None
     saves: set[int] = field(default_factory=set)
+    sources: tuple[int, int] = (0, 0)
+    """(host, storage) tokens of its last load."""
 
     def keys_upto(self, pages: int, page_size: int) -> list[bytes]:
         """The logical keys of the first ``pages`` blocks (hashed once: later calls extend the chain)."""
@@ -215,14 +217,13 @@ class SchedulerSide:
         self.counters.storage_hit_tokens += len(storage_keys) * page
         self.jobs[job.job] = (job, host_keys)
         self._loads.append(job)
+        tracked.sources = (job.host * page, len(storage_keys) * page)
         tracked.saved = max(tracked.saved, plan.start + covered)
 
     def hit_sources(self, request: Any) -> tuple[int, int]:
-        """(host, storage) tokens of the request's last load job (vLLM's per-source hit counts)."""
-        for job in reversed(self._loads):
-            if job.request == request.request_id:
-                return job.host * self.page_size, (len(job.pages) - job.host) * self.page_size
-        return 0, 0
+        """(host, storage) tokens of the request's last load (vLLM's per-source hit counts)."""
+        tracked = self.tracked.get(request.request_id)
+        return tracked.sources if tracked is not None else (0, 0)
 
     # -- steps ------------------------------------------------------------------------------------------------------
     def build(self, output: Any) -> KVTierMetadata:

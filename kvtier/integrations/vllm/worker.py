@@ -226,6 +226,11 @@ class WorkerSide:
                 self._errors.update(job.blocks[ok:])
                 if job.asynchronous:
                     self._recving.add(job.request)
+                self._count("loaded_pages", ok)
+                self._count("load_error_blocks", len(job.blocks) - ok)
+                self._count("storage_read_pages", max(0, ok - job.host))
+            else:
+                self._count("backed_up_pages", ok)
             self._finished[job.job] = ok
         self._inflight = still
         busy = {flight.job.request for flight in still if isinstance(flight.job, SaveJob)}

@@ -24,11 +24,13 @@ def engines(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("KVTIER_RUNTIME", request.param)
     made: list[Any] = []
 
-    def build(extra: dict[str, Any] | None = None, *, blocks: int = 96, model: str = "model", **config: Any) -> Any:
+    def build(extra: dict[str, Any] | None = None, *, blocks: int = 96, model: str = "model", mla: bool = False,
+              **config: Any) -> Any:
         """``model``: the directory name of the model (another name is another model, with the same shape)."""
         options = {"host_tokens": 2048, "io_backend": "direct", **(extra or {})}
         (tmp_path / model).mkdir(exist_ok=True)
-        engine = ve.VllmHarness(ve.vllm_config(ve.model_dir(tmp_path / model), options, **config), blocks=blocks)
+        engine = ve.VllmHarness(ve.vllm_config(ve.model_dir(tmp_path / model), options, **config), blocks=blocks,
+                                mla=mla)
         made.append(engine)
         return engine
 

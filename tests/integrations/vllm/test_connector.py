@@ -184,3 +184,34 @@ def test_many_requests_with_shared_prefixes_are_served_in_one_batch(engines) -> 
     engine.run()
     assert engine.checked_blocks > 0
     _settled(engine)
+
+
+def test_an_mla_latent_cache_is_saved_and_loaded(engines) -> None:
+    engine = engines(mla=True)
+    assert engine.connector.scheduler.deployment.is_mla
+    engine.add(ve.request(ve.tokens_of(16, 100)))
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    again = engine.add(ve.request(ve.tokens_of(16, 100)[:96] + ve.tokens_of(17, 10)))
+    engine.run()
+    (load,) = _loads(engine, again)
+    assert len(load.blocks) == 6
+    _settled(engine)
+
+
+def test_hits_reach_vllms_counters_split_by_tier(engines, tmp_path) -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    store = f"file:{tmp_path / 'store'}"
+    writer = engines({"store": store})
+    tokens = ve.tokens_of(18, 200)
+    writer.add(ve.request(tokens))
+    writer.run()
+    assert writer.connector_stats["saved_pages"] == 12 and writer.external_hits == 0
+    reader = engines({"store": store})
+    req = reader.add(ve.request(tokens))
+    reader.step()
+    assert reader.connector.get_external_cache_hit_sources(req, 192) == {CacheHitSource.DISK: 192}
+    reader.run()
+    assert reader.connector_stats["storage_hit_tokens"] == 192 and reader.connector_stats["host_hit_tokens"] == 0
+    assert reader.connector_stats.get("loaded_pages") == 12 and reader.external_hits == 192, reader.connector_stats

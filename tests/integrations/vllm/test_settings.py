@@ -71,3 +71,19 @@ def test_the_host_index_never_evicts_a_pinned_page_or_a_chains_middle() -> None:
     assert index.match(keys) == 1
     assert index.reserve([b"x" * 32], None, WRITING) is None     # every page pinned or writing
     index.check()
+
+
+def test_each_rank_stores_its_shard_under_its_own_keys_and_mla_once() -> None:
+    from kvtier.integrations.vllm.settings import Deployment, rank_keys
+    from kvtier.pools import KVGeometry
+
+    geometry = KVGeometry("k_only", 4, 16, 512, 1)
+    rank0 = Deployment("m", geometry, "bfloat16", "LBNHC", 0, 2, False)
+    rank1 = rank0.on_rank(1)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    assert rank_keys(keys, rank0.namespace(), rank0.namespace()) == keys
+    other = rank_keys(keys, rank0.namespace(), rank1.namespace())
+    assert len(set(other) | set(keys)) == 6 and rank1.writer
+    mla = Deployment("m", KVGeometry("mla", 4, 16, 1152, 1), "bfloat16", "LBNHC", 1, 2, True)
+    assert mla.namespace() == mla.on_rank(0).namespace() and not mla.writer and mla.on_rank(0).writer
+    assert rank0.namespace("lora-a") != rank0.namespace("lora-b") != rank0.namespace(None, "salt")
