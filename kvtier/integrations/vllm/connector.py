@@ -54,7 +54,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         self.scheduler.allocated(request, list(blocks.get_block_ids()[0]), num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
         assert self.scheduler is not None
         if not num_external_tokens:
             return {}

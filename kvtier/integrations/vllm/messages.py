@@ -17,3 +17,8 @@ class KVTierMetadata(StepJobs, KVConnectorMetadata):
 @dataclass
 class KVTierWorkerMeta(JobReports, KVConnectorWorkerMetadata):
     """One worker's finished jobs, summed over the workers by vLLM (``aggregate``) before the scheduler reads them."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMeta:  # type: ignore[override]
+        assert isinstance(other, JobReports), f"cannot aggregate kvtier's job reports with {type(other).__name__}"
+        merged = JobReports.aggregate(self, other)
+        return KVTierWorkerMeta(merged.done)

@@ -22,7 +22,7 @@ from kvtier.errors import InvalidArgument
 from kvtier.keys import Namespace
 from kvtier.memory import HostKind
 from kvtier.pools import KVGeometry
-from kvtier.pools.geometry import HostLayout
+from kvtier.pools.geometry import HostLayout, PoolKind
 
 OPTIONS = {
     "host_gb": "host memory per worker for KV pages, in GB (default 4; or give host_tokens)",
@@ -215,7 +215,7 @@ def deployment_of(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSet
     if page_bytes % block or (page_bytes // block) % 16 or page_bytes // block < 64:
         raise InvalidArgument(f"a {kind} block of {block} tokens takes {page_bytes} bytes: kvtier pages rows of a "
                               "multiple of 16 bytes, at least 64")
-    pool_kind = "mla" if kind == "MLAAttentionSpec" else "k_only"
+    pool_kind = PoolKind.MLA if kind == "MLAAttentionSpec" else PoolKind.K_ONLY
     geometry = KVGeometry(pool_kind, len(layers), block, page_bytes // block, 1)
     dtype = str(spec.dtype).replace("torch.", "")
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
@@ -227,7 +227,7 @@ def deployment_of(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSet
                 "quantization": getattr(model_config, "quantization", None)}
     model = json.dumps(identity, sort_keys=True, separators=(",", ":"))
     tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-    return (Deployment(model, geometry, dtype, layout, tp_rank, tp_size, pool_kind == "mla", settings.tenant),
+    return (Deployment(model, geometry, dtype, layout, tp_rank, tp_size, pool_kind is PoolKind.MLA, settings.tenant),
             layers)
 
 
