@@ -136,7 +136,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> Any:
         assert self.worker is not None
         reports = self.worker.worker_meta()
-        return KVTierWorkerMeta(reports.done) if reports is not None else None
+        return KVTierWorkerMeta(reports.done, reports.unreadable) if reports is not None else None
 
     def shutdown(self) -> None:
         if self.worker is not None:

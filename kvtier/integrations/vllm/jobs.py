@@ -59,10 +59,13 @@ class StepJobs:
 class JobReports:
     done: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Job -> (workers that finished it, the fewest pages any of them completed)."""
+    unreadable: set[int] = field(default_factory=set)
+    """Loads whose storage read stopped at a page that is missing or fails its checks (not at a timeout): the
+    scheduler never offers that page again."""
 
     def aggregate(self, other: JobReports) -> JobReports:
         merged = dict(self.done)
         for job, (count, ok) in other.done.items():
             have = merged.get(job)
             merged[job] = (count, ok) if have is None else (have[0] + count, min(have[1], ok))
-        return type(self)(merged)
+        return type(self)(merged, self.unreadable | other.unreadable)

@@ -21,4 +21,4 @@ class KVTierWorkerMeta(JobReports, KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMeta:  # type: ignore[override]
         assert isinstance(other, JobReports), f"cannot aggregate kvtier's job reports with {type(other).__name__}"
         merged = JobReports.aggregate(self, other)
-        return KVTierWorkerMeta(merged.done)
+        return KVTierWorkerMeta(merged.done, merged.unreadable)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,7 @@ class Counters:
     save_skipped_pages: int = 0
     failed_load_blocks: int = 0
     evicted_pages: int = 0
+    store_errors: int = 0
 
 
 class SchedulerSide:
@@ -102,6 +104,8 @@ class SchedulerSide:
         self._awaiting: set[str] = set()
         self._namespaces: dict[tuple[str | None, str | None], Namespace] = {}
         self.counters = Counters()
+        self._warned = 0.0
+        self._unreadable_jobs: set[int] = set()
         self.unreadable: OrderedDict[bytes, None] = OrderedDict()
         """Keys whose stored page failed to read (missing or failing its checks): never offered again, so vLLM's
         recompute of them does not loop back into the same failed load."""
@@ -151,7 +155,11 @@ class SchedulerSide:
             return 0, False
         end = host_end
         if self.stores is not None and host_end < limit:
-            stored = self._stored(tracked, keys, host_end)
+            try:
+                stored = self._stored(tracked, keys, host_end)
+            except Exception as error:  # noqa: BLE001 - a store that cannot be reached is a miss, never vLLM's crash
+                self._store_failed(error)
+                stored = 0
             if stored and read_beats_recompute(stored * page, stored * self.page_bytes, rate, self._storage_gbps(),
                                                self.settings.load_gbps):
                 end += stored
@@ -310,6 +318,7 @@ class SchedulerSide:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(meta, JobReports):
             return
+        self._unreadable_jobs |= meta.unreadable
         for job_id, (count, ok) in meta.done.items():
             have = self._reports.get(job_id)
             count, ok = (count, ok) if have is None else (have[0] + count, min(have[1], ok))
@@ -323,8 +332,11 @@ class SchedulerSide:
                 read = max(0, ok - job.host)
                 self.index.commit(job.keys[:read])
                 self.index.drop(job.keys[read:])
+                if job_id in self._unreadable_jobs:
+                    self._unreadable_jobs.discard(job_id)
+                    if read < len(job.keys):
+                        self._unreadable(job.keys[read])
                 if read < len(job.keys):
-                    self._unreadable(job.keys[read])
                     tracked = self.tracked.get(job.request)
                     if tracked is not None:
                         tracked.stored = None
@@ -338,6 +350,13 @@ class SchedulerSide:
         tracked = self.tracked.get(job.request)
         if tracked is not None:
             tracked.saves.discard(job.job)
+
+    def _store_failed(self, error: BaseException) -> None:
+        self.counters.store_errors += 1
+        now = time.monotonic()
+        if now - self._warned > 60:
+            self._warned = now
+            log.warning("kvtier: storage lookups fail (%s); they count as misses", error)
 
     def _unreadable(self, key: bytes) -> None:
         self.unreadable[key] = None

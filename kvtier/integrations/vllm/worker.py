@@ -69,6 +69,7 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._recving: set[str] = set()
         self._awaiting: set[str] = set()
+        self._unreadable: set[int] = set()
         self.stats: dict[str, int] = {}
         self._closed = False
 
@@ -132,7 +133,8 @@ class WorkerSide:
 
     def _read_then_load(self, job: LoadJob, after: Any) -> tuple[Transfer | None, int]:
         """I/O thread: read the storage part of ``job`` into its host pages (verified), then copy every page that
-        holds its bytes up to its block. Returns the copy and how many leading pages it covers."""
+        holds its bytes up to its block. Returns the copy and how many leading pages it covers; a read that stopped
+        at a bad page (not at the timeout) marks the job unreadable."""
         assert self.engine is not None
         ok = job.host
         if job.keys:
@@ -146,7 +148,10 @@ class WorkerSide:
                 with pages.batch(targets[start:start + step]) as io:
                     read = store.get(keys[start:start + step], io.pages)
                 ok += read
-                if read < len(keys[start:start + step]) or (deadline is not None and time.monotonic() > deadline):
+                if read < len(keys[start:start + step]):
+                    self._unreadable.add(job.job)
+                    break
+                if deadline is not None and time.monotonic() > deadline:
                     break
         transfer = self.engine.load(job.pages[:ok], job.blocks[:ok], after=after, per_layer=False) if ok else None
         return transfer, ok
@@ -247,8 +252,9 @@ class WorkerSide:
         if not self._finished:
             return None
         done = {job: (1, ok) for job, ok in self._finished.items()}
-        self._finished = {}
-        return JobReports(done)
+        unreadable = self._unreadable & set(done)
+        self._finished, self._unreadable = {}, self._unreadable - unreadable
+        return JobReports(done, unreadable)
 
     def take_counters(self) -> dict[str, int]:
         """This worker's counters since the last call, then zeroed."""

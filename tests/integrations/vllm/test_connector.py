@@ -123,6 +123,7 @@ def test_a_stored_page_that_fails_its_check_is_recomputed_not_used(engines, tmp_
     loads = _loads(reader, req)
     assert loads and all(job.asynchronous for job in loads)
     assert reader.connector.scheduler.index.entries            # recomputed blocks were saved again
+    assert len(reader.connector.scheduler.unreadable) == 1     # the first bad page, never offered again
     _settled(reader)
 
 
@@ -215,3 +216,32 @@ def test_hits_reach_vllms_counters_split_by_tier(engines, tmp_path) -> None:
     reader.run()
     assert reader.connector_stats["storage_hit_tokens"] == 192 and reader.connector_stats["host_hit_tokens"] == 0
     assert reader.connector_stats.get("loaded_pages") == 12 and reader.external_hits == 192, reader.connector_stats
+
+
+def test_a_store_that_cannot_be_opened_is_a_miss_not_a_crash(engines, tmp_path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the store's directory should be")
+    engine = engines({"store": f"file:{blocker}"})
+    req = engine.add(ve.request(ve.tokens_of(19, 100)))
+    engine.run()
+    assert not _loads(engine, req) and engine.connector_stats.get("store_errors", 0) >= 1
+    assert engine.connector.scheduler.index.entries              # the host tier still serves
+
+
+def test_the_timeout_prefetch_policy_recomputes_what_it_did_not_read_in_time(engines, tmp_path, monkeypatch) -> None:
+    import kvtier.integrations.vllm.worker as worker_module
+
+    store = f"file:{tmp_path / 'store'}"
+    writer = engines({"store": store})
+    tokens = ve.tokens_of(20, 200)
+    writer.add(ve.request(tokens))
+    writer.run()
+    monkeypatch.setattr(worker_module, "READ_CHUNK_PAGES", 2)
+    reader = engines({"store": store, "prefetch_policy": "timeout", "prefetch_timeout_s": 1e-9})
+    req = reader.add(ve.request(tokens))
+    reader.run()
+    (load,) = _loads(reader, req)
+    assert load.asynchronous and reader.connector_stats.get("storage_read_pages") == 2
+    assert reader.connector_stats.get("load_error_blocks") == len(load.blocks) - 2
+    assert not reader.connector.scheduler.unreadable        # slow is not bad: the pages stay on offer
+    _settled(reader)
