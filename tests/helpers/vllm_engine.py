@@ -34,7 +34,8 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 EOS = 2
 
 
-def need_vllm() -> None:
+def need_vllm(*, module: bool = False) -> None:
+    """Skip (``module``: the whole test module, called at its top) without vLLM, or fail where CI requires it."""
     try:
         import vllm.distributed.kv_transfer.kv_connector.factory  # noqa: F401
         import vllm.v1.core.sched.scheduler  # noqa: F401
@@ -42,7 +43,7 @@ def need_vllm() -> None:
         if os.environ.get("KVTIER_REQUIRE_VLLM") == "1":
             raise
         pytest.skip(f"vLLM is not installed ({error}): pip install --no-deps vllm==0.34.0 plus the vllm-interface "
-                    "extra")
+                    "extra", allow_module_level=module)
 
 
 def model_dir(root: Path, **overrides: Any) -> Path:
