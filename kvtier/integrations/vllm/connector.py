@@ -100,8 +100,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        if self.worker is not None and self.worker.engine is not None:
-            self.worker.preempted()
+        if self.worker is not None and self.worker.engine is not None and isinstance(kv_connector_metadata,
+                                                                                     KVTierMetadata):
+            self.worker.preempted(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker is not None

@@ -53,6 +53,9 @@ class StepJobs:
     saves: list[SaveJob] = field(default_factory=list)
     awaiting: set[str] = field(default_factory=set)
     """Finished requests whose blocks vLLM keeps until the workers report their saves done (``finished_sending``)."""
+    preempted: set[str] = field(default_factory=set)
+    """Requests vLLM preempted this step: their blocks go to others at once, so saves still reading them must land
+    before this step's forward writes anything."""
 
 
 @dataclass

@@ -264,7 +264,7 @@ class SchedulerSide:
             for i, req_id in enumerate(cached.req_ids):
                 if req_id in self.tracked and cached.new_block_ids[i] is not None:
                     self.tracked[req_id].blocks.extend(cached.new_block_ids[i][0])
-        meta = KVTierMetadata(self._loads, self._saves, self._awaiting)
+        meta = KVTierMetadata(self._loads, self._saves, self._awaiting, set(output.preempted_req_ids or ()))
         self._loads, self._saves, self._awaiting = [], [], set()
         return meta
 

@@ -7,8 +7,8 @@ layer 0 computes while the later layers are still crossing the link. Asynchronou
 I/O thread: read storage into the job's host pages, verified, then copy them up; their blocks are reported with
 ``finished_recving``, and blocks whose pages could not be read as load errors, so vLLM recomputes them rather than
 use bad KV. Saves are one backup per step after the forward, ordered after it on the GPU (the CPU never waits for
-the copy), then written on to storage from the I/O thread. Before vLLM hands preempted blocks to others, the compute
-stream waits for the backups still reading them.
+the copy), then written on to storage from the I/O thread. Before vLLM hands a preempted request's blocks to others,
+the compute stream waits for the backups still reading them.
 """
 
 from __future__ import annotations
@@ -205,11 +205,12 @@ class WorkerSide:
             store.set(rank_keys(job.keys, logical, mine), io.pages)
         return transfer, len(job.pages)
 
-    def preempted(self) -> None:
-        """vLLM's ``handle_preemptions``: preempted requests' blocks go to others from this step on, so the compute
-        stream waits for every backup still reading blocks."""
+    def preempted(self, meta: StepJobs) -> None:
+        """vLLM's ``handle_preemptions``: the blocks of requests preempted this step go to others at once, so the
+        compute stream waits (on the GPU) for the backups still reading them; other steps wait for nothing."""
         for flight in self._inflight:
-            if isinstance(flight.job, SaveJob) and flight.transfer is not None:
+            if (isinstance(flight.job, SaveJob) and flight.job.request in meta.preempted
+                    and flight.transfer is not None):
                 flight.transfer.stream_wait()
 
     # -- reports ----------------------------------------------------------------------------------------------------

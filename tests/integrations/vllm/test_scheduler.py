@@ -16,6 +16,7 @@ from kvtier.integrations.vllm.settings import ConnectorSettings, Deployment  # n
 from kvtier.pools import KVGeometry  # noqa: E402
 
 NOTHING_SCHEDULED = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, scheduled_spec_decode_tokens={},
+                                    preempted_req_ids=set(),
                                     scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
                                                                           num_computed_tokens=[]))
 
