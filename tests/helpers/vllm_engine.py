@@ -148,6 +148,9 @@ class VllmHarness:
         self.loaded_jobs: list[Any] = []
         self.outputs: list[Any] = []
         self.connector_stats: dict[str, int] = {}
+        self.wrong: list[str] = []
+        self.reported_invalid: set[int] = set()
+        """Blocks a forward read with the wrong KV, each reported by the connector as a load error in that step."""
         self.external_hits = 0
 
     # -- the model stand-in -----------------------------------------------------------------------------------------
@@ -175,10 +178,12 @@ class VllmHarness:
             for position in range(start, end):
                 self.kv[name].buffer.upload(rows[position - start], self._slot(blocks, position))
 
-    def check(self, req: Any, blocks: list[int], computed: int) -> None:
-        """Every computed position's KV is its tokens' (vLLM's prefix cache or kvtier put it there)."""
+    def check(self, req: Any, blocks: list[int], computed: int) -> set[int]:
+        """The vLLM blocks among the request's computed ones whose KV is not its tokens' (whoever filled them: vLLM's
+        prefix cache or kvtier). The step fails unless the connector reports every one as a load error."""
+        wrong: set[int] = set()
         if not computed:
-            return
+            return wrong
         self.runtime.synchronize(0)
         tokens = list(req.all_token_ids)
         for layer, name in enumerate(self.layers):
@@ -189,9 +194,11 @@ class VllmHarness:
                                                                         (last - first) * self.row_bytes)), np.uint8)
                 want = rows[first:last].reshape(-1)
                 if not np.array_equal(got, want):
-                    raise AssertionError(f"{req.request_id}: layer {layer} block {block} (vLLM block "
-                                         f"{blocks[block]}) holds the wrong KV for positions {first}-{last}")
+                    wrong.add(blocks[block])
+                    self.wrong.append(f"{req.request_id}: layer {layer} block {block} (vLLM block {blocks[block]}) "
+                                      f"holds the wrong KV for positions {first}-{last}")
                 self.checked_blocks += 1
+        return wrong
 
     def poison(self, blocks: list[int]) -> None:
         junk = np.full(self.page_bytes, 0xA7, np.uint8)
@@ -219,11 +226,12 @@ class VllmHarness:
         if output.has_sync_kv_loads:
             worker.start_load_kv(None)
         scheduled = self._scheduled(output)
+        wrong: set[int] = set()
         for req_id, blocks, computed, count in scheduled:     # the forward: each layer waits for its load first
             req = self.requests[req_id]
             for name in self.layers:
                 worker.wait_for_layer_load(name)
-            self.check(req, blocks, computed)
+            wrong |= self.check(req, blocks, computed)
             self._write(req, blocks, computed, computed + count)
             for name in self.layers:
                 worker.save_kv_layer(name, self.kv[name], None)
@@ -231,8 +239,13 @@ class VllmHarness:
             worker.start_load_kv(None)
         worker.wait_for_save()
         sending, recving = worker.get_finished(output.finished_req_ids)
+        invalid = worker.get_block_ids_with_load_errors()
+        if wrong - invalid:
+            raise AssertionError("; ".join(self.wrong[-3:]) + f" (blocks {sorted(wrong - invalid)} not reported "
+                                 "as load errors)")
+        self.reported_invalid |= wrong
         connector_output = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                             invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                                             invalid_block_ids=invalid,
                                              kv_connector_stats=worker.get_kv_connector_stats(),
                                              kv_connector_worker_meta=worker.build_connector_worker_meta())
         worker.clear_connector_metadata()
@@ -282,6 +295,18 @@ class VllmHarness:
             if not self.outputs[-1].total_num_scheduled_tokens:
                 time.sleep(0.001)
         raise AssertionError("the requests did not finish")
+
+    def loads(self, req: Any) -> list[Any]:
+        """The load jobs the connector sent for ``req``."""
+        return [job for job in self.loaded_jobs if job.request == req.request_id]
+
+    def assert_settled(self) -> None:
+        """Nothing pinned, nothing in flight, the host index consistent, vLLM's scheduler empty."""
+        side = self.connector.scheduler
+        side.index.check()
+        assert all(entry.pins == 0 for entry in side.index.entries.values())
+        assert not side.jobs and not self.worker.worker.busy()
+        assert not self.scheduler.requests
 
     def close(self) -> None:
         self.worker.shutdown()

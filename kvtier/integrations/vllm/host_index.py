@@ -31,6 +31,8 @@ class Entry:
     state: str
     pins: int = 0
     children: int = 0
+    stale: bool = False
+    """In use when the index was cleared: never matched again, dropped once no job uses it."""
 
 
 class HostIndex:
@@ -44,12 +46,16 @@ class HostIndex:
     def pages(self) -> int:
         return self.allocator.pages
 
+    @property
+    def evictable_pages(self) -> int:
+        return len(self._evictable)
+
     def match(self, keys: list[bytes], start: int = 0) -> int:
         """How many of ``keys`` from ``start`` on are ready, in a run (touching them as recently used)."""
         count = 0
         for key in keys[start:]:
             entry = self.entries.get(key)
-            if entry is None or entry.state != READY:
+            if entry is None or entry.state != READY or entry.stale:
                 break
             if key in self._evictable:
                 self._evictable.move_to_end(key)
@@ -125,8 +131,11 @@ class HostIndex:
             self._consider(key, entry)
 
     def _consider(self, key: bytes, entry: Entry) -> None:
-        if entry.pins == 0 and entry.children == 0 and entry.state == READY:
-            self._evictable[key] = None
+        if entry.pins == 0 and entry.children == 0:
+            if entry.stale:
+                self.drop([key])
+            elif entry.state == READY:
+                self._evictable[key] = None
 
     def _evict(self, need: int) -> None:
         while need > 0 and self._evictable:
@@ -139,10 +148,13 @@ class HostIndex:
                 self._child(entry.parent, -1)
 
     def clear(self) -> int:
-        """Forget every unpinned entry (vLLM's reset_cache); returns how many went."""
+        """Forget every entry (vLLM's reset_cache): the unused ones at once, those a job uses (and the chains under
+        them) are never matched again and go when their jobs settle. Returns how many went at once."""
         before = len(self.entries)
         while self._evictable:
             self._evict(len(self._evictable))
+        for entry in self.entries.values():
+            entry.stale = True
         return before - len(self.entries)
 
     def check(self) -> None:
@@ -158,5 +170,6 @@ class HostIndex:
         for key, entry in self.entries.items():
             assert entry.children == counts.get(key, 0), "a children count is wrong"
             assert entry.pins >= 0, "an entry is unpinned more often than pinned"
-            evictable = entry.pins == 0 and entry.children == 0 and entry.state == READY
+            evictable = entry.pins == 0 and entry.children == 0 and entry.state == READY and not entry.stale
             assert (key in self._evictable) == evictable, "the evictable set is wrong"
+            assert not (entry.stale and entry.pins == 0 and entry.children == 0), "a stale entry outlived its jobs"

@@ -32,6 +32,8 @@ class LoadJob:
     asynchronous: bool
     adapter: str | None = None
     salt: str | None = None
+    start: int = 0
+    """The request's block index of ``blocks[0]``."""
 
 
 @dataclass

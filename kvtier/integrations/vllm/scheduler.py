@@ -160,6 +160,12 @@ class SchedulerSide:
             except Exception as error:  # noqa: BLE001 - a store that cannot be reached is a miss, never vLLM's crash
                 self._store_failed(error)
                 stored = 0
+            # a key the host tier already has a page for (being read or written for another request) cannot get a
+            # second page: the storage part stops there, and vLLM computes the rest
+            stored = next((i for i, key in enumerate(keys[host_end:host_end + stored]) if self.index.known(key)),
+                          stored)
+            # the storage part is read into host pages beside the pinned host part: never more than the pool holds
+            stored = max(0, min(stored, self.index.pages - (host_end - start)))
             if stored and read_beats_recompute(stored * page, stored * self.page_bytes, rate, self._storage_gbps(),
                                                self.settings.load_gbps):
                 end += stored
@@ -182,8 +188,8 @@ class SchedulerSide:
             if not count:
                 break
             rank_space = self.deployment.on_rank(rank).namespace(tracked.adapter, tracked.salt)
-            store, _ = self.stores.get(rank_space)
-            count = min(count, store.exists(rank_keys(wanted[:count], logical, rank_space)))
+            with self.stores.lease(rank_space) as (store, _):
+                count = min(count, store.exists(rank_keys(wanted[:count], logical, rank_space)))
         count = next((i for i, key in enumerate(wanted[:count]) if key in self.unreadable), count)
         tracked.stored = (start, count)
         return count
@@ -210,16 +216,26 @@ class SchedulerSide:
         self.index.pin(host_keys)
         pages = self.index.pages_of(host_keys).tolist()
         storage_keys = keys[host_end:end] if plan.end > plan.host_end else []
+        storage_keys = storage_keys[:next((i for i, key in enumerate(storage_keys) if self.index.known(key)),
+                                          len(storage_keys))]
         if storage_keys:
-            reserved = self.index.reserve(storage_keys, keys[host_end - 1] if host_end else None, READING)
+            parent = keys[host_end - 1] if host_end else None
+            reserved = self.index.reserve(storage_keys, parent, READING)
+            if reserved is None:                # as many as the pool can free now (pinned pages are not freed)
+                storage_keys = storage_keys[:self.index.allocator.free_pages + self.index.evictable_pages]
+                reserved = self.index.reserve(storage_keys, parent, READING) if storage_keys else None
             if reserved is None:
                 storage_keys = []
+                # vLLM recomputes the blocks: not planned from storage again at this start, or the request would
+                # park, fail and come back to the same plan for as long as the pool stays full
+                tracked.stored = (host_end, 0)
             else:
                 pages += reserved.tolist()
         covered = host_end - plan.start + len(storage_keys)
         blocks = tracked.blocks[plan.start:end]
         job = LoadJob(next(self._ids), request.request_id, blocks[:covered], pages, host_end - plan.start,
-                      list(storage_keys), blocks[covered:], plan.end > plan.host_end, tracked.adapter, tracked.salt)
+                      list(storage_keys), blocks[covered:], plan.end > plan.host_end, tracked.adapter, tracked.salt,
+                      plan.start)
         self.counters.failed_load_blocks += len(job.failed_blocks)
         self.counters.host_hit_tokens += job.host * page
         self.counters.storage_hit_tokens += len(storage_keys) * page
@@ -285,8 +301,14 @@ class SchedulerSide:
             while j < count and not self.index.known(keys[j]):
                 j += 1
             reserved = self.index.reserve(keys[i:j], keys[i - 1] if i else None, WRITING)
-            if reserved is None:
-                self.counters.save_skipped_pages += j - i
+            if reserved is None:                    # as many of the run as the pool can free now
+                fit = min(j - i, self.index.allocator.free_pages + self.index.evictable_pages)
+                reserved = self.index.reserve(keys[i:i + fit], keys[i - 1] if i else None, WRITING) if fit else None
+                self.counters.save_skipped_pages += j - i - (fit if reserved is not None else 0)
+                if reserved is not None:
+                    blocks += tracked.blocks[i:i + fit]
+                    pages += reserved.tolist()
+                    saved_keys += keys[i:i + fit]
             else:
                 blocks += tracked.blocks[i:j]
                 pages += reserved.tolist()
@@ -336,10 +358,12 @@ class SchedulerSide:
                     self._unreadable_jobs.discard(job_id)
                     if read < len(job.keys):
                         self._unreadable(job.keys[read])
-                if read < len(job.keys):
-                    tracked = self.tracked.get(job.request)
-                    if tracked is not None:
-                        tracked.stored = None
+                tracked = self.tracked.get(job.request)
+                if read < len(job.keys) and tracked is not None:
+                    tracked.stored = None
+                if tracked is not None and ok < len(job.blocks):
+                    # vLLM recomputes the blocks this load did not fill: they are saved once computed
+                    tracked.saved = min(tracked.saved, job.start + max(ok, 0))
             elif isinstance(job, SaveJob):
                 self._settle_save(job, ok)
 
@@ -370,7 +394,8 @@ class SchedulerSide:
         return dict(counters.__dict__)
 
     def reset(self) -> bool:
-        """vLLM's ``reset_cache``: forget every host page no job uses."""
+        """vLLM's ``reset_cache``: forget every host page (those jobs use are never matched again, and go when their
+        jobs settle)."""
         self.index.clear()
         return True
 

@@ -24,9 +24,9 @@ from kvtier.integrations.vllm.jobs import JobReports, LoadJob, SaveJob, StepJobs
 from kvtier.integrations.vllm.kv_tensors import device_pool_of
 from kvtier.integrations.vllm.settings import ConnectorSettings, Deployment, rank_keys
 from kvtier.integrations.vllm.stores import OpenStores
+from kvtier.keys import Namespace
 from kvtier.pools import HostPool
 from kvtier.runtime import Runtime
-from kvtier.storage import HostPages, StorageBackend
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.completion import Transfer
 from kvtier.transfer.ordering import CURRENT, after_events
@@ -70,6 +70,8 @@ class WorkerSide:
         self._recving: set[str] = set()
         self._awaiting: set[str] = set()
         self._unreadable: set[int] = set()
+        self._unloaded: set[str] = set()
+        """Requests whose load in this step failed: the KV the step computes for them is not saved."""
         self.stats: dict[str, int] = {}
         self._closed = False
 
@@ -91,15 +93,9 @@ class WorkerSide:
             self.close()
             raise
 
-    def _store(self, adapter: str | None, salt: str | None) -> tuple[StorageBackend, HostPages, list[Any]]:
-        """This rank's store of a request's namespace, its page views, and the namespaces that turn logical keys
-        into this rank's keys."""
-        assert self.stores is not None
-        logical = self.deployment.on_rank(0).namespace(adapter, salt)
-        mine = self.deployment.namespace(adapter, salt)
-        store, pages = self.stores.get(mine)
-        assert pages is not None
-        return store, pages, [logical, mine]
+    def _namespaces(self, adapter: str | None, salt: str | None) -> tuple[Namespace, Namespace]:
+        """The logical namespace a request's keys are made in, and this rank's (its store's)."""
+        return self.deployment.on_rank(0).namespace(adapter, salt), self.deployment.namespace(adapter, salt)
 
     # -- loads ------------------------------------------------------------------------------------------------------
     def start_load(self, meta: StepJobs) -> None:
@@ -111,6 +107,7 @@ class WorkerSide:
         sync = [job for job in meta.loads if not job.asynchronous]
         for job in meta.loads:
             self._errors.update(job.failed_blocks)
+        self._unloaded = {job.request for job in sync if job.failed_blocks}
         if sync:
             pages = [p for job in sync for p in job.pages]
             blocks = [b for job in sync for b in job.blocks]
@@ -121,6 +118,7 @@ class WorkerSide:
                 for job in sync:
                     self._errors.update(job.blocks)
                     self._finished[job.job] = 0
+                    self._unloaded.add(job.request)
             else:
                 self._step_load = transfer
                 for job in sync:
@@ -138,8 +136,18 @@ class WorkerSide:
         assert self.engine is not None
         ok = job.host
         if job.keys:
-            store, pages, (logical, mine) = self._store(job.adapter, job.salt)
-            keys = rank_keys(job.keys, logical, mine)
+            ok = self._read(job)
+        transfer = self.engine.load(job.pages[:ok], job.blocks[:ok], after=after, per_layer=False) if ok else None
+        return transfer, ok
+
+    def _read(self, job: LoadJob) -> int:
+        """Read the storage part of ``job`` into its host pages; returns the pages of the job that hold their bytes."""
+        assert self.stores is not None
+        ok = job.host
+        logical, mine = self._namespaces(job.adapter, job.salt)
+        keys = rank_keys(job.keys, logical, mine)
+        with self.stores.lease(mine) as (store, pages):
+            assert pages is not None
             targets = job.pages[job.host:]
             deadline = (time.monotonic() + self.settings.prefetch_timeout_s
                         if self.settings.prefetch_policy == "timeout" else None)
@@ -153,8 +161,7 @@ class WorkerSide:
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     break
-        transfer = self.engine.load(job.pages[:ok], job.blocks[:ok], after=after, per_layer=False) if ok else None
-        return transfer, ok
+        return ok
 
     def wait_layer(self, layer_name: str) -> None:
         """vLLM's ``wait_for_layer_load``: the compute stream waits, on the GPU, for this layer of the step's load."""
@@ -178,18 +185,25 @@ class WorkerSide:
             self._step_load.stream_wait()
             self._step_load = None
         self._awaiting |= meta.awaiting
-        if not meta.saves:
+        unloaded, self._unloaded = self._unloaded, set()
+        saves = []
+        for job in meta.saves:
+            if job.request in unloaded:             # computed over blocks its load did not fill: never kept
+                self._finished[job.job] = 0
+            else:
+                saves.append(job)
+        if not saves:
             return
-        blocks = [b for job in meta.saves for b in job.blocks]
-        pages = [p for job in meta.saves for p in job.pages]
+        blocks = [b for job in saves for b in job.blocks]
+        pages = [p for job in saves for p in job.pages]
         try:
             transfer = self.engine.backup(blocks, pages)
         except Exception as error:  # noqa: BLE001 - the pages are simply not cached
             log.warning("kvtier: a backup failed (%s); those blocks are not cached", error)
-            for job in meta.saves:
+            for job in saves:
                 self._finished[job.job] = 0
             return
-        for job in meta.saves:
+        for job in saves:
             if self.settings.store and self.deployment.writer:
                 future = self._io.submit(self._write, job, transfer)
                 self._inflight.append(InFlight(job, transfer, future, ok=len(job.pages)))
@@ -200,9 +214,12 @@ class WorkerSide:
         """I/O thread: once the backup has landed, write the pages on to storage (a failure leaves them uncached in
         storage only: the host pages hold their bytes either way)."""
         transfer.wait()
-        store, pages, (logical, mine) = self._store(job.adapter, job.salt)
-        with pages.batch(job.pages) as io:
-            store.set(rank_keys(job.keys, logical, mine), io.pages)
+        assert self.stores is not None
+        logical, mine = self._namespaces(job.adapter, job.salt)
+        with self.stores.lease(mine) as (store, pages):
+            assert pages is not None
+            with pages.batch(job.pages) as io:
+                store.set(rank_keys(job.keys, logical, mine), io.pages)
         return transfer, len(job.pages)
 
     def preempted(self, meta: StepJobs) -> None:

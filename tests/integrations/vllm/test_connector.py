@@ -10,19 +10,6 @@ import pytest
 from helpers import vllm_engine as ve
 
 
-def _loads(engine, req) -> list:
-    return [job for job in engine.loaded_jobs if job.request == req.request_id]
-
-
-def _settled(engine) -> None:
-    """Nothing pinned, nothing in flight, the index consistent, vLLM's scheduler empty."""
-    side = engine.connector.scheduler
-    side.index.check()
-    assert all(entry.pins == 0 for entry in side.index.entries.values())
-    assert not side.jobs and not engine.worker.worker.busy()
-    assert not engine.scheduler.requests
-
-
 def test_the_factory_builds_the_connector_from_its_module_path(engines) -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -41,10 +28,10 @@ def test_a_prefix_saved_to_host_is_loaded_layer_by_layer_into_new_blocks(engines
     assert engine.scheduler.reset_prefix_cache()
     second = engine.add(ve.request(ve.tokens_of(1, 200)[:160] + ve.tokens_of(2, 60)))
     engine.run()
-    (load,) = _loads(engine, second)
+    (load,) = engine.loads(second)
     assert len(load.blocks) == 10 and load.host == 10 and not load.asynchronous
     assert engine.checked_blocks > 0
-    _settled(engine)
+    engine.assert_settled()
 
 
 def test_a_prompt_that_shares_no_whole_block_loads_nothing(engines) -> None:
@@ -54,7 +41,7 @@ def test_a_prompt_that_shares_no_whole_block_loads_nothing(engines) -> None:
     assert engine.scheduler.reset_prefix_cache()
     other = engine.add(ve.request(ve.tokens_of(1, 100)[:15] + ve.tokens_of(3, 85)))
     engine.run()
-    assert not _loads(engine, other)
+    assert not engine.loads(other)
 
 
 def test_vllms_own_prefix_cache_hit_is_not_loaded_again(engines) -> None:
@@ -63,7 +50,7 @@ def test_vllms_own_prefix_cache_hit_is_not_loaded_again(engines) -> None:
     engine.run()
     again = engine.add(ve.request(ve.tokens_of(1, 160)))
     engine.run()
-    assert not _loads(engine, again)
+    assert not engine.loads(again)
 
 
 @pytest.mark.parametrize("change", ["salt", "adapter", "model"])
@@ -78,11 +65,11 @@ def test_salts_adapters_and_models_never_share_pages(engines, tmp_path, change) 
     salt, lora = ("b" if change == "salt" else "a"), ("y" if change == "adapter" else "x")
     req = second.add(ve.request(tokens, salt=salt, lora=lora))
     second.run()
-    assert not _loads(second, req)
+    assert not second.loads(req)
     same = second.add(ve.request(tokens, salt="a", lora="x")) if change != "model" else None
     if same is not None:
         second.run()
-        assert _loads(second, same), "the same salt and adapter should have found the stored pages"
+        assert second.loads(same), "the same salt and adapter should have found the stored pages"
 
 
 def test_a_prefix_in_storage_loads_asynchronously_into_another_instance(engines, tmp_path) -> None:
@@ -94,14 +81,14 @@ def test_a_prefix_in_storage_loads_asynchronously_into_another_instance(engines,
     reader = engines({"store": store})
     req = reader.add(ve.request(tokens[:288] + ve.tokens_of(6, 40)))
     reader.run()
-    (load,) = _loads(reader, req)
+    (load,) = reader.loads(req)
     assert load.asynchronous and load.host == 0 and len(load.pages) == 18
     assert reader.checked_blocks >= 18 * 4
-    _settled(reader)
+    reader.assert_settled()
     again = reader.add(ve.request(tokens[:288] + ve.tokens_of(7, 40)))   # now in this instance's host tier
     assert reader.scheduler.reset_prefix_cache()
     reader.run()
-    (host,) = _loads(reader, again)
+    (host,) = reader.loads(again)
     assert host.host == 18 and not host.asynchronous
 
 
@@ -120,11 +107,11 @@ def test_a_stored_page_that_fails_its_check_is_recomputed_not_used(engines, tmp_
     reader = engines({"store": f"file:{root}"})
     req = reader.add(ve.request(tokens[:192] + ve.tokens_of(9, 30)))
     reader.run()
-    loads = _loads(reader, req)
+    loads = reader.loads(req)
     assert loads and all(job.asynchronous for job in loads)
     assert reader.connector.scheduler.index.entries            # recomputed blocks were saved again
     assert len(reader.connector.scheduler.unreadable) == 1     # the first bad page, never offered again
-    _settled(reader)
+    reader.assert_settled()
 
 
 def test_a_request_aborted_mid_load_leaves_no_pin_behind(engines, tmp_path) -> None:
@@ -138,10 +125,10 @@ def test_a_request_aborted_mid_load_leaves_no_pin_behind(engines, tmp_path) -> N
     reader = engines({"store": store})
     req = reader.add(ve.request(tokens))
     reader.step()                                               # the load is queued and starts
-    assert _loads(reader, req)
+    assert reader.loads(req)
     reader.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
     reader.run()
-    _settled(reader)
+    reader.assert_settled()
 
 
 def test_write_back_saves_a_request_when_it_finishes(engines) -> None:
@@ -154,7 +141,7 @@ def test_write_back_saves_a_request_when_it_finishes(engines) -> None:
     assert engine.scheduler.reset_prefix_cache()
     again = engine.add(ve.request(ve.tokens_of(11, 120)))
     engine.run()
-    assert _loads(engine, again)
+    assert engine.loads(again)
     del req
 
 
@@ -169,7 +156,7 @@ def test_a_full_host_pool_evicts_the_least_recent_prefix(engines) -> None:
     assert engine.scheduler.reset_prefix_cache()
     newest = engine.add(ve.request(ve.tokens_of(14, 160)))
     engine.run()
-    assert _loads(engine, newest)
+    assert engine.loads(newest)
 
 
 @pytest.mark.skipif(os.cpu_count() is None, reason="never")
@@ -184,7 +171,7 @@ def test_many_requests_with_shared_prefixes_are_served_in_one_batch(engines) -> 
         engine.add(ve.request(ve.tokens_of(100 + seed, 150, system)[:144] + ve.tokens_of(200 + seed, 20)))
     engine.run()
     assert engine.checked_blocks > 0
-    _settled(engine)
+    engine.assert_settled()
 
 
 def test_an_mla_latent_cache_is_saved_and_loaded(engines) -> None:
@@ -195,9 +182,9 @@ def test_an_mla_latent_cache_is_saved_and_loaded(engines) -> None:
     assert engine.scheduler.reset_prefix_cache()
     again = engine.add(ve.request(ve.tokens_of(16, 100)[:96] + ve.tokens_of(17, 10)))
     engine.run()
-    (load,) = _loads(engine, again)
+    (load,) = engine.loads(again)
     assert len(load.blocks) == 6
-    _settled(engine)
+    engine.assert_settled()
 
 
 def test_hits_reach_vllms_counters_split_by_tier(engines, tmp_path) -> None:
@@ -224,7 +211,7 @@ def test_a_store_that_cannot_be_opened_is_a_miss_not_a_crash(engines, tmp_path) 
     engine = engines({"store": f"file:{blocker}"})
     req = engine.add(ve.request(ve.tokens_of(19, 100)))
     engine.run()
-    assert not _loads(engine, req) and engine.connector_stats.get("store_errors", 0) >= 1
+    assert not engine.loads(req) and engine.connector_stats.get("store_errors", 0) >= 1
     assert engine.connector.scheduler.index.entries              # the host tier still serves
 
 
@@ -240,8 +227,43 @@ def test_the_timeout_prefetch_policy_recomputes_what_it_did_not_read_in_time(eng
     reader = engines({"store": store, "prefetch_policy": "timeout", "prefetch_timeout_s": 1e-9})
     req = reader.add(ve.request(tokens))
     reader.run()
-    (load,) = _loads(reader, req)
+    (load,) = reader.loads(req)
     assert load.asynchronous and reader.connector_stats.get("storage_read_pages") == 2
     assert reader.connector_stats.get("load_error_blocks") == len(load.blocks) - 2
     assert not reader.connector.scheduler.unreadable        # slow is not bad: the pages stay on offer
-    _settled(reader)
+    reader.assert_settled()
+
+
+def test_the_kv_a_step_computes_over_a_failed_load_is_never_kept(engines, monkeypatch) -> None:
+    engine = engines()
+    tokens = ve.tokens_of(21, 200)
+    engine.add(ve.request(tokens))
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    worker = engine.worker.worker
+    real, calls = worker.engine.load, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("injected: the copy could not be queued")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker.engine, "load", failing_once)
+    reports, built = [], worker.worker_meta
+    monkeypatch.setattr(worker, "worker_meta", lambda: reports.append(built()) or reports[-1])
+    req = engine.add(ve.request(tokens[:160] + ve.tokens_of(22, 100)))
+    engine.run()
+    failing = next(o.kv_connector_metadata for o in engine.outputs
+                   if any(job.request == req.request_id for job in o.kv_connector_metadata.loads))
+    saves = [job.job for job in failing.saves if job.request == req.request_id]
+    assert saves, "the step that loaded should also have saved the suffix's whole blocks"
+    settled = {job: ok for report in reports if report is not None for job, (_, ok) in report.done.items()}
+    assert all(settled[job] == 0 for job in saves)
+    assert engine.reported_invalid                  # the forward read unfilled blocks, reported in that step
+    assert engine.scheduler.reset_prefix_cache()
+    again = engine.add(ve.request(tokens[:160] + ve.tokens_of(22, 100)))
+    engine.run()
+    (load,) = engine.loads(again)
+    assert len(load.blocks) == 16                   # the recomputed blocks were saved once computed again
+    engine.assert_settled()

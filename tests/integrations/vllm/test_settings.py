@@ -87,3 +87,42 @@ def test_each_rank_stores_its_shard_under_its_own_keys_and_mla_once() -> None:
     mla = Deployment("m", KVGeometry("mla", 4, 16, 1152, 1), "bfloat16", "LBNHC", 1, 2, True)
     assert mla.namespace() == mla.on_rank(0).namespace() and not mla.writer and mla.on_rank(0).writer
     assert rank0.namespace("lora-a") != rank0.namespace("lora-b") != rank0.namespace(None, "salt")
+
+
+def test_a_store_in_use_is_never_closed_to_make_room_for_another(tmp_path) -> None:
+    from kvtier.integrations.vllm.settings import Deployment
+    from kvtier.integrations.vllm.stores import OPEN_STORES, OpenStores
+    from kvtier.pools import KVGeometry
+
+    deployment = Deployment("m", KVGeometry("k_only", 4, 16, 512, 1), "bfloat16", "LBNHC", 0, 1, False)
+    stores = OpenStores(f"file:{tmp_path}", {}, "layer_first")
+    try:
+        with stores.lease(deployment.namespace(None, "held")) as (held, _):
+            for salt in range(OPEN_STORES + 3):
+                with stores.lease(deployment.namespace(None, str(salt))):
+                    pass
+            assert not held.closed
+            assert len(stores._open) == OPEN_STORES          # the idle ones went, the held one stayed
+        with stores.lease(deployment.namespace(None, "one more")):
+            pass
+        assert held.closed and len(stores._open) == OPEN_STORES
+    finally:
+        stores.close()
+
+
+def test_a_save_larger_than_the_free_host_pages_keeps_what_fits() -> None:
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+    from kvtier.integrations.vllm.settings import Deployment
+    from kvtier.pools import KVGeometry
+
+    ve.need_vllm()
+    side = SchedulerSide(ConnectorSettings(host_tokens=16 * 4), Deployment("m", KVGeometry("k_only", 4, 16, 512, 1),
+                                                                            "bfloat16", "LBNHC", 0, 1, False), 1)
+    request = SimpleNamespace(request_id="r", all_token_ids=list(range(100, 196)), num_tokens=96, lora_request=None,
+                              cache_salt=None, prompt_embeds=None, mm_features=None)
+    tracked = side.track(request)
+    tracked.blocks = list(range(6))
+    side._save(tracked, 96)
+    assert len(side._saves[0].pages) == 4 and side.counters.save_skipped_pages == 2
