@@ -21,7 +21,7 @@ NOTHING_SCHEDULED = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens=
                                                                           num_computed_tokens=[]))
 
 
-def _side(workers: int) -> SchedulerSide:
+def _scheduler_side(workers: int) -> SchedulerSide:
     geometry = KVGeometry("k_only", 4, 16, 512, 1)
     return SchedulerSide(ConnectorSettings(host_tokens=16 * 20), Deployment("m", geometry, "bfloat16", "LBNHC", 0,
                                                                             workers, False), workers)
@@ -44,7 +44,7 @@ def _saved(side: SchedulerSide, name: str, length: int) -> tuple[object, int]:
 
 
 def test_a_save_settles_when_every_worker_reported_it_by_the_fewest_pages() -> None:
-    side = _side(2)
+    side = _scheduler_side(2)
     tracked, job = _saved(side, "a", 96)
     side.reported(SimpleNamespace(kv_connector_worker_meta=JobReports({job: (1, 6)})))
     assert side.index.match(tracked.keys) == 0 and job in side.jobs          # one of two workers
@@ -55,7 +55,7 @@ def test_a_save_settles_when_every_worker_reported_it_by_the_fewest_pages() -> N
 
 
 def test_reports_summed_by_vllm_settle_at_once() -> None:
-    side = _side(2)
+    side = _scheduler_side(2)
     tracked, job = _saved(side, "b", 64)
     summed = JobReports({job: (1, 4)}).aggregate(JobReports({job: (1, 4)}))
     side.reported(SimpleNamespace(kv_connector_worker_meta=summed))
@@ -63,7 +63,7 @@ def test_reports_summed_by_vllm_settle_at_once() -> None:
 
 
 def test_a_finished_request_with_saves_in_flight_keeps_its_blocks_until_they_settle() -> None:
-    side = _side(1)
+    side = _scheduler_side(1)
     _, job = _saved(side, "c", 48)
     assert side.finished(_request("c", 48), [0, 1, 2]) is True
     assert side.build(NOTHING_SCHEDULED).awaiting == {"c"}
