@@ -224,6 +224,12 @@ def scheduler_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     import tempfile
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    with tempfile.TemporaryDirectory(prefix="kvtier-vllm-bench-") as root:
+        return [_scheduler_row(args, Path(root), connector) for connector in (False, True)]
+
+
+def _scheduler_row(args: argparse.Namespace, root: Path, connector: bool) -> dict[str, Any]:
+    """One scheduler (with kvtier's connector or none) stepping ``args.running`` decoding requests."""
     from helpers import vllm_engine as ve
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -231,53 +237,49 @@ def scheduler_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from kvtier.integrations.vllm.messages import KVTierWorkerMeta
 
-    rows = []
-    root = Path(tempfile.mkdtemp(prefix="kvtier-vllm-bench-"))
     system = ve.tokens_of(1, 512)
-    for connector in (False, True):
-        config = ve.vllm_config(ve.model_dir(root), {"host_tokens": 1 << 20}, batched_tokens=8192,
-                                max_seqs=args.running)
-        if not connector:
-            config.kv_transfer_config = None
-        kv_config = ve.kv_cache_config(config, blocks=args.running * 80)
-        scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_config, log_stats=True,
-                              structured_output_manager=StructuredOutputManager(config), block_size=16)
-        side = scheduler.connector
-        spent = [0.0]
-        if side is not None:
-            for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                         "update_connector_output", "request_finished", "get_external_cache_hit_sources"):
-                setattr(side, name, _clocked(getattr(side, name), spent))
-        for i in range(args.running):
-            scheduler.add_request(ve.request(ve.tokens_of(10 + i, 1024, system), max_tokens=4000))
-        steps, prefill_steps = [], 0
-        while True:
-            started = time.perf_counter()
-            spent[0] = 0.0
-            output = scheduler.schedule()
-            meta = output.kv_connector_metadata
-            done = {job.job: (1, len(job.pages)) for job in (meta.loads + meta.saves)} if meta is not None else {}
-            ids = list(output.num_scheduled_tokens)
-            sampled = [[7] if scheduler.requests[r].num_computed_tokens + output.num_scheduled_tokens[r]
-                       >= scheduler.requests[r].num_tokens else [] for r in ids]
-            kv_out = KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMeta(done)) if connector else None
-            scheduler.update_from_output(output, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled,
-                                                                   kv_connector_output=kv_out))
-            elapsed = time.perf_counter() - started
-            decoding = all(scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens
-                           for r in ids) and len(ids) == args.running
-            if not decoding:
-                prefill_steps += 1
-                continue
-            steps.append((elapsed, spent[0]))
-            if len(steps) >= args.steps:
-                break
-        step = statistics.median(s for s, _ in steps)
-        own = statistics.median(c for _, c in steps)
-        rows.append({"row": "with kvtier" if connector else "no connector", "running": args.running,
-                     "step_ms": step * 1e3, "connector_us_per_request": own * 1e6 / args.running,
-                     "prefill_steps": prefill_steps})
-    return rows
+    config = ve.vllm_config(ve.model_dir(root), {"host_tokens": 1 << 20}, batched_tokens=8192,
+                            max_seqs=args.running)
+    if not connector:
+        config.kv_transfer_config = None
+    kv_config = ve.kv_cache_config(config, blocks=args.running * 80)
+    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_config, log_stats=True,
+                          structured_output_manager=StructuredOutputManager(config), block_size=16)
+    side = scheduler.connector
+    spent = [0.0]
+    if side is not None:
+        for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                     "update_connector_output", "request_finished", "get_external_cache_hit_sources"):
+            setattr(side, name, _clocked(getattr(side, name), spent))
+    for i in range(args.running):
+        scheduler.add_request(ve.request(ve.tokens_of(10 + i, 1024, system), max_tokens=4000))
+    steps, prefill_steps = [], 0
+    while True:
+        started = time.perf_counter()
+        spent[0] = 0.0
+        output = scheduler.schedule()
+        meta = output.kv_connector_metadata
+        done = {job.job: (1, len(job.pages)) for job in (meta.loads + meta.saves)} if meta is not None else {}
+        ids = list(output.num_scheduled_tokens)
+        sampled = [[7] if scheduler.requests[r].num_computed_tokens + output.num_scheduled_tokens[r]
+                   >= scheduler.requests[r].num_tokens else [] for r in ids]
+        kv_out = KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMeta(done)) if connector else None
+        scheduler.update_from_output(output, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled,
+                                                               kv_connector_output=kv_out))
+        elapsed = time.perf_counter() - started
+        decoding = all(scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens
+                       for r in ids) and len(ids) == args.running
+        if not decoding:
+            prefill_steps += 1
+            continue
+        steps.append((elapsed, spent[0]))
+        if len(steps) >= args.steps:
+            break
+    step = statistics.median(s for s, _ in steps)
+    own = statistics.median(c for _, c in steps)
+    return {"row": "with kvtier" if connector else "no connector", "running": args.running,
+            "step_ms": step * 1e3, "connector_us_per_request": own * 1e6 / args.running,
+            "prefill_steps": prefill_steps}
 
 
 def _clocked(method: Any, spent: list[float]) -> Any:
