@@ -37,3 +37,17 @@ def engines(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.Monkey
     yield build
     for engine in made:
         engine.close()
+
+
+@pytest.fixture
+def written(engines: Callable[..., Any]) -> Callable[..., Any]:
+    """``written(store, tokens)``: an instance that served ``tokens`` once with ``store`` behind it (so the store
+    holds their whole blocks); returns it."""
+
+    def write(store: str, tokens: list[int]) -> Any:
+        writer = engines({"store": store})
+        writer.add(ve.request(tokens))
+        writer.run()
+        return writer
+
+    return write

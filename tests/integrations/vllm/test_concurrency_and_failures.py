@@ -6,16 +6,10 @@ from __future__ import annotations
 from helpers import vllm_engine as ve
 
 
-def _write_store(engines, store, tokens) -> None:
-    writer = engines({"store": store})
-    writer.add(ve.request(tokens))
-    writer.run()
-
-
-def test_two_requests_reading_one_stored_prefix_in_one_step_share_the_host_pages(engines, tmp_path) -> None:
+def test_two_requests_reading_one_stored_prefix_in_one_step_share_the_host_pages(engines, written, tmp_path) -> None:
     store = f"file:{tmp_path / 'store'}"
     tokens = ve.tokens_of(21, 200)
-    _write_store(engines, store, tokens)
+    written(store, tokens)
     reader = engines({"store": store})
     reader.add(ve.request(tokens[:192] + ve.tokens_of(22, 20)))
     reader.add(ve.request(tokens[:192] + ve.tokens_of(23, 20)))
@@ -61,10 +55,10 @@ def _corrupt(root) -> None:
         path.write_bytes(bytes(data))
 
 
-def test_blocks_recomputed_after_a_failed_storage_read_are_saved_to_the_host_tier(engines, tmp_path) -> None:
+def test_blocks_recomputed_after_a_failed_storage_read_are_saved_to_the_host_tier(engines, written, tmp_path) -> None:
     root = tmp_path / "store"
     tokens = ve.tokens_of(24, 200)
-    _write_store(engines, f"file:{root}", tokens)
+    written(f"file:{root}", tokens)
     _corrupt(root)
     reader = engines({"store": f"file:{root}"})
     first = reader.add(ve.request(tokens[:192] + ve.tokens_of(25, 30)))
@@ -79,10 +73,10 @@ def test_blocks_recomputed_after_a_failed_storage_read_are_saved_to_the_host_tie
     reader.assert_settled()
 
 
-def test_pages_left_unread_by_the_prefetch_timeout_are_offered_again(engines, tmp_path) -> None:
+def test_pages_left_unread_by_the_prefetch_timeout_are_offered_again(engines, written, tmp_path) -> None:
     store = f"file:{tmp_path / 'store'}"
     tokens = ve.tokens_of(27, 700)
-    _write_store(engines, store, tokens)
+    written(store, tokens)
     reader = engines({"store": store, "prefetch_policy": "timeout", "prefetch_timeout_s": 1e-9}, blocks=128)
     first = reader.add(ve.request(tokens[:640] + ve.tokens_of(28, 10)))
     reader.run()
@@ -143,10 +137,10 @@ def test_odd_prompt_lengths_and_one_token_outputs(engines) -> None:
     engine.assert_settled()
 
 
-def test_a_reset_while_loads_and_saves_are_in_flight_settles(engines, tmp_path) -> None:
+def test_a_reset_while_loads_and_saves_are_in_flight_settles(engines, written, tmp_path) -> None:
     store = f"file:{tmp_path / 'store'}"
     tokens = ve.tokens_of(60, 300)
-    _write_store(engines, store, tokens)
+    written(store, tokens)
     reader = engines({"store": store}, batched_tokens=64)
     reader.add(ve.request(tokens[:288] + ve.tokens_of(61, 20)))
     reader.add(ve.request(ve.tokens_of(62, 200)))
@@ -182,12 +176,12 @@ def test_a_host_pool_smaller_than_one_prefix(engines) -> None:
     engine.assert_settled()
 
 
-def test_a_store_deleted_mid_run_gives_recomputes_not_wrong_kv(engines, tmp_path) -> None:
+def test_a_store_deleted_mid_run_gives_recomputes_not_wrong_kv(engines, written, tmp_path) -> None:
     import shutil
 
     root = tmp_path / "store"
     tokens = ve.tokens_of(90, 400)
-    _write_store(engines, f"file:{root}", tokens)
+    written(f"file:{root}", tokens)
     reader = engines({"store": f"file:{root}"}, batched_tokens=64)
     reader.add(ve.request(tokens[:384] + ve.tokens_of(91, 20)))
     reader.connector.scheduler.matched_tokens  # noqa: B018
@@ -253,10 +247,11 @@ def test_a_reset_that_reports_success_leaves_no_page_written_before_it(engines) 
     engine.assert_settled()
 
 
-def test_a_stored_prefix_longer_than_the_host_pool_does_not_park_its_request_forever(engines, tmp_path) -> None:
+def test_a_stored_prefix_longer_than_the_host_pool_does_not_park_its_request_forever(engines, written,
+                                                                                    tmp_path) -> None:
     store = f"file:{tmp_path / 'store'}"
     tokens = ve.tokens_of(95, 300)
-    _write_store(engines, store, tokens)
+    written(store, tokens)
     reader = engines({"store": store, "host_tokens": 16 * 4})
     req = reader.add(ve.request(tokens[:288] + ve.tokens_of(96, 20)))
     reader.run(seconds=10)

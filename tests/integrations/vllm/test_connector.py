@@ -72,12 +72,10 @@ def test_salts_adapters_and_models_never_share_pages(engines, tmp_path, change) 
         assert second.loads(same), "the same salt and adapter should have found the stored pages"
 
 
-def test_a_prefix_in_storage_loads_asynchronously_into_another_instance(engines, tmp_path) -> None:
+def test_a_prefix_in_storage_loads_asynchronously_into_another_instance(engines, written, tmp_path) -> None:
     store = f"file:{tmp_path / 'store'}"
-    writer = engines({"store": store})
     tokens = ve.tokens_of(5, 300)
-    writer.add(ve.request(tokens))
-    writer.run()
+    written(store, tokens)
     reader = engines({"store": store})
     req = reader.add(ve.request(tokens[:288] + ve.tokens_of(6, 40)))
     reader.run()
@@ -114,14 +112,12 @@ def test_a_stored_page_that_fails_its_check_is_recomputed_not_used(engines, tmp_
     reader.assert_settled()
 
 
-def test_a_request_aborted_mid_load_leaves_no_pin_behind(engines, tmp_path) -> None:
+def test_a_request_aborted_mid_load_leaves_no_pin_behind(engines, written, tmp_path) -> None:
     from vllm.v1.request import RequestStatus
 
     store = f"file:{tmp_path / 'store'}"
-    writer = engines({"store": store})
     tokens = ve.tokens_of(10, 400)
-    writer.add(ve.request(tokens))
-    writer.run()
+    written(store, tokens)
     reader = engines({"store": store})
     req = reader.add(ve.request(tokens))
     reader.step()                                               # the load is queued and starts
@@ -187,14 +183,12 @@ def test_an_mla_latent_cache_is_saved_and_loaded(engines) -> None:
     engine.assert_settled()
 
 
-def test_hits_reach_vllms_counters_split_by_tier(engines, tmp_path) -> None:
+def test_hits_reach_vllms_counters_split_by_tier(engines, written, tmp_path) -> None:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     store = f"file:{tmp_path / 'store'}"
-    writer = engines({"store": store})
     tokens = ve.tokens_of(18, 200)
-    writer.add(ve.request(tokens))
-    writer.run()
+    writer = written(store, tokens)
     assert writer.connector_stats["saved_pages"] == 12 and writer.external_hits == 0
     reader = engines({"store": store})
     req = reader.add(ve.request(tokens))
@@ -215,14 +209,13 @@ def test_a_store_that_cannot_be_opened_is_a_miss_not_a_crash(engines, tmp_path) 
     assert engine.connector.scheduler.index.entries              # the host tier still serves
 
 
-def test_the_timeout_prefetch_policy_recomputes_what_it_did_not_read_in_time(engines, tmp_path, monkeypatch) -> None:
+def test_the_timeout_prefetch_policy_recomputes_what_it_did_not_read_in_time(engines, written, tmp_path,
+                                                                             monkeypatch) -> None:
     import kvtier.integrations.vllm.worker as worker_module
 
     store = f"file:{tmp_path / 'store'}"
-    writer = engines({"store": store})
     tokens = ve.tokens_of(20, 200)
-    writer.add(ve.request(tokens))
-    writer.run()
+    written(store, tokens)
     monkeypatch.setattr(worker_module, "READ_CHUNK_PAGES", 2)
     reader = engines({"store": store, "prefetch_policy": "timeout", "prefetch_timeout_s": 1e-9})
     req = reader.add(ve.request(tokens))
