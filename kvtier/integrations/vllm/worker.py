@@ -43,12 +43,14 @@ class InFlight:
     transfer: Transfer | None = None
     future: Future[Any] | None = None
     ok: int = 0
+    unreadable: bool = False
 
     def done(self) -> bool:
         if self.future is not None and not self.future.done():
             return False
         if self.future is not None and self.transfer is None and self.future.exception() is None:
-            self.transfer, self.ok = self.future.result()
+            self.transfer, self.ok, *bad = self.future.result()
+            self.unreadable = bool(bad and bad[0])
         return self.transfer is None or self.transfer.done()
 
 
@@ -129,21 +131,20 @@ class WorkerSide:
             for job in late:
                 self._inflight.append(InFlight(job, future=self._io.submit(self._read_then_load, job, after)))
 
-    def _read_then_load(self, job: LoadJob, after: Any) -> tuple[Transfer | None, int]:
+    def _read_then_load(self, job: LoadJob, after: Any) -> tuple[Transfer | None, int, bool]:
         """I/O thread: read the storage part of ``job`` into its host pages (verified), then copy every page that
-        holds its bytes up to its block. Returns the copy and how many leading pages it covers; a read that stopped
-        at a bad page (not at the timeout) marks the job unreadable."""
+        holds its bytes up to its block. Returns the copy, how many leading pages it covers, and whether the read
+        stopped at a bad page (not at the timeout)."""
         assert self.engine is not None
-        ok = job.host
-        if job.keys:
-            ok = self._read(job)
+        ok, bad = self._read(job) if job.keys else (job.host, False)
         transfer = self.engine.load(job.pages[:ok], job.blocks[:ok], after=after, per_layer=False) if ok else None
-        return transfer, ok
+        return transfer, ok, bad
 
-    def _read(self, job: LoadJob) -> int:
-        """Read the storage part of ``job`` into its host pages; returns the pages of the job that hold their bytes."""
+    def _read(self, job: LoadJob) -> tuple[int, bool]:
+        """Read the storage part of ``job`` into its host pages: the pages of the job that hold their bytes, and
+        whether a page was missing or failed its checks."""
         assert self.stores is not None
-        ok = job.host
+        ok, bad = job.host, False
         logical, mine = self._namespaces(job.adapter, job.salt)
         keys = rank_keys(job.keys, logical, mine)
         with self.stores.lease(mine) as (store, pages):
@@ -157,11 +158,11 @@ class WorkerSide:
                     read = store.get(keys[start:start + step], io.pages)
                 ok += read
                 if read < len(keys[start:start + step]):
-                    self._unreadable.add(job.job)
+                    bad = True
                     break
                 if deadline is not None and time.monotonic() > deadline:
                     break
-        return ok
+        return ok, bad
 
     def wait_layer(self, layer_name: str) -> None:
         """vLLM's ``wait_for_layer_load``: the compute stream waits, on the GPU, for this layer of the step's load."""
@@ -246,6 +247,8 @@ class WorkerSide:
                             "storage write", failure)
                 ok = 0 if isinstance(job, LoadJob) else len(job.pages)
             if isinstance(job, LoadJob):
+                if flight.unreadable:
+                    self._unreadable.add(job.job)
                 self._errors.update(job.blocks[ok:])
                 if job.asynchronous:
                     self._recving.add(job.request)
@@ -270,8 +273,7 @@ class WorkerSide:
         if not self._finished:
             return None
         done = {job: (1, ok) for job, ok in self._finished.items()}
-        unreadable = self._unreadable & set(done)
-        self._finished, self._unreadable = {}, self._unreadable - unreadable
+        unreadable, self._finished, self._unreadable = self._unreadable, {}, set()
         return JobReports(done, unreadable)
 
     def take_counters(self) -> dict[str, int]:
