@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _options import name_list  # noqa: E402
 
+from _radix_peers import KVTierIndex, sglang_missing, subjects  # noqa: E402
+
 from kvtier.cache import CacheSettings, KVCache, Namespace, page_keys  # noqa: E402
 from kvtier.cache.settings import IO_BACKENDS  # noqa: E402
 from kvtier.pools import DevicePool, HostPool, KVGeometry  # noqa: E402
@@ -39,107 +41,157 @@ VOCAB = 128256
 K = 1024
 
 
-def median_ms(fn, repeats: int, setup=None) -> float:
+def median_ms(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
-        state = setup() if setup else None
         start = time.perf_counter()
-        fn(state) if setup else fn()
+        fn()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 
 
-def control_cache(runtime, page: int, tokens: int) -> tuple[KVCache, DevicePool, HostPool]:
-    g = KVGeometry.k_only(layers=1, heads=1, head_dim=32, itemsize=2, page_size=page)
-    dev = DevicePool.allocate(g, tokens // page + 8, 0, runtime=runtime)
-    host = HostPool.allocate(g, "page_first", pages=1, kind="pinned", runtime=runtime)
-    settings = CacheSettings(write_policy="write_through_selective", write_through_threshold=1 << 30,
-                             io_backend="direct", calibrate=False)
-    return KVCache(dev, host, Namespace("bench", g, "bfloat16"), settings), dev, host
+class Rows:
+    """Control-plane rows: each case timed on every subject in the same process, interleaved (each repeat runs every
+    subject once, in an order rotated per repeat), CPU time of this thread per call (what a scheduler step spends;
+    steadier than wall time on a loaded machine; wall time is kept beside it). Every subject must give the same
+    answer (matched tokens) for the same input, or the run fails: a fast wrong match would look like a win."""
+
+    def __init__(self, names: list[str], console) -> None:
+        self.names, self.console, self.rows = names, console, []
+
+    def time(self, case: str, page: int, tokens: int, subjects: list, repeats: int, setup, call) -> None:
+        cpu = {s.name: [] for s in subjects}
+        wall = {s.name: [] for s in subjects}
+        answers: dict[str, set] = {s.name: set() for s in subjects}
+        for r in range(repeats):
+            for s in subjects[r % len(subjects):] + subjects[: r % len(subjects)]:
+                state = setup(s, r)
+                c0, w0 = time.thread_time(), time.perf_counter()
+                answer = call(s, state)
+                w1, c1 = time.perf_counter(), time.thread_time()
+                cpu[s.name].append(c1 - c0)
+                wall[s.name].append(w1 - w0)
+                answers[s.name].add(answer)
+        if len({frozenset(a) for a in answers.values()}) > 1:
+            raise SystemExit(f"error: {case}, page {page}, {tokens} tokens: the caches disagree: {answers}")
+        row = {"case": case, "page": page, "tokens": tokens, "answer": sorted(next(iter(answers.values())))[0],
+               "cpu_ms": {n: 1e3 * statistics.median(v) for n, v in cpu.items()},
+               "cpu_ms_worst": {n: 1e3 * max(v) for n, v in cpu.items()},
+               "wall_ms": {n: 1e3 * statistics.median(v) for n, v in wall.items()}}
+        self.rows.append(row)
+        self.console.log(f"{case} page {page} {tokens}: " +
+                         ", ".join(f"{n} {v:.3f}" for n, v in row["cpu_ms"].items()))
 
 
-def close(cache, dev, host) -> None:
-    cache.close()
-    host.close()
-    dev.close()
+def build(kinds, page: int, capacity: int) -> list:
+    return [kind(page, capacity) for kind in kinds]
 
 
-def control(runtime, page_sizes, lengths, conversations, repeats, console) -> list[dict]:
+def close_all(subjects) -> None:
+    for s in subjects:
+        s.close()
+
+
+def control(kinds, page_sizes, lengths, conversations, repeats, console) -> list[dict]:
+    """The rows of SGLang's radix-cache measurements, through every subject (bench/_radix_peers.py)."""
     rng = np.random.default_rng(0)
-    rows = []
-
-    def row(**kw):
-        rows.append(kw)
-        console.log(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()))
-
+    rows = Rows([k.name for k in kinds], console)
     longest = max(lengths)
+    evictors = [k for k in kinds if k is not KVTierIndex]
     for page in page_sizes:
-        # empty index: insert into it, match the prompt just inserted (a full hit) and a fresh one (a miss)
-        cache, dev, host = control_cache(runtime, page, 2 * longest)
-        for length in lengths:
-            prompt = rng.integers(0, VOCAB, length)
+        # empty index: insert a prompt into it, match that prompt (a full hit) and a fresh one (cold: a miss)
+        subjects = build(kinds, page, 2 * longest + 8 * page)
+        try:
+            for length in lengths:
+                prompts = [rng.integers(0, VOCAB, length) for _ in range(repeats)]
+                misses = [rng.integers(0, VOCAB, length) for _ in range(repeats)]
 
-            def fresh(prompt=prompt, cache=cache, page=page):
-                cache.evict(device_pages=cache.device.pages)
-                return cache.allocate(len(prompt) // page)
+                def fresh(s, r, prompts=prompts, length=length, page=page):
+                    s.evict_all()
+                    return s.tokens(prompts[r]), s.pages(length // page)
 
-            insert = median_ms(lambda pages, prompt=prompt, cache=cache: cache.insert(prompt, pages), repeats, fresh)
-            hit = median_ms(lambda prompt=prompt, cache=cache: cache.match_prefix(prompt), repeats)
-            misses = iter([rng.integers(0, VOCAB, length) for _ in range(repeats)])
-            miss = median_ms(lambda cache=cache, misses=misses: cache.match_prefix(next(misses)), repeats)
-            row(index="empty", page=page, tokens=length, insert_ms=insert, match_hit_ms=hit, match_miss_ms=miss)
-        close(cache, dev, host)
+                rows.time("insert, empty index", page, length, subjects, repeats, fresh,
+                          lambda s, state: s.insert(*state))
+                rows.time("match hit, one prompt", page, length, subjects, repeats,
+                          lambda s, r, prompts=prompts: s.tokens(prompts[-1]), lambda s, t: s.match(t))
+                rows.time("match cold (miss)", page, length, subjects, repeats,
+                          lambda s, r, misses=misses: s.tokens(misses[r]), lambda s, t: s.match(t))
+        finally:
+            close_all(subjects)
 
-        # 1,000 conversations of 2,048 tokens sharing a 512-token system prompt
-        cache, dev, host = control_cache(runtime, page, conversations * 2 * K + 4 * longest + 8 * K)
-        system = rng.integers(0, VOCAB, 512)
-        start = time.perf_counter()
-        for _ in range(conversations):
-            convo = np.concatenate([system, rng.integers(0, VOCAB, 2 * K - 512)])
-            cache.insert(convo, cache.allocate(len(convo) // page))
-        fill_s = time.perf_counter() - start
-        for length in lengths:
-            prompts = [np.concatenate([system, rng.integers(0, VOCAB, length - 512)]) for _ in range(repeats)]
-            pending = iter(prompts)
+        # populated: conversations of 2,048 tokens sharing a 512-token system prompt
+        chunk = 8 * K
+        inserted = sum(lengths) * (repeats + 1) + conversations * 2 * K
+        subjects = build(kinds, page, inserted + 8 * K)
+        try:
+            system = rng.integers(0, VOCAB, 512)
+            for _ in range(conversations):
+                convo = np.concatenate([system, rng.integers(0, VOCAB, 2 * K - 512)])
+                for s in subjects:
+                    s.insert(s.tokens(convo), s.pages(len(convo) // page))
+            for length in lengths:
+                prompts = [np.concatenate([system, rng.integers(0, VOCAB, length - 512)]) for _ in range(repeats)]
+                rows.time("insert, populated", page, length, subjects, repeats,
+                          lambda s, r, prompts=prompts, length=length, page=page:
+                          (s.tokens(prompts[r]), s.pages(length // page), 0),
+                          lambda s, state: s.insert(*state))
+                rows.time("match hit, populated", page, length, subjects, repeats,
+                          lambda s, r, prompts=prompts: s.tokens(prompts[0]), lambda s, t: s.match(t))
+                chunked = np.concatenate([system, rng.integers(0, VOCAB, length - 512)])
+                ends = list(range(chunk, length, chunk)) + [length]
 
-            def take(cache=cache, pending=pending, page=page):
-                prompt = next(pending)
-                return prompt, cache.allocate(len(prompt) // page)
+                def one_chunk(s, r, chunked=chunked, ends=ends, page=page):
+                    part = s.tokens(chunked[:ends[r]])
+                    slots, owned = s.with_prefix(part, ends[r] // page)
+                    return part, slots, owned
 
-            insert = median_ms(lambda state, cache=cache: cache.insert(*state), repeats, take)
-            hit = median_ms(lambda prompt=prompts[0], cache=cache: cache.match_prefix(prompt), repeats)
-            chunked = np.concatenate([system, rng.integers(0, VOCAB, length - 512)])
-            chunk_ms = 0.0
-            for end in range(8 * K, length + 8 * K, 8 * K):
-                part = chunked[:min(end, length)]
-                have = cache.match_prefix(part).device_pages
-                pages = np.concatenate([have, cache.allocate(len(part) // page - len(have))])
-                begin = time.perf_counter()
-                cache.insert(part, pages)
-                chunk_ms += 1e3 * (time.perf_counter() - begin)
-            chunk_hit = median_ms(lambda chunked=chunked, cache=cache: cache.match_prefix(chunked), repeats)
-            row(index="1000 conversations", page=page, tokens=length, insert_ms=insert, match_hit_ms=hit,
-                chunked_insert_ms=chunk_ms, chunked_match_ms=chunk_hit, fill_s=fill_s)
-        close(cache, dev, host)
+                rows.time("insert, chunked (one 8k chunk)", page, length, subjects, len(ends), one_chunk,
+                          lambda s, state: s.insert(*state))
+                rows.time("match hit, after chunked inserts", page, length, subjects, repeats,
+                          lambda s, r, chunked=chunked: s.tokens(chunked), lambda s, t: s.match(t))
+        finally:
+            close_all(subjects)
 
-        # eviction of 1M tokens
+        # eviction of 1M tokens (the index alone has no eviction)
         for seq in (2 * K, 768):
             count = -(-1_000_000 // seq) + 1
-            cache, dev, host = control_cache(runtime, page, count * seq + 8 * K)
-            for _ in range(count):
-                convo = rng.integers(0, VOCAB, seq)
-                cache.insert(convo, cache.allocate(seq // page))
-            begin = time.perf_counter()
-            cache.evict(device_pages=1_000_000 // page)
-            evict_ms = 1e3 * (time.perf_counter() - begin)
-            row(index=f"{count} sequences of {seq}", page=page, tokens=1_000_000, evict_ms=evict_ms)
-            close(cache, dev, host)
+            subjects = build(evictors, page, count * seq + 8 * K)
+            try:
+                sequences = [rng.integers(0, VOCAB, seq) for _ in range(count)]
 
+                def fill(s, r, sequences=sequences, seq=seq, page=page):
+                    s.evict_all()
+                    for tokens in sequences:
+                        s.insert(s.tokens(tokens), s.pages(seq // page))
+
+                rows.time(f"evict 1M tokens of {count} sequences of {seq}", page, 1_000_000, subjects,
+                          max(1, repeats // 2), fill, lambda s, state: s.evict(1_000_000))
+            finally:
+                close_all(subjects)
+    return rows.rows
+
+
+def keys(page_sizes, repeats, with_sglang: bool, console) -> list[dict]:
+    """Page keys of a 128k-token prompt: kvtier's ``page_keys`` beside SGLang's own page hashes (``get_hash_str``,
+    its native SHA-256 chain, from the same tokens in its requests' ``array("q")``)."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, VOCAB, 128 * K)
+    rows = []
+    for page in page_sizes:
         g = KVGeometry.mha(layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=page)
         ns = Namespace("bench", g, "bfloat16")
-        prompt = rng.integers(0, VOCAB, 128 * K)
-        row(index="keys", page=page, tokens=128 * K,
-            keys_ms=median_ms(lambda ns=ns, prompt=prompt: page_keys(ns, prompt), repeats))
+        row = {"case": "page keys of a prompt", "page": page, "tokens": len(prompt),
+               "ms": {"kvtier page_keys": median_ms(lambda ns=ns: page_keys(ns, prompt), repeats)}}
+        if with_sglang:
+            from array import array
+
+            from sglang.srt.mem_cache.utils import get_hash_str
+
+            ids = array("q", prompt.tolist())
+            row["ms"]["SGLang get_hash_str (native)"] = median_ms(lambda ids=ids, page=page:
+                                                                  get_hash_str(ids, None, page), repeats)
+        rows.append(row)
+        console.log(row)
     return rows
 
 
@@ -216,16 +268,28 @@ def data_plane(runtime, tokens: int, pairs, repeats, console) -> dict:
     return out
 
 
-def render(console, rows, data) -> None:
-    table = Table(title="control plane (ms, median)")
-    columns = ["index", "page", "tokens", "insert_ms", "match_hit_ms", "match_miss_ms", "chunked_insert_ms",
-               "chunked_match_ms", "evict_ms", "keys_ms"]
-    for c in columns:
-        table.add_column(c, justify="right")
-    for r in rows:
-        table.add_row(*[("" if c not in r else f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]))
-                        for c in columns])
-    console.print(table)
+RUST = "SGLang UnifiedRadixCache (Rust)"
+
+
+def render(console, rows, key_rows, data) -> None:
+    if rows:
+        names = list(rows[0]["cpu_ms"])
+        table = Table(title="control plane (CPU ms per call, median; same process, interleaved)")
+        for c in ["case", "page", "tokens", *names] + (["kvtier / Rust"] if RUST in names else []):
+            table.add_column(c, justify="right")
+        for r in rows:
+            cells = [f"{r['cpu_ms'][n]:.3f}" if n in r["cpu_ms"] else "" for n in names]
+            ratio = [f"{r['cpu_ms']['kvtier KVCache'] / r['cpu_ms'][RUST]:.2f}"] if RUST in r["cpu_ms"] else []
+            table.add_row(r["case"], str(r["page"]), str(r["tokens"]), *cells, *ratio)
+        console.print(table)
+    if key_rows:
+        table = Table(title="page keys of a 128k-token prompt (ms, median)")
+        names = list(key_rows[0]["ms"])
+        for c in ["page", *names]:
+            table.add_column(c, justify="right")
+        for r in key_rows:
+            table.add_row(str(r["page"]), *[f"{r['ms'][n]:.2f}" for n in names])
+        console.print(table)
     if data:
         table = Table(title=f"data plane: {data['tokens']} tokens of Llama-3-8B ({data['bytes'] / 2**30:.2f} GiB)")
         for c in ("load", "backup", "load_ms", "queue_ms", "first_layer_ms", "load_gbps", "load_pct", "both_gbps",
@@ -252,6 +316,9 @@ def main(argv=None) -> None:
                         help="timed repeats, median reported; the data plane runs half as many "
                              "(default: %(default)s)")
     parser.add_argument("--no-control", action="store_true", help="skip the control-plane rows")
+    parser.add_argument("--no-sglang", action="store_true",
+                        help="leave SGLang's RadixCache and UnifiedRadixCache out of the control-plane rows (they run "
+                             "by default, and a run without them fails unless this is given)")
     parser.add_argument("--data", action="store_true", help="data-plane rows (on the runtime; meant for CUDA)")
     parser.add_argument("--data-tokens", type=int, default=32 * K,
                         help="prefix length of the data-plane rows in tokens (default: %(default)s)")
@@ -261,19 +328,23 @@ def main(argv=None) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--json", help="write rows here")
     args = parser.parse_args(argv)
-    console = Console()
-    rows, data = [], None
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    rows, key_rows, data = [], [], None
     if not args.no_control:
-        control_runtime = get_runtime("emulated:split")
-        rows = control(control_runtime, [int(x) for x in args.page_sizes.split(",")],
-                       [int(x) for x in args.lengths.split(",")], args.conversations, args.repeats, console)
+        missing = None if args.no_sglang else sglang_missing()
+        if missing:
+            parser.error(f"{missing}; or give --no-sglang")
+        page_sizes = [int(x) for x in args.page_sizes.split(",")]
+        rows = control(subjects(not args.no_sglang), page_sizes, [int(x) for x in args.lengths.split(",")],
+                       args.conversations, args.repeats, console)
+        key_rows = keys(page_sizes, args.repeats, not args.no_sglang, console)
     if args.data:
         runtime = get_runtime(args.runtime)
         pairs = [tuple(p.split("/")) for p in args.pairs]
         data = data_plane(runtime, args.data_tokens, pairs, max(1, args.repeats // 2), console)
-    render(console, rows, data)
+    render(console, rows, key_rows, data)
     if args.json:
-        Path(args.json).write_text(json.dumps({"control": rows, "data": data}, indent=1))
+        Path(args.json).write_text(json.dumps({"control": rows, "keys": key_rows, "data": data}, indent=1))
 
 
 if __name__ == "__main__":
