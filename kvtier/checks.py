@@ -56,8 +56,13 @@ class Choice(str, enum.Enum):
         raise InvalidArgument(f"unknown {what} {value!r}: choose one of {choices}")
 
 
+INT64 = np.iinfo(np.int64)
+
+
 def index_array(values: Any, name: str) -> np.ndarray:
     """A flat int64 array from a list, tuple, numpy array or torch tensor of integers (CPU or device)."""
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+        return values                             # what allocate() hands out: nothing to check or convert
     if hasattr(values, "detach") and hasattr(values, "cpu"):
         values = values.detach().cpu().numpy()
     if isinstance(values, (str, bytes)) or np.isscalar(values):
@@ -74,7 +79,6 @@ def index_array(values: Any, name: str) -> np.ndarray:
     if not integral and (array.dtype != object or not all(
             isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in array)):
         raise InvalidArgument(f"{name} must hold integers, got dtype {array.dtype} ({array[:4].tolist()}...)")
-    limits = np.iinfo(np.int64)
-    if array.dtype.kind in "uO" and not limits.min <= int(array.min()) <= int(array.max()) <= limits.max:
+    if array.dtype.kind in "uO" and not INT64.min <= int(array.min()) <= int(array.max()) <= INT64.max:
         raise InvalidArgument(f"{name} holds values past the int64 range")
     return array.astype(np.int64, copy=False)

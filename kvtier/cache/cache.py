@@ -153,7 +153,11 @@ class KVCache:
                                     self._decide_storage) if storage is not None else None
         for pool in self._pools:
             _CLAIMED[pool] = self
-        self._gauges()
+        tiers = self.tiers                          # close() gives it a fresh index
+        self.metrics.tokens.live("device", lambda: tiers.index.device_tokens)
+        self.metrics.tokens.live("host", lambda: tiers.index.host_tokens)
+        self.metrics.free_pages.live("device", lambda: tiers.device.free_pages)
+        self.metrics.free_pages.live("host", lambda: tiers.host.free_pages)
         self._controller.start()
 
     @staticmethod
@@ -308,7 +312,6 @@ class KVCache:
 
     def _allocate(self, count: int) -> np.ndarray:
         pages = self.tiers.allocate_device(count)
-        self._gauges()
         if pages is None:
             locked = self.index.device_tokens - self.tiers.evictable_tokens("device")
             raise OutOfPages(f"cannot allocate {count} device pages: {self.device.free_pages} free of "
@@ -334,7 +337,6 @@ class KVCache:
             self.tiers.fence(self._markers(after))
             self.tiers.page_state[pages] = FREE
             self.device.release(pages.copy())
-            self._gauges()
 
     def allocate_state(self) -> int:
         """A device state slot for a request's recurrent state (hybrid caches); evicts least recently used snapshots
@@ -437,7 +439,6 @@ class KVCache:
             kept = state is not None and self._adopt_state(placed.last_node, state, written)
             if (placed.new_node is not None or kept) and self.settings.write_policy is WritePolicy.WRITE_THROUGH:
                 self._controller.request_backup([placed.last_node], None)
-            self._gauges()
             return Inserted(placed.existing_tokens, len(whole) - placed.existing_tokens, placed.duplicates.copy(),
                             placed.last_node, kept)
 
@@ -528,7 +529,6 @@ class KVCache:
         op.prefix_pages = np.concatenate([n.device for n in reversed(list(node.path()))])
         self.metrics.decisions.inc(1, "load")
         self._controller.track(op)
-        self._gauges()
         return op
 
     def _recompute_tokens(self, node: Node, loaded: int) -> int:
@@ -644,7 +644,6 @@ class KVCache:
                 freed[0] += must.freed
                 raise
             result = freed[0], self.tiers.evict_host(host_pages)
-            self._gauges()
             return result
 
         return self._locked(attempt)
@@ -659,7 +658,6 @@ class KVCache:
 
     def _evict_states(self, device: int, host: int) -> tuple[int, int]:
         freed = self.tiers.evict_device_states(device), self.tiers.evict_states("host", host)
-        self._gauges()
         return freed
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
@@ -705,7 +703,6 @@ class KVCache:
                 for pool in self._pools:
                     if _CLAIMED.get(pool) is self:
                         del _CLAIMED[pool]
-                self._gauges()
         finally:
             self._closed = True
             try:
@@ -761,14 +758,12 @@ class KVCache:
             except KvtierError:
                 self.metrics.errors.inc(1, BACKUP)
                 return None
-            self._gauges()
             return op
 
     # -- internals: completion, checks, gauges, teardown --------------------------------------------------------
     def _complete(self, op: Operation) -> None:
         with self._lock:
             self._hand_on(self.tiers.complete(op))
-            self._gauges()
 
     def _hand_on(self, completed: Completed) -> None:
         """Under the lock: a finished backup's nodes go on to storage (``storage_write``), and under write_through
@@ -812,8 +807,9 @@ class KVCache:
         closed would otherwise keep handing out page numbers in freed memory."""
         if self._closing:
             raise BufferClosed("this KVCache is closed")
-        for what, pool in zip(("device", "host", "device state", "host state"), self._pools, strict=False):
+        for i, pool in enumerate(self._pools):
             if pool.closed:
+                what = ("device", "host", "device state", "host state")[i]
                 raise BufferClosed(f"the cache's {what} pool {pool!r} was closed: close the cache before its pools")
 
     def _own(self, match: Match | Node) -> Node:
@@ -854,12 +850,6 @@ class KVCache:
 
     def _set_depth(self, queue: str, depth: int) -> None:
         self.metrics.queue.set(depth, queue)
-
-    def _gauges(self) -> None:
-        self.metrics.tokens.set(self.index.device_tokens, "device")
-        self.metrics.tokens.set(self.index.host_tokens, "host")
-        self.metrics.free_pages.set(self.device.free_pages, "device")
-        self.metrics.free_pages.set(self.host.free_pages, "host")
 
     def _close_engines(self) -> None:
         try:

@@ -6,6 +6,7 @@ Each cache has its own ``CollectorRegistry`` (two caches in one process never co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -77,6 +78,8 @@ class Metric:
                  lock: Any) -> None:
         self.name, self._family, self.labels, self._lock = name, family, labels, lock
         self._values: dict[str | None, float] = dict.fromkeys(labels if labels is not None else (None,), 0.0)
+        self._children = {label: family if label is None else family.labels(label) for label in self._values}
+        self._live: dict[str, Callable[[], float]] = {}
 
     def _check(self, label: str | None) -> None:
         if self.labels is None and label is not None:
@@ -84,28 +87,45 @@ class Metric:
         if self.labels is not None and label not in self.labels:
             raise KeyError(f"{label!r} is not a documented label of {self.name}: {', '.join(self.labels)}")
 
+    def _child(self, label: str | None) -> Any:
+        """The labelled series, bound once (prometheus-client's ``labels()`` costs microseconds per call, and the
+        cache counts on every match)."""
+        child = self._children.get(label)
+        if child is None:
+            self._check(label)
+        return child
+
     def inc(self, amount: float = 1.0, label: str | None = None) -> None:
-        self._check(label)
-        (self._family.labels(label) if label is not None else self._family).inc(amount)
+        self._child(label).inc(amount)
         with self._lock:
             self._values[label] += amount
 
     def set(self, value: float, label: str) -> None:
-        self._check(label)
-        self._family.labels(label).set(value)
+        self._child(label).set(value)
         with self._lock:
             self._values[label] = value
+
+    def live(self, label: str, read: Callable[[], float]) -> None:
+        """The gauge's ``label`` is ``read()`` whenever it is read (a scrape, ``value``, ``snapshot``), so nothing
+        on a hot path keeps it up to date. ``read`` runs without the cache's lock: it must only read."""
+        self._child(label).set_function(read)
+        with self._lock:
+            self._live[label] = read
 
     def value(self, label: str | None = None) -> float:
         self._check(label)
         with self._lock:
-            return self._values[label]
+            read = self._live.get(label)
+            if read is None:
+                return self._values[label]
+        return read()
 
     def items(self) -> list[tuple[str, float]]:
         """(``name.label`` or ``name``, value) for every label, counted or not."""
         with self._lock:
-            return [(self.name if label is None else f"{self.name}.{label}", value)
-                    for label, value in self._values.items()]
+            values, live = dict(self._values), dict(self._live)
+        values.update((label, read()) for label, read in live.items())
+        return [(self.name if label is None else f"{self.name}.{label}", value) for label, value in values.items()]
 
 
 class CacheMetrics:

@@ -49,3 +49,16 @@ def test_the_prometheus_registry_counts_what_the_attributes_count():
     metrics.queue.set(3, "prefetches")
     assert metrics.registry.get_sample_value("kvtier_cache_hit_tokens_total", {"tier": "host"}) == 48
     assert metrics.registry.get_sample_value("kvtier_cache_queue_depth", {"queue": "prefetches"}) == 3
+
+
+def test_a_live_gauge_reads_its_source_at_every_read_and_nothing_keeps_it_up_to_date():
+    """The cache's token and free-page gauges are read from the tree and the allocators when read (a scrape, a
+    snapshot), not set on every call that changes them: a value set once and never again would go stale."""
+    metrics = CacheMetrics()
+    source = {"free": 7}
+    metrics.free_pages.live("device", lambda: source["free"])
+    source["free"] = 3
+    assert metrics.free_pages.value("device") == 3 == metrics.snapshot()["free_pages.device"]
+    assert metrics.registry.get_sample_value("kvtier_cache_free_pages", {"tier": "device"}) == 3
+    with pytest.raises(KeyError, match="not a documented label of free_pages"):
+        metrics.free_pages.live("disk", lambda: 0)
