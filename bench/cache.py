@@ -1,11 +1,17 @@
-"""Cache benchmark: the control plane (match / insert / evict / page keys) on the CPU, and the data plane (load-back
-of a long prefix, both directions at once) on a GPU.
+"""Cache benchmark: the control plane (match / insert / evict / page keys) on the CPU, beside SGLang's own radix
+caches in the same process, and the data plane (load-back of a long prefix, both directions at once) on a GPU.
 
 Control-plane rows follow the inputs SGLang's radix caches were measured with (random token ids, vocab 128256): a
-1k / 8k / 32k / 128k-token prompt into an empty index and into one holding 1,000 conversations of 2,048 tokens that
-share a 512-token system prompt (also inserted in 8k-token chunks, as chunked prefill does); eviction of 1M tokens of
-2k- and 768-token sequences; page keys of a 128k-token prompt. Times are medians, through ``KVCache`` (locks, page
-checks and metrics included), on pools of the emulated runtime (no bytes move in these rows).
+1k / 8k / 32k / 128k-token prompt into an empty index (and a miss: a fresh prompt), and into one holding 1,000
+conversations of 2,048 tokens that share a 512-token system prompt (also inserted in 8k-token chunks, as chunked
+prefill does, each chunk after a match of the earlier ones); eviction of 1M tokens of 2k- and 768-token sequences;
+page keys of a 128k-token prompt beside SGLang's native page hashes. Every row runs on each subject of
+bench/_radix_peers.py on the same inputs, interleaved (each repeat runs every subject once, in a rotated order): kvtier's
+``KVCache`` (locks, page checks, events and metrics included, on pools of the emulated runtime: no bytes move),
+kvtier's ``RadixIndex`` alone, SGLang 0.5.23's ``RadixCache`` (Python) and ``UnifiedRadixCache`` (its default Rust
+tree core), each fed tokens in its engine's own form and slots from its own allocator. Times are the CPU time of the
+calling thread per call (median; worst and wall time in the JSON). The subjects' answers (matched tokens) must agree
+or the run fails.
 
 Data-plane rows (``--data``, CUDA): a Llama-3-8B prefix (default 32k tokens) loaded back from host memory with one
 event per layer, against the contiguous memcpy ceiling of the same run; and a load-back beside a backup of the same
