@@ -7,8 +7,10 @@ in every process, on every machine and in every version of kvtier that keeps ``K
 per-process seed). Peers served one tenant's or adapter's KV to another through weaker keys, and lost every
 cross-instance hit when a per-process seed changed.
 
-Hashing is one SHA-256 call per page (~0.6 µs each in CPython), so the radix index never hashes on its hot path:
-it matches token ids and computes keys only when something (storage, a caller) asks for them.
+The chain runs in C where the package's install built ``kvtier._chain_keys`` (OpenSSL's SHA-256, the GIL released:
+~0.1 µs a 1-token page), else with hashlib (one Python call per page, ~0.6 µs): the keys are the same. Either way the
+radix index never hashes on its hot path: it matches token ids and computes keys only when something (storage, a
+caller) asks for them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ import numpy as np
 
 from kvtier.errors import InvalidArgument
 from kvtier.pools.geometry import KVGeometry
+
+try:
+    from kvtier import _chain_keys as _native
+except ImportError:                               # not built (no compiler or OpenSSL headers at install)
+    _native = None
 
 KEY_FORMAT = "kvtier-page-key-v1"
 KEY_BYTES = 32
@@ -100,7 +107,13 @@ def chain_keys(parent: bytes, tokens: np.ndarray, page_size: int) -> list[bytes]
     if len(parent) != KEY_BYTES:
         raise InvalidArgument(f"a parent key is {KEY_BYTES} bytes, got {len(parent)}")
     data = np.ascontiguousarray(tokens[: len(tokens) // page_size * page_size], dtype="<u4").tobytes()
-    width = 4 * page_size
+    if _native is not None:
+        return _native.chain(bytes(parent), data, 4 * page_size)
+    return python_chain(bytes(parent), data, 4 * page_size)
+
+
+def python_chain(parent: bytes, data: bytes, width: int) -> list[bytes]:
+    """The chain with hashlib, one call per page: where the C one (``kvtier._chain_keys``) was not built."""
     sha256 = hashlib.sha256
     keys: list[bytes] = []
     key = parent

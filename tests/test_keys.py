@@ -86,3 +86,34 @@ def test_torch_tokens_work_like_lists():
     torch = pytest.importorskip("torch")
     tokens = torch.randint(0, 128256, (48,))
     assert page_keys(NS, tokens) == page_keys(NS, tokens.tolist())
+
+
+@pytest.mark.parametrize("page", [1, 3, 16, 64])
+def test_the_c_chain_and_the_hashlib_chain_give_the_same_keys(page, monkeypatch):
+    """Where the install built ``kvtier._chain_keys`` the chain runs in C; without it, in hashlib: a key is the
+    same either way (storage written by one is read by the other)."""
+    import kvtier.keys as keys
+
+    tokens = np.random.default_rng(page).integers(0, 2**32, 1000 + page, dtype=np.uint64).astype(np.uint32)
+    parent = hashlib.sha256(b"parent").digest()
+    built = keys.chain_keys(parent, tokens, page)
+    monkeypatch.setattr(keys, "_native", None)
+    assert keys.chain_keys(parent, tokens, page) == built
+    assert len(built) == len(tokens) // page
+    assert built[0] == hashlib.sha256(parent + tokens[:page].astype("<u4").tobytes()).digest()
+    assert keys.chain_keys(parent, tokens[:page - 1], page) == []
+
+
+def test_the_c_chain_is_built_by_the_install_where_it_can_be():
+    """The package's normal install builds the C chain where a C compiler and OpenSSL's headers are present (CI's
+    machines); elsewhere the build is optional and hashlib serves."""
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    import kvtier.keys as keys
+
+    compiler = shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc")
+    if compiler is None or not Path("/usr/include/openssl/sha.h").exists():
+        pytest.skip("no C compiler or OpenSSL headers here: the optional C chain is not built")
+    assert keys._native is not None, "pip install did not build kvtier._chain_keys"
