@@ -6,12 +6,12 @@ Control-plane rows follow the inputs SGLang's radix caches were measured with (r
 conversations of 2,048 tokens that share a 512-token system prompt (also inserted in 8k-token chunks, as chunked
 prefill does, each chunk after a match of the earlier ones); eviction of 1M tokens of 2k- and 768-token sequences;
 page keys of a 128k-token prompt beside SGLang's native page hashes. Every row runs on each subject of
-bench/_radix_peers.py on the same inputs, interleaved (each repeat runs every subject once, in a rotated order): kvtier's
-``KVCache`` (locks, page checks, events and metrics included, on pools of the emulated runtime: no bytes move),
-kvtier's ``RadixIndex`` alone, SGLang 0.5.23's ``RadixCache`` (Python) and ``UnifiedRadixCache`` (its default Rust
-tree core), each fed tokens in its engine's own form and slots from its own allocator. Times are the CPU time of the
-calling thread per call (median; worst and wall time in the JSON). The subjects' answers (matched tokens) must agree
-or the run fails.
+bench/_radix_peers.py on the same inputs, interleaved (each repeat runs every subject once, in a rotated order):
+kvtier's ``KVCache`` (locks, page checks, events and metrics included, on pools of the emulated runtime: no bytes
+move), kvtier's ``RadixIndex`` alone, SGLang 0.5.23's ``RadixCache`` (Python) and ``UnifiedRadixCache`` (its default
+Rust tree core), each fed tokens in its engine's own form and slots from its own allocator. Times are the CPU time
+of the calling thread per call (median; worst and wall time in the JSON). The subjects' answers (matched tokens) must
+agree or the run fails.
 
 Data-plane rows (``--data``, CUDA): a Llama-3-8B prefix (default 32k tokens) loaded back from host memory with one
 event per layer, against the contiguous memcpy ceiling of the same run; and a load-back beside a backup of the same
@@ -21,6 +21,7 @@ size, for every backend pair, against the both-ways ceiling.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -35,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _options import name_list  # noqa: E402
-
 from _radix_peers import KVTierIndex, sglang_missing, subjects  # noqa: E402
 
 from kvtier.cache import CacheSettings, KVCache, Namespace, page_keys  # noqa: E402
@@ -75,6 +75,7 @@ class Rows:
                 c0, w0 = time.thread_time(), time.perf_counter()
                 answer = call(s, state)
                 w1, c1 = time.perf_counter(), time.thread_time()
+                s.settle()
                 cpu[s.name].append(c1 - c0)
                 wall[s.name].append(w1 - w0)
                 answers[s.name].add(answer)
@@ -96,6 +97,7 @@ def build(kinds, page: int, capacity: int) -> list:
 def close_all(subjects) -> None:
     for s in subjects:
         s.close()
+    gc.collect()                  # the next rows' timings should not pay for collecting these trees' cycles
 
 
 def control(kinds, page_sizes, lengths, conversations, repeats, console) -> list[dict]:
