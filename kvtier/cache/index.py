@@ -161,20 +161,28 @@ class RadixIndex:
             path = path[:ends[-1] + 1] if ends else []
         if touch:
             self._clock += 1
+            clock = self._clock
             for node in path:
-                node.last_access = self._clock
+                node.last_access = clock
                 node.hits += 1
-        device_nodes = [n for n in path if n.device is not None]
-        host_nodes = path[len(device_nodes):]
-        device_pages = np.concatenate([n.device for n in device_nodes]) if device_nodes else EMPTY
-        pending = list({id(n.loading): n.loading for n in device_nodes if n.loading is not None}.values())
-        page = self.page_size
-        return Match(tokens=len(tokens), device_tokens=len(device_pages) * page,
-                     host_tokens=sum(len(n.tokens) for n in host_nodes), device_pages=device_pages,
-                     last_device_node=device_nodes[-1] if device_nodes else self.root,
-                     last_node=path[-1] if path else self.root, host_nodes=host_nodes, pending=pending,
-                     device_state=path[-1].device_state if path else None,
-                     host_state=path[-1].host_state if path else None)
+        on_device = 0                                  # the device tier holds a prefix of the path
+        for node in path:
+            if node.device is None:
+                break
+            on_device += 1
+        device_nodes, host_nodes = path[:on_device], path[on_device:]
+        if on_device > 1:
+            device_pages = np.concatenate([n.device for n in device_nodes])
+        else:
+            device_pages = device_nodes[0].device.copy() if device_nodes else EMPTY
+        pending = [n.loading for n in device_nodes if n.loading is not None]
+        if len(pending) > 1:
+            pending = list({id(op): op for op in pending}.values())
+        last = path[-1] if path else None
+        return Match(len(tokens), len(device_pages) * self.page_size,
+                     sum(len(n.tokens) for n in host_nodes) if host_nodes else 0, device_pages,
+                     device_nodes[-1] if device_nodes else self.root, last or self.root, host_nodes, pending,
+                     False, last.device_state if last else None, last.host_state if last else None)
 
     def _walk(self, tokens: np.ndarray, split: bool = True) -> tuple[list[Node], int]:
         """The nodes ``tokens`` runs through, and how many pages of the last one it covers when that is only part of
@@ -187,10 +195,9 @@ class RadixIndex:
                 break
             length = min(len(child.tokens), total - pos)
             matched = length
-            if length > page:
+            if length > page and child.tokens[page:length].tobytes() != tokens[pos + page:pos + length].tobytes():
                 differ = np.flatnonzero(child.tokens[page:length] != tokens[pos + page:pos + length])
-                if differ.size:
-                    matched = page + int(differ[0]) // page * page
+                matched = page + int(differ[0]) // page * page
             if matched < len(child.tokens):
                 if not split:
                     path.append(child)

@@ -1,15 +1,19 @@
 """What the cache did, as a Prometheus registry and as a plain dict.
 
 Each cache has its own ``CollectorRegistry`` (two caches in one process never collide); expose it with
-``prometheus_client.start_http_server(port, registry=cache.metrics.registry)`` or read ``snapshot()``.
+``prometheus_client.start_http_server(port, registry=cache.metrics.registry)`` or read ``snapshot()``. Counts are
+plain numbers under one lock, turned into Prometheus families only when scraped: the cache counts on every match and
+insert, and a prometheus-client series costs microseconds a call there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from kvtier.locks import named_lock
 
@@ -74,11 +78,11 @@ class Metric:
     ``metrics.hits.value("device")``): a misspelt metric is an AttributeError and an undocumented label a KeyError,
     where reading a dict by a string key with a default would have said 0."""
 
-    def __init__(self, name: str, family: Any, labels: tuple[str, ...] | None,
-                 lock: Any) -> None:
-        self.name, self._family, self.labels, self._lock = name, family, labels, lock
+    def __init__(self, name: str, metric: str, doc: str, kind: str, label: str | None,
+                 labels: tuple[str, ...] | None, lock: Any) -> None:
+        self.name, self.metric, self.doc, self.kind, self.label = name, metric, doc, kind, label
+        self.labels, self._lock = labels, lock
         self._values: dict[str | None, float] = dict.fromkeys(labels if labels is not None else (None,), 0.0)
-        self._children = {label: family if label is None else family.labels(label) for label in self._values}
         self._live: dict[str, Callable[[], float]] = {}
 
     def _check(self, label: str | None) -> None:
@@ -87,28 +91,24 @@ class Metric:
         if self.labels is not None and label not in self.labels:
             raise KeyError(f"{label!r} is not a documented label of {self.name}: {', '.join(self.labels)}")
 
-    def _child(self, label: str | None) -> Any:
-        """The labelled series, bound once (prometheus-client's ``labels()`` costs microseconds per call, and the
-        cache counts on every match)."""
-        child = self._children.get(label)
-        if child is None:
-            self._check(label)
-        return child
-
     def inc(self, amount: float = 1.0, label: str | None = None) -> None:
-        self._child(label).inc(amount)
+        if label not in self._values:
+            self._check(label)
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter only goes up, got {amount}")
         with self._lock:
             self._values[label] += amount
 
     def set(self, value: float, label: str) -> None:
-        self._child(label).set(value)
+        if label not in self._values:
+            self._check(label)
         with self._lock:
             self._values[label] = value
 
     def live(self, label: str, read: Callable[[], float]) -> None:
         """The gauge's ``label`` is ``read()`` whenever it is read (a scrape, ``value``, ``snapshot``), so nothing
         on a hot path keeps it up to date. ``read`` runs without the cache's lock: it must only read."""
-        self._child(label).set_function(read)
+        self._check(label)
         with self._lock:
             self._live[label] = read
 
@@ -120,12 +120,24 @@ class Metric:
                 return self._values[label]
         return read()
 
-    def items(self) -> list[tuple[str, float]]:
-        """(``name.label`` or ``name``, value) for every label, counted or not."""
+    def family(self) -> CounterMetricFamily | GaugeMetricFamily:
+        """This metric as a Prometheus family, every documented label present."""
+        kind = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
+        family = kind(self.metric, self.doc, labels=[self.label] if self.label else [])
+        for label, value in self._current().items():
+            family.add_metric([label] if label is not None else [], value)
+        return family
+
+    def _current(self) -> dict[str | None, float]:
         with self._lock:
             values, live = dict(self._values), dict(self._live)
         values.update((label, read()) for label, read in live.items())
-        return [(self.name if label is None else f"{self.name}.{label}", value) for label, value in values.items()]
+        return values
+
+    def items(self) -> list[tuple[str, float]]:
+        """(``name.label`` or ``name``, value) for every label, counted or not."""
+        return [(self.name if label is None else f"{self.name}.{label}", value)
+                for label, value in self._current().items()]
 
 
 class CacheMetrics:
@@ -133,16 +145,13 @@ class CacheMetrics:
     ``KVCache.stats()`` and the demo report read, with every documented label present."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
         lock = named_lock("cache.metrics")
-        r = self.registry
 
         def counter(name: str, metric: str, doc: str, label: str | None = None) -> Metric:
-            family = Counter(metric, doc, [label] if label else [], registry=r)
-            return Metric(name, family, LABELS[name] if label else None, lock)
+            return Metric(name, metric, doc, "counter", label, LABELS[name] if label else None, lock)
 
         def gauge(name: str, metric: str, doc: str, label: str) -> Metric:
-            return Metric(name, Gauge(metric, doc, [label], registry=r), LABELS[name], lock)
+            return Metric(name, metric, doc, "gauge", label, LABELS[name], lock)
 
         self.lookups = counter("lookups", "kvtier_cache_lookups", "match_prefix calls")
         self.lookup_tokens = counter("lookup_tokens", "kvtier_cache_lookup_tokens", "tokens looked up (whole pages)")
@@ -171,6 +180,8 @@ class CacheMetrics:
         self.queue = gauge("queue", "kvtier_cache_queue_depth", "work waiting or in flight", "queue")
         self.tokens = gauge("tokens", "kvtier_cache_tokens", "tokens held per tier", "tier")
         self.free_pages = gauge("free_pages", "kvtier_cache_free_pages", "free pages per tier", "tier")
+        self.registry = CollectorRegistry()
+        self.registry.register(_Families(self.all))
 
     def all(self) -> list[Metric]:
         return [value for value in vars(self).values() if isinstance(value, Metric)]
@@ -186,3 +197,14 @@ class CacheMetrics:
             seconds = values[f"seconds.{direction}"]
             values[f"gbps.{direction}"] = values[f"bytes.{direction}"] / seconds / 1e9 if seconds else 0.0
         return values
+
+
+class _Families(Collector):
+    """Every metric of a cache as Prometheus families, built when the registry is scraped."""
+
+    def __init__(self, metrics: Callable[[], list[Metric]]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        for metric in self.metrics():
+            yield metric.family()
