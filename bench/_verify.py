@@ -353,7 +353,8 @@ def described(check: dict | None) -> str:
     """``8/8 pages`` (or ``66/512 pages``, sampled) for a table cell."""
     if not check:
         return ""
-    return f"{check['checked']}/{check['of']} {check['unit']}s"
+    copies = f" in {check['copies']} copies" if check.get("copies", 1) > 1 else ""
+    return f"{check['checked']}/{check['of']} {check['unit']}s{copies}"
 
 
 def same_answers(what: str, answers: dict[str, list[Any]], reference: str) -> int:
