@@ -31,6 +31,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _verify import described, kv_device, kv_host, merged, poison, verify  # noqa: E402
+from _verify import fill as fill_units  # noqa: E402
 from transfer import GEOMETRIES, bench_runtime, fill  # noqa: E402
 
 from kvtier.cli.doctor_probe import probe_bandwidth  # noqa: E402
@@ -39,6 +41,8 @@ from kvtier.pools import DevicePool, HostPool  # noqa: E402
 from kvtier.transfer import TransferEngine  # noqa: E402
 
 EMULATED_NOTE = "note: {name} runs Python reference kernels on the CPU, so these numbers are not speeds"
+SIDES = ("engine", "compat", "engine, a launch (call) per layer")
+"""The sides of a row, in the order ``measure`` times them (the third for per-layer functions only)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -145,17 +149,27 @@ def timed(op, finish, setup=None) -> tuple[float, float]:
     return returned - start, time.perf_counter() - start
 
 
-def interleaved(sides, repeats: int) -> list[tuple[float, float]]:
+def interleaved(sides, repeats: int, guard=None) -> tuple[list[tuple[float, float]], list[dict]]:
     """Per side ``(op, finish[, setup])``: the median (queued, done) seconds, the sides taken in turn each repeat
     after one warm-up round. Host-bound DMA rates drift 2-3x over a minute on the H200 host; alternating keeps the
-    compat and engine figures of one row under the same drift."""
+    compat and engine figures of one row under the same drift.
+
+    ``guard`` (``poison()``, ``verify(side)``): every side writes the same destination, so in the last round each
+    side's destination is poisoned (untimed) before its op and checked right after it, each side on its own bytes;
+    the checks are returned too."""
     samples: list[list[tuple[float, float]]] = [[] for _ in sides]
+    checks = []
     for i in range(repeats + 1):
         for side, (op, finish, *setup) in enumerate(sides):
+            last = guard is not None and i == repeats
+            if last:
+                guard[0]()
             result = timed(op, finish, *setup)
+            if last:
+                checks.append(guard[1](side))
             if i:
                 samples[side].append(result)
-    return [(statistics.median(q for q, _ in s), statistics.median(d for _, d in s)) for s in samples]
+    return [(statistics.median(q for q, _ in s), statistics.median(d for _, d in s)) for s in samples], checks
 
 
 def profile(name: str, call, finish, calls: int, console, setup=None, rounds: int = 5) -> None:
@@ -289,7 +303,13 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
         elif per_layer:   # a DMA load as SGLang asks for it: one engine call per layer
             sides.append((lambda e=engine: [e.load(pages_host, pages_dev, layers=[layer])
                                             for layer in range(g.layers)][-1].wait(), engine.synchronize))
-        timings = interleaved(sides, args.repeats)
+        device_pages, host_pages = kv_device(mem.pool), kv_host(host)
+        copy = (host_pages, pages_host, device_pages, pages_dev) if op.startswith("backup") else (
+            device_pages, pages_dev, host_pages, pages_host)
+        what = f"{name} {layout} {function}"
+        guard = (lambda copy=copy: poison(copy[0], copy[1]),
+                 lambda side, copy=copy, what=what: verify(f"{what}, {SIDES[side]} side", *copy))
+        timings, checks = interleaved(sides, args.repeats, guard)
         (q_engine, t_engine), (q_compat, t_compat) = timings[:2]
         calls = g.layers if function.startswith("transfer_kv_per_layer") else 1
         if function in args.profile:
@@ -301,7 +321,7 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
                "engine": f"{backend}:{args.blocks}x{threads}" if backend == "kernel" else "batch",
                "engine_gbps": nbytes / t_engine / 1e9, "compat_gbps": nbytes / t_compat / 1e9,
                "compat_queued_ms": 1e3 * q_compat, "engine_queued_ms": 1e3 * q_engine, "calls": calls,
-               "compat_call_us": 1e6 * q_compat / calls}
+               "compat_call_us": 1e6 * q_compat / calls, "verified": merged(*checks)}
         row["engine_pct"] = 100 * row["engine_gbps"] / ceiling[key]
         row["compat_pct"] = 100 * row["compat_gbps"] / ceiling[key]
         row["compat_vs_engine_pct"] = 100 * t_engine / t_compat
@@ -310,7 +330,8 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
             row["compat_vs_layer_launches_pct"] = 100 * timings[2][1] / t_compat
         rows.append(row)
         console.log(f"{name} {layout} {function}: compat {row['compat_gbps']:.1f} GB/s "
-                    f"({row['compat_pct']:.0f}%), engine {row['engine_gbps']:.1f} ({row['engine_pct']:.0f}%)")
+                    f"({row['compat_pct']:.0f}%), engine {row['engine_gbps']:.1f} ({row['engine_pct']:.0f}%), "
+                    f"verified {described(row['verified'])}")
     return rows
 
 
@@ -333,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
             if layout == "page_head" and g.tensors == 1:
                 continue
             host = HostPool.allocate(g, layout, pages=2 * pages, runtime=runtime)
+            fill_units(kv_host(host), np.arange(host.pages))    # the loads' sources
             pages_dev = rng.choice(mem.pool.pages, pages, replace=False)
             pages_host = rng.choice(host.pages, pages, replace=False)
             tokens = [(p[:, None] * g.page_size + np.arange(g.page_size)).reshape(-1) for p in (pages_dev, pages_host)]
@@ -355,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"ceiling H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f} GB/s)")
     for column in ("geometry", "host layout", "compat function", "engine call", "compat GB/s (%)",
                    "engine GB/s (%)", "compat / engine %", "engine, a launch (call) per layer: GB/s", "compat / it %",
-                   "queued ms: compat", "engine", "µs / compat call"):
+                   "queued ms: compat", "engine", "µs / compat call", "verified"):
         table.add_column(column)
     for r in rows:
         table.add_row(r["geometry"], r["layout"], r["function"], f"{r['engine']} {r['direction'].split('-')[0]}",
@@ -363,7 +385,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{r['engine_gbps']:.1f} ({r['engine_pct']:.0f}%)", f"{r['compat_vs_engine_pct']:.0f}",
                       f"{r['engine_layer_launches_gbps']:.1f}" if "engine_layer_launches_gbps" in r else "",
                       f"{r['compat_vs_layer_launches_pct']:.0f}" if "compat_vs_layer_launches_pct" in r else "",
-                      f"{r['compat_queued_ms']:.2f}", f"{r['engine_queued_ms']:.2f}", f"{r['compat_call_us']:.0f}")
+                      f"{r['compat_queued_ms']:.2f}", f"{r['engine_queued_ms']:.2f}", f"{r['compat_call_us']:.0f}",
+                      described(r["verified"]))
     console.print(table)
     if args.json:
         with open(args.json, "w") as out:
