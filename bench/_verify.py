@@ -227,9 +227,10 @@ def kv_device(pool: Any, *, layers: Sequence[int] | None = None, unit: str = "pa
     return DeviceSide(pool.runtime, pool.device, planes, unit)
 
 
-def kv_host(pool: Any, *, layers: Sequence[int] | None = None, unit: str = "page") -> HostSide:
-    """A ``HostPool``'s pages (or token rows) in the device's byte order (token, head, byte), whatever its layout."""
-    g, s = pool.geometry, pool.strides
+def kv_host(pool: Any, *, layers: Sequence[int] | None = None, unit: str = "page", strides: Any = None) -> HostSide:
+    """A ``HostPool``'s pages (or token rows) in the device's byte order (token, head, byte), whatever its layout;
+    ``strides`` (a ``Strides``) reads its buffer in another layout than the pool's own."""
+    g, s = pool.geometry, strides or pool.strides
     planes = []
     for tensor in range(g.tensors):
         for layer in range(g.layers) if layers is None else layers:

@@ -38,6 +38,7 @@ from transfer import GEOMETRIES, bench_runtime, fill  # noqa: E402
 from kvtier.cli.doctor_probe import probe_bandwidth  # noqa: E402
 from kvtier.memory import HostBuffer, HostKind  # noqa: E402
 from kvtier.pools import DevicePool, HostPool  # noqa: E402
+from kvtier.pools.geometry import Strides  # noqa: E402
 from kvtier.transfer import TransferEngine  # noqa: E402
 
 EMULATED_NOTE = "note: {name} runs Python reference kernels on the CPU, so these numbers are not speeds"
@@ -285,6 +286,22 @@ def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_ho
     return cases, ix.fresh
 
 
+def checked_copy(pool: DevicePool, host: HostPool, side: str, op: str, pages_dev, pages_host) -> tuple:
+    """(destination side, its pages, source side, its pages) of one side's copy, as ``verify`` takes them. The compat
+    calls read and write a ``page_head`` host pool in SGLang's order (page, head, token, layer), not kvtier's (page,
+    head, layer, token): their host pages are read that way."""
+    g = pool.geometry
+    strides = None
+    if side == "compat" and host.layout.value == "page_head":
+        head_bytes = g.head_bytes
+        strides = Strides(layer=head_bytes, page=g.heads * g.page_size * g.layers * head_bytes,
+                          slot=g.layers * head_bytes, head=g.page_size * g.layers * head_bytes)
+    device_pages, host_pages = kv_device(pool), kv_host(host, strides=strides)
+    if op.startswith("backup"):
+        return host_pages, pages_host, device_pages, pages_dev
+    return device_pages, pages_dev, host_pages, pages_host
+
+
 def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceiling, args, console) -> list[dict]:
     """Both sides of every compat function of this layout (in a function of its own, so the host views the calls
     hold are gone before the host pool closes)."""
@@ -303,12 +320,10 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
         elif per_layer:   # a DMA load as SGLang asks for it: one engine call per layer
             sides.append((lambda e=engine: [e.load(pages_host, pages_dev, layers=[layer])
                                             for layer in range(g.layers)][-1].wait(), engine.synchronize))
-        device_pages, host_pages = kv_device(mem.pool), kv_host(host)
-        copy = (host_pages, pages_host, device_pages, pages_dev) if op.startswith("backup") else (
-            device_pages, pages_dev, host_pages, pages_host)
+        copies = [checked_copy(mem.pool, host, SIDES[side], op, pages_dev, pages_host) for side in range(len(sides))]
         what = f"{name} {layout} {function}"
-        guard = (lambda copy=copy: poison(copy[0], copy[1]),
-                 lambda side, copy=copy, what=what: verify(f"{what}, {SIDES[side]} side", *copy))
+        guard = (lambda copy=copies[0]: poison(copy[0], copy[1]),
+                 lambda side, copies=copies, what=what: verify(f"{what}, {SIDES[side]} side", *copies[side]))
         timings, checks = interleaved(sides, args.repeats, guard)
         (q_engine, t_engine), (q_compat, t_compat) = timings[:2]
         calls = g.layers if function.startswith("transfer_kv_per_layer") else 1
