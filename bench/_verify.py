@@ -224,7 +224,7 @@ def kv_device(pool: Any, *, layers: Sequence[int] | None = None, unit: str = "pa
                 planes.append(Plane(addresses[layer], g.page_bytes, (g.row_bytes,), (1,), g.row_bytes, g.page_size))
             else:
                 planes.append(Plane(addresses[layer], g.page_bytes, (g.page_bytes,), (1,)))
-    return DeviceSide(pool.runtime, pool.device, planes, unit)
+    return DeviceSide(pool.runtime, pool.device, planes, "row" if unit == "page" and g.page_size == 1 else unit)
 
 
 def kv_host(pool: Any, *, layers: Sequence[int] | None = None, unit: str = "page", strides: Any = None) -> HostSide:
