@@ -35,6 +35,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _options import name_list  # noqa: E402
+from _verify import described, flat_device, flat_host, kv_device, kv_host, merged, poison, verify  # noqa: E402
+from _verify import fill as fill_units  # noqa: E402
 from transfer import GEOMETRIES, bench_runtime, fill  # noqa: E402
 
 from kvtier.cli.doctor_probe import probe_bandwidth  # noqa: E402
@@ -62,6 +64,8 @@ class Row:
     backup_ms: float
     queued_ms: float
     gemm_slowdown_pct: float | None = None
+    verified: dict | None = None
+    """What the check after the timed repeats compared, both directions (bench/_verify.py)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -193,6 +197,8 @@ def close_all(engines: dict[str, TransferEngine]) -> None:
 def measure_layout(runtime, name, g, layout, dev, pages, args, ceiling, gemm, console) -> list[Row]:
     rows = []
     host = HostPool.allocate(g, layout, pages=2 * pages, runtime=runtime)
+    device_pages, host_slots = kv_device(dev), kv_host(host)
+    fill_units(host_slots, np.arange(host.pages))       # the loads' sources
     rng = np.random.default_rng(0)
     src = rng.choice(dev.pages, 2 * pages, replace=False)
     orders = {"random": rng.choice(host.pages, 2 * pages, replace=False), "contiguous": np.arange(2 * pages)}
@@ -203,17 +209,22 @@ def measure_layout(runtime, name, g, layout, dev, pages, args, ceiling, gemm, co
             threads = queue == "two"
             try:
                 for kind, slots in orders.items():
+                    poison(host_slots, slots[:pages])
+                    poison(device_pages, src[pages:])
                     t_load, t_backup, t_both, t_queued = median_both(engines, src, slots, pages, args.repeats, threads)
+                    what = f"{name} {layout} {load}/{backup} {kind} slots, {queue} thread{'s' * threads}"
+                    check = merged(verify(f"{what}, backup", host_slots, slots[:pages], device_pages, src[:pages]),
+                                   verify(f"{what}, load", device_pages, src[pages:], host_slots, slots[pages:]))
                     gbps = 2 * nbytes / t_both / 1e9
                     row = Row(name, layout, load, backup, kind, args.blocks, f"{queue} thread{'s' * threads}",
                               nbytes / 1e9, gbps, 100 * gbps / ceiling["bidirectional_gbps"], 1e3 * t_load,
-                              1e3 * t_backup, 1e3 * t_queued)
+                              1e3 * t_backup, 1e3 * t_queued, verified=check)
                     if gemm is not None and kind == "random":
                         row.gemm_slowdown_pct = gemm.slowdown_pct(engines, src, slots, pages, t_both, threads)
                     rows.append(row)
                     console.log(f"{name} {layout} {load}/{backup} {kind} {row.queue}: {gbps:.1f} GB/s ({row.pct:.0f}%),"
                                 f" load {row.load_ms:.1f} ms, backup {row.backup_ms:.1f} ms, queued "
-                                f"{row.queued_ms:.1f} ms"
+                                f"{row.queued_ms:.1f} ms, verified {described(check)}"
                                 + ("" if row.gemm_slowdown_pct is None else f", GEMM +{row.gemm_slowdown_pct:.1f}%"))
             finally:
                 close_all(engines)
@@ -227,6 +238,8 @@ def diagnose(runtime, g, dev, pages, args, console) -> list[dict]:
     rng = np.random.default_rng(3)
     src, slots = rng.choice(dev.pages, pages, replace=False), rng.choice(host.pages, pages, replace=False)
     nbytes = pages * g.bytes_per_page
+    device_pages, host_slots = kv_device(dev), kv_host(host)
+    fill_units(host_slots, slots)
     pinned = HostBuffer.allocate(nbytes, HostKind.PINNED, runtime=runtime)
     scratch = DeviceBuffer(nbytes, 0, runtime=runtime)
     stream = runtime.create_stream(0)
@@ -237,6 +250,9 @@ def diagnose(runtime, g, dev, pages, args, console) -> list[dict]:
             for direction in ("load", "backup"):
                 def op(engine=engine, direction=direction):
                     return engine.load(slots, src) if direction == "load" else engine.backup(src, slots)
+                copy = (device_pages, src, host_slots, slots) if direction == "load" else (host_slots, slots,
+                                                                                           device_pages, src)
+                poison(copy[0], copy[1])
                 alone, beside = [], []
                 for _ in range(args.repeats + 1):
                     engine.synchronize()
@@ -252,9 +268,11 @@ def diagnose(runtime, g, dev, pages, args, console) -> list[dict]:
                     op().wait()
                     beside.append(time.perf_counter() - start)
                     stream.synchronize()
+                check = verify(f"diagnose {g.layers}-layer kernel:{blocks} {direction}", *copy)
                 rates = [nbytes / statistics.median(t[1:]) / 1e9 for t in (alone, beside)]
                 out.append({"blocks": blocks, "direction": direction, "alone_gbps": rates[0],
-                            "beside_dma_gbps": rates[1], "loss_pct": 100 * (1 - rates[1] / rates[0])})
+                            "beside_dma_gbps": rates[1], "loss_pct": 100 * (1 - rates[1] / rates[0]),
+                            "verified": check})
                 console.log(f"diagnose {blocks} SMs {direction}: alone {rates[0]:.1f} GB/s, beside a DMA "
                             f"{rates[1]:.1f} GB/s")
             engine.close()
@@ -279,6 +297,8 @@ def dma_pieces(runtime, nbytes: int, repeats: int, console) -> list[dict]:
             DeviceBuffer(2 * nbytes, 0, runtime=runtime) as dev:
         h, d = host.cpu_address, dev.address
         rng = np.random.default_rng(5)
+        fill_units(flat_host(host, 0, nbytes), [0])                      # the H2D source
+        fill_units(flat_device(runtime, 0, d + nbytes, nbytes), [0])     # the D2H source
         try:
             for piece in (p for p in PIECES if p < nbytes):
                 size = piece or nbytes
@@ -289,8 +309,15 @@ def dma_pieces(runtime, nbytes: int, repeats: int, console) -> list[dict]:
                         host_at = rng.permutation(host_at)
                     calls = {"H2D": [(d + i * size, h + int(o)) for i, o in enumerate(host_at)],
                              "D2H": [(h + nbytes + int(o), d + nbytes + i * size) for i, o in enumerate(host_at)]}
+                    pieces, at = np.arange(count), host_at // size
+                    copies = {"H2D": (flat_device(runtime, 0, d, size), pieces, flat_host(host, 0, size), at),
+                              "D2H": (flat_host(host, nbytes, size), at, flat_device(runtime, 0, d + nbytes, size),
+                                      pieces)}
                     for mode in ("H2D", "D2H", "both"):
                         lanes = [calls["H2D"], calls["D2H"]] if mode == "both" else [calls[mode]]
+                        checked = [copies[m] for m in (("H2D", "D2H") if mode == "both" else (mode,))]
+                        for copy in checked:
+                            poison(copy[0], copy[1])
                         times = []
                         for _ in range(repeats + 1):
                             for stream in streams:
@@ -303,7 +330,10 @@ def dma_pieces(runtime, nbytes: int, repeats: int, console) -> list[dict]:
                                 stream.synchronize()
                             times.append(time.perf_counter() - start)
                         gbps = len(lanes) * nbytes / statistics.median(times[1:]) / 1e9
-                        out.append({"piece_bytes": size, "order": order, "mode": mode, "gbps": gbps})
+                        check = merged(*(verify(f"pieces of {size} bytes, {order}, {mode}", *copy)
+                                         for copy in checked))
+                        out.append({"piece_bytes": size, "order": order, "mode": mode, "gbps": gbps,
+                                    "verified": check})
                         console.log(f"pieces of {size >> 10} KiB {order} {mode}: {gbps:.1f} GB/s")
         finally:
             for stream in streams:
@@ -349,13 +379,13 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(title=f"both directions at once ({runtime.device_attributes(0).name}; both-ways ceiling "
                         f"{ceiling['bidirectional_gbps']:.1f} GB/s)")
     for column in ("geometry", "layout", "load", "backup", "slots", "SMs", "queued by", "GB each way", "both GB/s",
-                   "% ceiling", "load ms", "backup ms", "queued ms", "GEMM slowdown %"):
+                   "% ceiling", "load ms", "backup ms", "queued ms", "GEMM slowdown %", "verified"):
         table.add_column(column)
     for r in rows:
         table.add_row(r.geometry, r.layout, r.load, r.backup, r.slots, str(r.blocks), r.queue,
                       f"{r.gbytes_each_way:.2f}", f"{r.both_gbps:.1f}", f"{r.pct:.0f}", f"{r.load_ms:.1f}",
                       f"{r.backup_ms:.1f}", f"{r.queued_ms:.1f}",
-                      "" if r.gemm_slowdown_pct is None else f"{r.gemm_slowdown_pct:.1f}")
+                      "" if r.gemm_slowdown_pct is None else f"{r.gemm_slowdown_pct:.1f}", described(r.verified))
     console.print(table)
     for name, results in diagnosis.items():
         console.print(f"kernel copies beside a contiguous DMA the other way ({name}):")

@@ -204,7 +204,15 @@ def keys(page_sizes, repeats, with_sglang: bool, console) -> list[dict]:
 
 
 def data_plane(runtime, tokens: int, pairs, repeats, console) -> dict:
-    """Load-back of a ``tokens``-long Llama-3-8B prefix and load + backup at once, per backend pair."""
+    """Load-back of a ``tokens``-long Llama-3-8B prefix and load + backup at once, per backend pair.
+
+    Every byte a row times is checked (bench/_verify.py): the prefix's device pages hold random bytes before they are
+    backed up; before each timed repeat every device page is poisoned (the load-back takes its pages from them) and,
+    in the both-ways rows, every host page but the prefix's (the backup takes its pages from them), and the fresh
+    prompt's pages get random bytes. After the repeats, the last load-back's device pages are compared with the host
+    pages it read, and the last backup's host pages with the device pages it wrote from."""
+    from _verify import described, fill, kv_device, kv_host, merged, poison, verify
+
     from kvtier.cli.doctor_probe import probe_bandwidth
 
     g = KVGeometry.mha(layers=32, kv_heads=8, head_dim=128, itemsize=2, page_size=16)
@@ -217,6 +225,22 @@ def data_plane(runtime, tokens: int, pairs, repeats, console) -> dict:
     host = HostPool.allocate(g, "page_first", pages=2 * pages + 8, kind="pinned", runtime=runtime)
     rng = np.random.default_rng(0)
     out = {"ceiling": ceiling, "tokens": tokens, "bytes": nbytes, "rows": []}
+    device_pages, host_pages, every_device = kv_device(dev), kv_host(host), np.arange(dev.pages)
+
+    def landed(load, what: str) -> dict:
+        """The load-back's device pages against the host pages it read."""
+        return verify(what, device_pages, load.device_pages, host_pages, load.host_pages)
+
+    def written(inserted, what: str) -> dict:
+        """The write-through backup's host pages against the device pages of the prompt it wrote."""
+        nodes, node = [], inserted.node
+        while node is not None and node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        return verify(what, host_pages, np.concatenate([n.host for n in nodes]), device_pages,
+                      np.concatenate([n.device for n in nodes]))
+
     try:
         for load_name, backup_name in pairs:
             settings = CacheSettings(load_backend=load_name, backup_backend=backup_name, io_backend=load_name,
@@ -224,11 +248,14 @@ def data_plane(runtime, tokens: int, pairs, repeats, console) -> dict:
             cache = KVCache(dev, host, Namespace("bench", g, "bfloat16"), settings)
             try:
                 prefix = rng.integers(0, VOCAB, tokens)
-                cache.insert(prefix, cache.allocate(pages))
+                prefix_pages = cache.allocate(pages)
+                fill(device_pages, prefix_pages)            # the prefix's KV: random bytes, never zeros
+                cache.insert(prefix, prefix_pages)
                 cache.drain()
                 loads, both = [], []
                 for i in range(repeats + 1):
                     cache.evict(device_pages=dev.pages)
+                    poison(device_pages, every_device)      # all free: the load-back takes its pages from them
                     runtime.synchronize(0)
                     match = cache.match_prefix(prefix)
                     start = time.perf_counter()
@@ -241,6 +268,8 @@ def data_plane(runtime, tokens: int, pairs, repeats, console) -> dict:
                     cache.drain()
                     if i:
                         loads.append((elapsed, first_layer, submitted))
+                label = f"{tokens}-token prefix, {load_name}/{backup_name}"
+                checks = [landed(load, f"{label} load-back")]
                 # both directions: a load-back beside the write-through backup of a fresh prompt of the same size
                 for i in range(repeats + 1):
                     cache.evict(device_pages=dev.pages)
@@ -250,9 +279,13 @@ def data_plane(runtime, tokens: int, pairs, repeats, console) -> dict:
                     cache.evict(host_pages=host.pages)
                     fresh = rng.integers(0, VOCAB, tokens)
                     new_pages = cache.allocate(pages)
+                    poison(device_pages, every_device)      # the load-back's pages come from here
+                    fill(device_pages, new_pages)           # the fresh prompt's KV, which the backup reads
+                    kept = np.concatenate([node.host for node in match.host_nodes])
+                    poison(host_pages, np.setdiff1d(np.arange(host.pages), kept))   # the backup's pages
                     runtime.synchronize(0)
                     start = time.perf_counter()
-                    cache.insert(fresh, new_pages)          # queues the backup (write_through)
+                    inserted = cache.insert(fresh, new_pages)   # queues the backup (write_through)
                     load = cache.load_back(match, force=True)
                     load.wait()
                     cache.drain()
@@ -260,12 +293,15 @@ def data_plane(runtime, tokens: int, pairs, repeats, console) -> dict:
                     cache.unlock(match)
                     if i:
                         both.append(elapsed)
+                checks += [landed(load, f"{label} load-back beside a backup"),
+                           written(inserted, f"{label} backup beside a load-back")]
                 t, first, queued = min(loads)
                 row = {"load": load_name, "backup": backup_name, "load_ms": 1e3 * t, "queue_ms": 1e3 * queued,
                        "first_layer_ms": 1e3 * first,
                        "load_gbps": nbytes / t / 1e9, "load_pct": 100 * nbytes / t / 1e9 / ceiling["h2d_gbps"],
                        "both_gbps": 2 * nbytes / min(both) / 1e9,
-                       "both_pct": 100 * 2 * nbytes / min(both) / 1e9 / ceiling["bidirectional_gbps"]}
+                       "both_pct": 100 * 2 * nbytes / min(both) / 1e9 / ceiling["bidirectional_gbps"],
+                       "verified": described(merged(*checks))}   # a table cell: render() prints every value
                 out["rows"].append(row)
                 console.log(row)
             finally:

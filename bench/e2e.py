@@ -12,11 +12,16 @@ change the timing; nothing is downloaded). For each prefix length and suffix len
 - ``kvtier host, overlap`` / ``no overlap``: the prefix only in kvtier's host tier; loaded back with one event per
   layer, attention of layer i waiting on the GPU for layer i (or for the whole load first).
 - ``kvtier file store``: the prefix only in a file store (read back through the host tier; the page cache is warm).
+- ``torch layer-wise overlap (peer)``: what kvtier's host tier is held against, in plain torch: each layer's K/V copied
+  from pinned memory on a side stream, an event per layer, layer i's attention waiting on the GPU for event i only.
+  ``vs peer`` is a row's TTFT over this one's.
 
 ``bound`` = max(prefix KV bytes / contiguous pinned H2D ceiling measured in the same run, torch device-hit TTFT): the
 time of the link or of the compute, whichever is longer; ``x bound`` is a row's TTFT over it. TTFT is measured from
 the request to the first token's id on the CPU, median of ``--repeats`` after one warm-up; every row computes only the
-last position's logits.
+last position's logits. Every timed run's first token must be the device hit's (the run fails otherwise); before
+each host-tier or storage request every device page of kvtier's pool is poisoned, and the peer's device K/V too, so a
+load that did not land changes the token.
 
 ``--turns`` adds the multi-turn run: users × turns of ``--turn-tokens`` new tokens each (and ``--decode`` generated
 tokens), round-robin over users, with a device pool too small for all conversations; kvtier with the host tier
@@ -76,13 +81,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     ARGS = parse_args()  # --help and bad arguments answer before torch and transformers load (tens of seconds)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _verify import kv_device, poison, same_answers  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 
 from kvtier.cache import CacheSettings  # noqa: E402
 from kvtier.integrations.transformers import KVTierGeneration, cache_keyword  # noqa: E402
@@ -119,16 +128,21 @@ class Clock:
 
     def time(self, fn: Any, repeats: int, before: Any = None) -> float:
         """Median ms over ``repeats`` timed runs after one warm-up; ``before()`` (untimed) sets each run up."""
-        samples = []
+        return self.answered(fn, repeats, before)[0]
+
+    def answered(self, fn: Any, repeats: int, before: Any = None) -> tuple[float, list[Any]]:
+        """``time``, and what each timed run returned (a request's first token id)."""
+        samples, answers = [], []
         for i in range(repeats + 1):
             state = before() if before else None
             self.sync()
             start = time.perf_counter()
-            fn(state)
+            answer = fn(state)
             elapsed = (time.perf_counter() - start) * 1e3
             if i:
                 samples.append(elapsed)
-        return statistics.median(samples)
+                answers.append(answer)
+        return statistics.median(samples), answers
 
 
 def first_token(model: Any, ids: Any, past: Any) -> int:
@@ -146,6 +160,42 @@ def cache_of(kv: list[tuple[Any, Any]], model: Any, *, offloading: bool = False)
         layer.lazy_initialization(k.new_empty(0, device=device), v.new_empty(0, device=device))
         layer.keys, layer.values = k, v
     return past
+
+
+class WaitingLayer(DynamicLayer):
+    """The peer's cache layer: K/V whose copy may still be running on a side stream; the layer's first ``update``
+    (its attention) makes the compute stream wait for that layer's event, and only that one."""
+
+    def __init__(self, keys: Any, values: Any, landed: Any) -> None:
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values, self.landed = keys, values, landed
+
+    def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if self.landed is not None:
+            torch.cuda.current_stream().wait_event(self.landed)
+            self.landed = None
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+def layer_wise(pinned: list[tuple[Any, Any]], targets: list[tuple[Any, Any]], stream: Any) -> Any:
+    """The plain-torch layer-wise overlap: each layer's K/V copied from pinned memory into ``targets`` on ``stream``
+    (after the compute stream's earlier work), an event recorded after each layer; a cache whose layer i waits for
+    event i. Returns at once: the copies run while the model computes."""
+    stream.wait_stream(torch.cuda.current_stream())
+    layers = []
+    with torch.cuda.stream(stream):
+        for (k, v), (k_dev, v_dev) in zip(pinned, targets, strict=True):
+            k_dev.copy_(k, non_blocking=True)
+            v_dev.copy_(v, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(stream)
+            layers.append(WaitingLayer(k_dev, v_dev, landed))
+    return Cache(layers=layers)
+
+
+PEER = "torch layer-wise overlap (peer)"
+REFERENCE = "torch device hit"
 
 
 def h2d_ceiling(device: str) -> float:
@@ -191,12 +241,16 @@ class Prefix:
             ("kvtier device hit", *self.kvtier(ids)),
         ]
         if self.pinned:
+            side = torch.cuda.Stream()
             cases += [
                 ("torch copy, then compute", lambda _: first_token(model, tail, cache_of(
                     [(k.to("cuda", non_blocking=True), v.to("cuda", non_blocking=True)) for k, v in self.pinned],
                     model)), None),
-                ("DynamicCache(offloading=True)", lambda past: (past.prefetch(0), first_token(model, tail, past)),
+                ("DynamicCache(offloading=True)", lambda past: (past.prefetch(0), first_token(model, tail, past))[1],
                  lambda: cache_of(self.pinned, model, offloading=True)),
+                (PEER, lambda targets: first_token(model, tail, layer_wise(self.pinned, targets, side)),
+                 lambda: [(torch.full_like(k, 7.0, device="cuda"), torch.full_like(v, 7.0, device="cuda"))
+                          for k, v in self.pinned]),           # poisoned: a copy that did not land shows
             ]
         cases += [("kvtier host, overlap", *self.kvtier(ids, where="host")),
                   ("kvtier host, no overlap", *self.kvtier(ids, overlap=False, where="host"))]
@@ -212,11 +266,13 @@ class Prefix:
             if where != "device":
                 cache.drain()
                 cache.evict(device_pages=cache.device.pages, host_pages=cache.host.pages if where == "storage" else 0)
+                free = np.flatnonzero(~cache.device.used_mask())
+                poison(kv_device(cache.device_pool), free)        # the load-back lands in free pages
 
-        def run(_: Any) -> None:
+        def run(_: Any) -> int:
             with generation.request(ids, overlap=overlap) as request:
                 assert request.cached_tokens == self.length, (where, request.turn)
-                first_token(self.model, ids[:, self.length:], request.cache)
+                return first_token(self.model, ids[:, self.length:], request.cache)
         return run, before
 
 
@@ -227,13 +283,19 @@ def measure_length(model: Any, generation: KVTierGeneration, clock: Clock, lengt
     for suffix in suffixes:
         ids = torch.cat([prefix.tokens, torch.randint(0, model.config.vocab_size, (1, suffix), device=clock.device)],
                         dim=1)
-        results = {name: clock.time(fn, repeats, before) for name, fn, before in prefix.cases(ids, with_storage)}
+        results, answers = {}, {}
+        for name, fn, before in prefix.cases(ids, with_storage):
+            results[name], answers[name] = clock.answered(fn, repeats, before)
+        same_answers(f"{length:,}-token prefix + {suffix:,}: first token", answers, REFERENCE)
         link = prefix.kv_bytes / ceiling / 1e6 if ceiling == ceiling else 0.0
-        bound = max(link, results["torch device hit"])
+        bound = max(link, results[REFERENCE])
         for name, ms in results.items():
             rows.append({"prefix": length, "suffix": suffix, "row": name, "ttft_ms": ms, "bound_ms": bound,
                          "link_ms": link, "kv_bytes": prefix.kv_bytes, "x_bound": ms / bound,
-                         "speedup": results["recompute"] / ms})
+                         "speedup": results["recompute"] / ms,
+                         "vs_peer": ms / results[PEER] if PEER in results else None,
+                         "verified": {"first_token": answers[name][0], "runs": len(answers[name]),
+                                      "equals": REFERENCE}})
     rows.append(gather_cost(generation, prefix.tokens, clock))
     return rows
 
@@ -372,14 +434,18 @@ def multi_turn(model: Any, generation: KVTierGeneration, clock: Clock, users: in
 
 
 def show(rows: list[dict], ceiling: float) -> None:
-    table = Table(title=f"TTFT, ms (H2D ceiling {ceiling:.1f} GB/s, same run)")
-    for column in ("prefix", "suffix", "row", "TTFT ms", "bound ms", "x bound", "vs recompute"):
+    table = Table(title=f"TTFT, ms (H2D ceiling {ceiling:.1f} GB/s, same run; every timed run's first token is the "
+                        f"{REFERENCE}'s)")
+    for column in ("prefix", "suffix", "row", "TTFT ms", "bound ms", "x bound", "vs recompute", "vs peer",
+                   "first token"):
         table.add_column(column, justify="left" if column == "row" else "right")
     for r in rows:
         if r["row"] == "gather":
             continue
         table.add_row(f"{r['prefix']:,}", f"{r['suffix']:,}", r["row"], f"{r['ttft_ms']:.1f}", f"{r['bound_ms']:.1f}",
-                      f"{r['x_bound']:.2f}", f"{r['speedup']:.1f}x")
+                      f"{r['x_bound']:.2f}", f"{r['speedup']:.1f}x",
+                      "" if r.get("vs_peer") is None else f"{r['vs_peer']:.2f}",
+                      f"{r['verified']['first_token']} x{r['verified']['runs']}")
     console.print(table)
     for r in rows:
         if r["row"] == "gather":

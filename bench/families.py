@@ -17,21 +17,27 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.cli.doctor_probe import probe_bandwidth
-from kvtier.memory import DeviceBuffer, HostBuffer, HostKind
-from kvtier.pools import DevicePool, HostPool, KVGeometry
-from kvtier.pools.paged_rows import PagedRowDevicePool, PagedRowGeometry, PagedRowHostPool
-from kvtier.pools.state import StateDevicePool, StateGeometry, StateHostPool
-from kvtier.runtime import ENV_VAR, get
-from kvtier.transfer.family import FamilyEngine
-from kvtier.transfer.hisparse import HotBuffer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _verify import described, family_device, family_host, kv_device, kv_host, poison, verify  # noqa: E402
+from _verify import fill as fill_units  # noqa: E402
+
+from kvtier.cli.doctor_probe import probe_bandwidth  # noqa: E402
+from kvtier.memory import DeviceBuffer, HostBuffer, HostKind  # noqa: E402
+from kvtier.pools import DevicePool, HostPool, KVGeometry  # noqa: E402
+from kvtier.pools.paged_rows import PagedRowDevicePool, PagedRowGeometry, PagedRowHostPool  # noqa: E402
+from kvtier.pools.state import StateDevicePool, StateGeometry, StateHostPool  # noqa: E402
+from kvtier.runtime import ENV_VAR, get  # noqa: E402
+from kvtier.transfer.family import FamilyEngine  # noqa: E402
+from kvtier.transfer.hisparse import HotBuffer  # noqa: E402
 
 
 def families(small: bool) -> dict:
@@ -60,6 +66,8 @@ class Row:
     gbytes: float
     gbps: float
     pct: float
+    verified: dict | None = None
+    """What the check after the timed repeats compared (bench/_verify.py)."""
 
 
 def median_seconds(op, repeats: int) -> float:
@@ -89,8 +97,10 @@ def measure_family(runtime, name, kind, g, layout, size, blocks, ceiling, repeat
         dev = PagedRowDevicePool.allocate(g, count, 0, runtime=runtime)
         host = PagedRowHostPool.allocate(g, layout, pages=2 * count, runtime=runtime)
     fill_host(host)
+    whole = "slot" if kind == "state" else "page"
+    fill_units(family_device(dev, whole), np.arange(count))    # the backups' sources (the loads' are the host's)
     rows = []
-    units = [("slot" if kind == "state" else "page", count)]
+    units = [(whole, count)]
     if kind == "rows" and g.token_granular:
         units.append(("token", count * g.page_size // 4))
     try:
@@ -101,15 +111,20 @@ def measure_family(runtime, name, kind, g, layout, size, blocks, ceiling, repeat
                     dev_units = rng.permutation(count * per)[:n]
                     host_units = rng.permutation(2 * count * per)[:n]
                     moved = n * (unit_bytes // per)
+                    on_device, on_host = family_device(dev, unit), family_host(host, dev, unit)
                     for direction in ("backup", "load", "load-1"):
                         def op(d=direction, e=engine, du=dev_units, hu=host_units, u=unit):
                             if d == "backup":
                                 return e.backup(du, hu, unit=u)
                             return e.load(hu, du, unit=u, per_layer=d == "load")
+                        copy = (on_host, host_units, on_device, dev_units) if direction == "backup" else (
+                            on_device, dev_units, on_host, host_units)
+                        poison(copy[0], copy[1])
                         seconds = median_seconds(op, repeats)
+                        check = verify(f"{name} {unit}s {direction} at {b} blocks", *copy)
                         gbps = moved / seconds / 1e9
                         ref = ceiling["d2h_gbps" if direction == "backup" else "h2d_gbps"]
-                        rows.append(Row(name, unit, direction, b, moved / 1e9, gbps, 100 * gbps / ref))
+                        rows.append(Row(name, unit, direction, b, moved / 1e9, gbps, 100 * gbps / ref, check))
     finally:
         dev.close()
         host.close()
@@ -122,7 +137,11 @@ def swap_in_latency(runtime, small: bool, steps: int) -> list[dict]:
     The step is captured once as a graph over device inputs (as an engine captures its decode step); each step
     uploads that step's top-k on the stream and replays the graph, and all steps are queued back to back, so the
     events between steps time the GPU work, not Python. ``call_us`` is the CPU cost of one plain ``swap_in`` call
-    with host arrays (checks, upload, launch), measured apart."""
+    with host arrays (checks, upload, launch), measured apart.
+
+    Each case starts as the contract says prefill leaves it: tokens 0..slots-1 in rows 0..slots-1 (their host
+    bytes, written here), so a row the kernel should have refilled still holds another token's random bytes; after
+    the timed steps the row of every top-k token of the last step is compared with that token's host row."""
     k, n, t = (64, 128, 2048) if small else (2048, 4096, 65536)
     g_host = KVGeometry.mla(1, 656, 64)
     g_dev = KVGeometry.mla(1, 656, 1)
@@ -134,12 +153,14 @@ def swap_in_latency(runtime, small: bool, steps: int) -> list[dict]:
             DeviceBuffer(k * 4, 0, runtime=runtime) as topk, \
             HostBuffer.allocate(steps * k * 4, HostKind.PINNED, runtime=runtime) as plan:
         fill_host(host)
+        hot_rows, host_tokens = kv_device(dev), kv_host(host, unit="token")
         requests.upload(np.zeros(1, np.int64))
         stream = runtime.create_stream(0)
         with HotBuffer(dev, host, requests=1, slots=n, top_k=k, max_tokens=t) as hot:
             for label, fraction, seq in (("fast path (seq <= slots)", 0.0, n), ("all hits", 0.0, t),
                                          ("20% missing", 0.2, t), ("100% missing", 1.0, t)):
                 hot.assign(0, np.arange(t))
+                hot_rows.write(np.arange(n), host_tokens.read(np.arange(n)))    # as prefill leaves them
                 seq_lens.upload(np.array([seq], np.int64))
                 current = rng.choice(n, k, replace=False) if fraction == 0.0 else rng.choice(seq - 1, k,
                                                                                                 replace=False)
@@ -179,10 +200,12 @@ def swap_in_latency(runtime, small: bool, steps: int) -> list[dict]:
                     hot.swap_in(0, [0], top, [seq], stream=stream)
                     calls.append((time.perf_counter() - start) * 1e6)
                 stream.synchronize()
+                landed = np.frombuffer(hot.out.download(0, k * 8), np.int64)
+                check = verify(f"swap-in, {label}", hot_rows, landed, host_tokens, top[0])
                 out.append({"case": label, "top_k": k, "tokens": seq, "slots": n, "row_bytes": 656,
                             "median_us": statistics.median(times), "p90_us": float(np.percentile(times, 90)),
                             "missing_rows": int(k * fraction) if seq == t else 0,
-                            "call_us": statistics.median(calls)})
+                            "call_us": statistics.median(calls), "verified": check})
         stream.close()
     return out
 
@@ -211,20 +234,20 @@ def main(argv: list[str] | None = None) -> None:
         console.log(f"{name} ({layout})")
         rows += measure_family(runtime, name, kind, g, layout, size, blocks, ceiling, 1 if small else args.repeats)
     table = Table(title=f"family transfers on {runtime.name} (random units, % of the same-run ceiling)")
-    for col in ("family", "unit", "direction", "blocks", "GB", "GB/s", "% ceiling"):
-        table.add_column(col, justify="right" if col not in ("family", "unit", "direction") else "left")
+    for col in ("family", "unit", "direction", "blocks", "GB", "GB/s", "% ceiling", "verified"):
+        table.add_column(col, justify="right" if col not in ("family", "unit", "direction", "verified") else "left")
     for r in rows:
         table.add_row(r.family, r.unit, r.direction, str(r.blocks), f"{r.gbytes:.3f}", f"{r.gbps:.1f}",
-                      f"{r.pct:.0f}%")
+                      f"{r.pct:.0f}%", described(r.verified))
     console.print(table)
     swaps = swap_in_latency(runtime, small, 3 if small else args.steps)
     table = Table(title="HiSparse swap-in, one layer, one request (656-byte MLA fp8 rows)")
     for col in ("case", "top-k", "tokens", "hot rows", "rows copied", "GPU median µs", "GPU p90 µs",
-                "CPU call µs"):
+                "CPU call µs", "verified"):
         table.add_column(col)
     for s in swaps:
         table.add_row(s["case"], str(s["top_k"]), str(s["tokens"]), str(s["slots"] + 1), str(s["missing_rows"]),
-                      f"{s['median_us']:.1f}", f"{s['p90_us']:.1f}", f"{s['call_us']:.0f}")
+                      f"{s['median_us']:.1f}", f"{s['p90_us']:.1f}", f"{s['call_us']:.0f}", described(s["verified"]))
     console.print(table)
     if args.json:
         with open(args.json, "w") as out:

@@ -31,14 +31,19 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _verify import described, kv_device, kv_host, merged, poison, verify  # noqa: E402
+from _verify import fill as fill_units  # noqa: E402
 from transfer import GEOMETRIES, bench_runtime, fill  # noqa: E402
 
 from kvtier.cli.doctor_probe import probe_bandwidth  # noqa: E402
 from kvtier.memory import HostBuffer, HostKind  # noqa: E402
 from kvtier.pools import DevicePool, HostPool  # noqa: E402
+from kvtier.pools.geometry import Strides  # noqa: E402
 from kvtier.transfer import TransferEngine  # noqa: E402
 
 EMULATED_NOTE = "note: {name} runs Python reference kernels on the CPU, so these numbers are not speeds"
+SIDES = ("engine", "compat", "engine, a launch (call) per layer")
+"""The sides of a row, in the order ``measure`` times them (the third for per-layer functions only)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -145,17 +150,27 @@ def timed(op, finish, setup=None) -> tuple[float, float]:
     return returned - start, time.perf_counter() - start
 
 
-def interleaved(sides, repeats: int) -> list[tuple[float, float]]:
+def interleaved(sides, repeats: int, guard=None) -> tuple[list[tuple[float, float]], list[dict]]:
     """Per side ``(op, finish[, setup])``: the median (queued, done) seconds, the sides taken in turn each repeat
     after one warm-up round. Host-bound DMA rates drift 2-3x over a minute on the H200 host; alternating keeps the
-    compat and engine figures of one row under the same drift."""
+    compat and engine figures of one row under the same drift.
+
+    ``guard`` (``poison()``, ``verify(side)``): every side writes the same destination, so in the last round each
+    side's destination is poisoned (untimed) before its op and checked right after it, each side on its own bytes;
+    the checks are returned too."""
     samples: list[list[tuple[float, float]]] = [[] for _ in sides]
+    checks = []
     for i in range(repeats + 1):
         for side, (op, finish, *setup) in enumerate(sides):
+            last = guard is not None and i == repeats
+            if last:
+                guard[0]()
             result = timed(op, finish, *setup)
+            if last:
+                checks.append(guard[1](side))
             if i:
                 samples[side].append(result)
-    return [(statistics.median(q for q, _ in s), statistics.median(d for _, d in s)) for s in samples]
+    return [(statistics.median(q for q, _ in s), statistics.median(d for _, d in s)) for s in samples], checks
 
 
 def profile(name: str, call, finish, calls: int, console, setup=None, rounds: int = 5) -> None:
@@ -271,6 +286,22 @@ def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_ho
     return cases, ix.fresh
 
 
+def checked_copy(pool: DevicePool, host: HostPool, side: str, op: str, pages_dev, pages_host) -> tuple:
+    """(destination side, its pages, source side, its pages) of one side's copy, as ``verify`` takes them. The compat
+    calls read and write a ``page_head`` host pool in SGLang's order (page, head, token, layer), not kvtier's (page,
+    head, layer, token): their host pages are read that way."""
+    g = pool.geometry
+    strides = None
+    if side == "compat" and host.layout.value == "page_head":
+        head_bytes = g.head_bytes
+        strides = Strides(layer=head_bytes, page=g.heads * g.page_size * g.layers * head_bytes,
+                          slot=g.layers * head_bytes, head=g.page_size * g.layers * head_bytes)
+    device_pages, host_pages = kv_device(pool), kv_host(host, strides=strides)
+    if op.startswith("backup"):
+        return host_pages, pages_host, device_pages, pages_dev
+    return device_pages, pages_dev, host_pages, pages_host
+
+
 def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceiling, args, console) -> list[dict]:
     """Both sides of every compat function of this layout (in a function of its own, so the host views the calls
     hold are gone before the host pool closes)."""
@@ -289,7 +320,11 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
         elif per_layer:   # a DMA load as SGLang asks for it: one engine call per layer
             sides.append((lambda e=engine: [e.load(pages_host, pages_dev, layers=[layer])
                                             for layer in range(g.layers)][-1].wait(), engine.synchronize))
-        timings = interleaved(sides, args.repeats)
+        copies = [checked_copy(mem.pool, host, SIDES[side], op, pages_dev, pages_host) for side in range(len(sides))]
+        what = f"{name} {layout} {function}"
+        guard = (lambda copy=copies[0]: poison(copy[0], copy[1]),
+                 lambda side, copies=copies, what=what: verify(f"{what}, {SIDES[side]} side", *copies[side]))
+        timings, checks = interleaved(sides, args.repeats, guard)
         (q_engine, t_engine), (q_compat, t_compat) = timings[:2]
         calls = g.layers if function.startswith("transfer_kv_per_layer") else 1
         if function in args.profile:
@@ -301,7 +336,7 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
                "engine": f"{backend}:{args.blocks}x{threads}" if backend == "kernel" else "batch",
                "engine_gbps": nbytes / t_engine / 1e9, "compat_gbps": nbytes / t_compat / 1e9,
                "compat_queued_ms": 1e3 * q_compat, "engine_queued_ms": 1e3 * q_engine, "calls": calls,
-               "compat_call_us": 1e6 * q_compat / calls}
+               "compat_call_us": 1e6 * q_compat / calls, "verified": merged(*checks)}
         row["engine_pct"] = 100 * row["engine_gbps"] / ceiling[key]
         row["compat_pct"] = 100 * row["compat_gbps"] / ceiling[key]
         row["compat_vs_engine_pct"] = 100 * t_engine / t_compat
@@ -310,7 +345,8 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
             row["compat_vs_layer_launches_pct"] = 100 * timings[2][1] / t_compat
         rows.append(row)
         console.log(f"{name} {layout} {function}: compat {row['compat_gbps']:.1f} GB/s "
-                    f"({row['compat_pct']:.0f}%), engine {row['engine_gbps']:.1f} ({row['engine_pct']:.0f}%)")
+                    f"({row['compat_pct']:.0f}%), engine {row['engine_gbps']:.1f} ({row['engine_pct']:.0f}%), "
+                    f"verified {described(row['verified'])}")
     return rows
 
 
@@ -333,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
             if layout == "page_head" and g.tensors == 1:
                 continue
             host = HostPool.allocate(g, layout, pages=2 * pages, runtime=runtime)
+            fill_units(kv_host(host), np.arange(host.pages))    # the loads' sources
             pages_dev = rng.choice(mem.pool.pages, pages, replace=False)
             pages_host = rng.choice(host.pages, pages, replace=False)
             tokens = [(p[:, None] * g.page_size + np.arange(g.page_size)).reshape(-1) for p in (pages_dev, pages_host)]
@@ -355,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"ceiling H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f} GB/s)")
     for column in ("geometry", "host layout", "compat function", "engine call", "compat GB/s (%)",
                    "engine GB/s (%)", "compat / engine %", "engine, a launch (call) per layer: GB/s", "compat / it %",
-                   "queued ms: compat", "engine", "µs / compat call"):
+                   "queued ms: compat", "engine", "µs / compat call", "verified"):
         table.add_column(column)
     for r in rows:
         table.add_row(r["geometry"], r["layout"], r["function"], f"{r['engine']} {r['direction'].split('-')[0]}",
@@ -363,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{r['engine_gbps']:.1f} ({r['engine_pct']:.0f}%)", f"{r['compat_vs_engine_pct']:.0f}",
                       f"{r['engine_layer_launches_gbps']:.1f}" if "engine_layer_launches_gbps" in r else "",
                       f"{r['compat_vs_layer_launches_pct']:.0f}" if "compat_vs_layer_launches_pct" in r else "",
-                      f"{r['compat_queued_ms']:.2f}", f"{r['engine_queued_ms']:.2f}", f"{r['compat_call_us']:.0f}")
+                      f"{r['compat_queued_ms']:.2f}", f"{r['engine_queued_ms']:.2f}", f"{r['compat_call_us']:.0f}",
+                      described(r["verified"]))
     console.print(table)
     if args.json:
         with open(args.json, "w") as out:

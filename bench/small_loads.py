@@ -25,6 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _verify import described, kv_device, kv_host, poison, verify  # noqa: E402
+from _verify import fill as fill_units  # noqa: E402
 from transfer import GEOMETRIES, bench_runtime, fill  # noqa: E402
 
 from kvtier.cli.doctor_probe import probe_bandwidth  # noqa: E402
@@ -86,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         fill(runtime, dev, seed)
         seed.close()
         host = HostPool.allocate(g, "page_first_direct", pages=2 * most, runtime=runtime)
+        device_pages, host_slots = kv_device(dev), kv_host(host)
+        fill_units(host_slots, np.arange(host.pages))     # the loads' sources
         engines = {backend: TransferEngine(dev, host, backend=backend) for backend in ("kernel", "staged")}
         for pages in args.page_counts:
             dst = rng.choice(dev.pages, pages, replace=False)
@@ -95,25 +99,28 @@ def main(argv: list[str] | None = None) -> None:
                 slots = (rng.choice(host.pages, pages, replace=False) if kind == "random"
                          else np.arange(pages) + int(rng.integers(0, host.pages - pages + 1)))
                 loader = shape if label == "graph" else engines[backend]
+                poison(device_pages, dst)
                 queued, done = measure(loader, engines[backend], slots, dst, per_layer, args.repeats)
+                check = verify(f"{name} {pages} pages {backend} {label}", device_pages, dst, host_slots, slots)
                 rows.append({"geometry": name, "pages": pages, "tokens": pages * g.page_size, "backend": backend,
                              "op": label, "slots": kind, "mib": pages * g.bytes_per_page / 2**20,
                              "queued_us": queued * 1e6, "done_us": done * 1e6, "bound_us": bound * 1e6,
-                             "ratio": done / bound})
+                             "ratio": done / bound, "verified": check})
                 console.log(f"{name} {pages:5d} pages {backend} {label}: queued {queued * 1e6:8.0f} µs, done "
-                            f"{done * 1e6:8.0f} µs, bound {bound * 1e6:8.0f} µs ({done / bound:.2f}x)")
+                            f"{done * 1e6:8.0f} µs, bound {bound * 1e6:8.0f} µs ({done / bound:.2f}x), verified "
+                            f"{described(check)}")
         for engine in engines.values():
             engine.close()
         host.close()
         dev.close()
     table = Table(title=f"small load-backs ({runtime.device_attributes(0).name}, H2D ceiling {ceiling:.1f} GB/s)")
     for column in ("geometry", "pages", "tokens", "MiB", "backend", "op", "slots", "queued µs", "done µs",
-                   "bound µs", "done/bound"):
+                   "bound µs", "done/bound", "verified"):
         table.add_column(column)
     for r in rows:
         table.add_row(r["geometry"], str(r["pages"]), str(r["tokens"]), f"{r['mib']:.1f}", r["backend"], r["op"],
                       r["slots"], f"{r['queued_us']:.0f}", f"{r['done_us']:.0f}", f"{r['bound_us']:.0f}",
-                      f"{r['ratio']:.2f}")
+                      f"{r['ratio']:.2f}", described(r["verified"]))
     console.print(table)
     if args.json:
         with open(args.json, "w") as out:

@@ -17,20 +17,26 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.cli.doctor_probe import probe_bandwidth
-from kvtier.kernels import KernelLauncher
-from kvtier.kernels.source import Specialization
-from kvtier.memory import HostBuffer, HostKind
-from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry
-from kvtier.runtime import ENV_VAR, get
-from kvtier.transfer import TransferEngine
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _verify import described, kv_device, kv_host, merged, poison, verify  # noqa: E402
+from _verify import fill as fill_units  # noqa: E402
+
+from kvtier.cli.doctor_probe import probe_bandwidth  # noqa: E402
+from kvtier.kernels import KernelLauncher  # noqa: E402
+from kvtier.kernels.source import Specialization  # noqa: E402
+from kvtier.memory import HostBuffer, HostKind  # noqa: E402
+from kvtier.pools import DevicePool, HostLayout, HostPool, KVGeometry  # noqa: E402
+from kvtier.runtime import ENV_VAR, get  # noqa: E402
+from kvtier.transfer import TransferEngine  # noqa: E402
 
 GEOMETRIES = {
     "llama3-8b-p16": KVGeometry.mha(32, kv_heads=8, head_dim=128, itemsize=2, page_size=16),
@@ -54,6 +60,8 @@ class Row:
     slots: str = "random"
     layer_us: float | None = None
     sm_busy_pct: float | None = None
+    verified: dict | None = None
+    """What the check after the timed repeats compared (bench/_verify.py): pages checked, of how many, bytes."""
 
 
 def fill(runtime, pool: DevicePool, seed_buffer: HostBuffer) -> None:
@@ -122,25 +130,37 @@ def measure(runtime, name, g, layout, backend, blocks, dev, host, ceiling, pages
         slots = np.arange(first, first + count)
     nbytes = count * g.bytes_per_page
     rows = []
-    operations = [("backup", lambda: engine.backup(src, slots)), ("load", lambda: engine.load(slots, src))]
+    pages, host_slots = kv_device(dev), kv_host(host)
+    to_host = (host_slots, slots, pages, src)
+    to_device = (pages, src, host_slots, slots)
+    operations = [("backup", lambda: engine.backup(src, slots), to_host),
+                  ("load", lambda: engine.load(slots, src), to_device)]
     if backend in ("kernel", "staged"):
-        operations.append(("load-1", lambda: engine.load(slots, src, per_layer=False)))
-    for direction, op in operations:
+        operations.append(("load-1", lambda: engine.load(slots, src, per_layer=False), to_device))
+    label = f"{name} {layout} {backend}:{blocks} {slots_kind} slots"
+    for direction, op, copy in operations:
+        poison(copy[0], copy[1])
         seconds = timed(runtime, engine, op, repeats)
+        check = verify(f"{label} {direction}", *copy)
         gbps = nbytes / seconds / 1e9
         key = "d2h_gbps" if direction == "backup" else "h2d_gbps"
         rows.append(Row(name, layout, backend, blocks, direction, nbytes / 1e9, gbps, 100 * gbps / ceiling[key],
-                        slots_kind))
+                        slots_kind, verified=check))
         if backend == "staged":
             relayout = relayout_seconds(engine, src, repeats)
             rows[-1].sm_busy_pct = None if relayout is None else 100 * relayout / seconds
     if backend == "kernel":
-        one = timed(runtime, engine, lambda: engine.load(slots, src, layers=[g.layers // 2]), repeats)
+        middle = [g.layers // 2]
+        layer_pages, layer_slots = kv_device(dev, layers=middle), kv_host(host, layers=middle)
+        poison(layer_pages, src)
+        one = timed(runtime, engine, lambda: engine.load(slots, src, layers=middle), repeats)
         rows[1].layer_us = one * 1e6
+        rows[1].verified = merged(rows[1].verified, verify(f"{label} load of layer {middle[0]}", layer_pages, src,
+                                                           layer_slots, slots))
     engine.close()
     for row in rows:
         console.log(f"{row.geometry} {row.layout} {row.backend}:{row.blocks} {row.direction} "
-                    f"{row.gbps:.1f} GB/s ({row.pct:.0f}%)")
+                    f"{row.gbps:.1f} GB/s ({row.pct:.0f}%), verified {described(row.verified)}")
     return rows
 
 
@@ -160,13 +180,17 @@ def variant_launcher(runtime, variant: str) -> tuple[KernelLauncher, dict]:
     return launcher, options
 
 
-def bidirectional(runtime, g, dev, host, ceiling, pages, blocks, backend="kernel") -> dict:
+def bidirectional(runtime, g, dev, host, ceiling, pages, blocks, backend="kernel", label="") -> dict:
     """Backup and load at once, on their two streams; staged uses contiguous host slots."""
     rng = np.random.default_rng(1)
     engine = TransferEngine(dev, host, backend=backend, max_blocks=blocks)
     half = max(1, pages // 2)
     src = rng.choice(dev.pages, 2 * half, replace=False)
     slots = rng.choice(host.pages, 2 * half, replace=False) if backend == "kernel" else np.arange(2 * half)
+    device_pages, host_slots = kv_device(dev), kv_host(host)
+    fill_units(host_slots, slots[half:])                # the load's source
+    poison(host_slots, slots[:half])
+    poison(device_pages, src[half:])
     times = []
     for i in range(4):
         engine.synchronize()
@@ -177,8 +201,12 @@ def bidirectional(runtime, g, dev, host, ceiling, pages, blocks, backend="kernel
         if i:
             times.append(time.perf_counter() - start)
     engine.close()
+    what = f"{label} both ways, {backend}:{blocks}"
+    check = merged(verify(f"{what}, backup", host_slots, slots[:half], device_pages, src[:half]),
+                   verify(f"{what}, load", device_pages, src[half:], host_slots, slots[half:]))
     gbps = 2 * half * g.bytes_per_page / statistics.median(times) / 1e9
-    return {"backend": backend, "blocks": blocks, "gbps": gbps, "pct": 100 * gbps / ceiling["bidirectional_gbps"]}
+    return {"backend": backend, "blocks": blocks, "gbps": gbps, "pct": 100 * gbps / ceiling["bidirectional_gbps"],
+            "verified": check}
 
 
 def gemm_slowdown(runtime, g, dev, host, pages, blocks_list) -> list[dict]:
@@ -200,8 +228,11 @@ def gemm_slowdown(runtime, g, dev, host, pages, blocks_list) -> list[dict]:
     out = []
     rng = np.random.default_rng(2)
     src, slots = rng.choice(dev.pages, pages, replace=False), rng.choice(host.pages, pages, replace=False)
+    device_pages, host_slots = kv_device(dev), kv_host(host)
+    fill_units(host_slots, slots)
     for blocks in blocks_list:
         engine = TransferEngine(dev, host, backend="kernel", max_blocks=blocks)
+        poison(device_pages, src)
         alone, busy = [], []
         for _ in range(3):
             alone.append(gemms(15))
@@ -210,9 +241,10 @@ def gemm_slowdown(runtime, g, dev, host, pages, blocks_list) -> list[dict]:
             for t in transfers:
                 t.wait()
         engine.close()
+        check = verify(f"loads beside GEMMs, kernel:{blocks}", device_pages, src, host_slots, slots)
         quiet, loaded = statistics.median(alone), statistics.median(busy)
         out.append({"blocks": blocks, "gemm_ms_alone": quiet, "gemm_ms_with_copy": loaded,
-                    "slowdown_pct": 100 * (loaded / quiet - 1)})
+                    "slowdown_pct": 100 * (loaded / quiet - 1), "verified": check})
     return out
 
 
@@ -285,8 +317,8 @@ def run_layout(runtime, args, name, g, layout, backends, budgets, dev, pages, ce
                 row.backend = f"kernel {variant}"
                 rows.append(row)
     if layout == "page_first_direct":
-        extras["bidirectional"][name] = [bidirectional(runtime, g, dev, host, ceiling, pages, 2, backend)
-                                         for backend in ("kernel", "staged")]
+        extras["bidirectional"][name] = [bidirectional(runtime, g, dev, host, ceiling, pages, 2, backend,
+                                                       f"{name} {layout}") for backend in ("kernel", "staged")]
         if first and not args.quick and runtime.name == "cuda":
             extras["gemm"][name] = gemm_slowdown(runtime, g, dev, host, pages, [2, 8, 32])
     host.close()
@@ -296,14 +328,14 @@ def run_layout(runtime, args, name, g, layout, backends, budgets, dev, pages, ce
 def render(runtime, sms: int, rows: list[Row], extras: dict, console: Console) -> None:
     table = Table(title=f"kvtier transfer ({runtime.device_attributes(0).name}, {sms} SMs)")
     for column in ("geometry", "layout", "backend", "slots", "SMs", "dir", "GB", "GB/s", "% ceiling", "layer µs",
-                   "SM busy %"):
+                   "SM busy %", "verified"):
         table.add_column(column)
     for r in rows:
         sms_used = str(r.blocks) if r.backend.startswith("kernel") else (
             f"{sms}*" if r.backend == "staged" else "0")
         table.add_row(r.geometry, r.layout, r.backend, r.slots, sms_used, r.direction, f"{r.gbytes:.2f}",
                       f"{r.gbps:.1f}", f"{r.pct:.0f}", "" if r.layer_us is None else f"{r.layer_us:.0f}",
-                      "" if r.sm_busy_pct is None else f"{r.sm_busy_pct:.1f}")
+                      "" if r.sm_busy_pct is None else f"{r.sm_busy_pct:.1f}", described(r.verified))
     console.print(table)
     console.print({"bidirectional": extras["bidirectional"], "gemm": extras["gemm"]})
 

@@ -4,12 +4,15 @@ subprocess, as a user would start it."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow   # whole-program or stateful runs: `-m 'not slow'` skips them
@@ -20,9 +23,10 @@ HANG = 600
 """Seconds after which a run counts as hung: runs here take seconds, but the bound must hold on a loaded machine."""
 
 
-def run(*args: str, timeout: float = HANG) -> subprocess.CompletedProcess[str]:
+def run(*args: str, timeout: float = HANG, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``args`` through this interpreter from the repository root; ``env``: variables added to this environment."""
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=BENCH.parent)
+                          cwd=BENCH.parent, env=None if env is None else {**os.environ, **env})
 
 
 def test_every_script_is_covered():
@@ -140,6 +144,8 @@ def test_quick_transfer_on_the_emulator(tmp_path):
     assert {r["layout"] for r in data["rows"]} == {"layer_first", "page_first", "page_first_direct", "page_head"}
     assert all(r["gbps"] > 0 for r in data["rows"])
     assert [r["backend"] for r in data["bidirectional"]["stress-64B-p16"]] == ["kernel", "staged"]
+    assert all(every_unit_checked(r["verified"]) for r in data["rows"] + data["bidirectional"]["stress-64B-p16"])
+    assert {r["verified"].get("copies", 1) for r in data["rows"] if r["layer_us"]} == {2}  # + the one-layer load
 
 
 def test_transfer_variants_run_at_every_budget(tmp_path):
@@ -174,8 +180,10 @@ def test_bidirectional_on_the_emulator(tmp_path):
         for queue in ("one thread", "two threads") for slots in ("random", "contiguous")]
     assert all(r["both_gbps"] > 0 and r["load_ms"] > 0 and r["backup_ms"] > 0 for r in rows)
     assert all(0 < r["queued_ms"] <= max(r["load_ms"], r["backup_ms"]) for r in rows)
+    assert all(every_unit_checked(r["verified"]) and r["verified"]["copies"] == 2 for r in rows)  # both ways
     pieces = data["pieces"]
     assert {p["mode"] for p in pieces} == {"H2D", "D2H", "both"} and all(p["gbps"] > 0 for p in pieces)
+    assert all(every_unit_checked(p["verified"]) and p["verified"]["unit"] == "piece" for p in pieces)
     assert {(p["piece_bytes"], p["order"]) for p in pieces} >= {(32 << 10, "in order"), (32 << 10, "shuffled")}
 
 
@@ -199,6 +207,9 @@ def test_sglang_compat_on_the_emulator(tmp_path):
         "transfer_kv_per_layer_direct_pf_lf"}
     assert all(r["compat_gbps"] > 0 and r["engine_gbps"] > 0 for r in rows)
     assert all(r["calls"] == (61 if "per_layer" in r["function"] else 1) and r["compat_call_us"] > 0 for r in rows)
+    # each side on its own: engine and compat, and the engine a launch per layer for per-layer functions
+    assert all(every_unit_checked(r["verified"]) and r["verified"]["copies"] == (3 if "per_layer" in r["function"]
+                                                                                 else 2) for r in rows)
 
 
 def test_dma_queue_on_the_emulator(tmp_path):
@@ -261,3 +272,139 @@ def test_vllm_connector_scheduler_side_runs_on_the_cpu(tmp_path):
     rows = {r["row"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"no connector", "with kvtier"}
     assert rows["with kvtier"]["connector_us_per_request"] > 0 == rows["no connector"]["connector_us_per_request"]
+
+
+# -- every benchmark checks the bytes it timed (bench/_verify.py) ----------------------------------------------------
+VERIFIED_RUNS = {
+    "transfer.py": ["--quick", "--runtime", "emulated:split", "--geometry", "stress-64B-p16", "--gib", "0.0005"],
+    "bidirectional.py": ["--runtime", "emulated:split", "--layout", "layer_first", "--pairs", "staged/staged"],
+    "sglang_compat.py": ["--runtime", "emulated:split", "--geometry", "dsv3-mla-p16"],
+    "families.py": ["--runtime", "emulated:split", "--blocks", "1"],
+    "small_loads.py": ["--runtime", "emulated:split", "--geometry", "dsv3-mla-p16", "--pages", "1,4", "--repeats",
+                       "1"],
+    "cache.py": ["--runtime", "emulated:split", "--no-control", "--data", "--data-tokens", "64", "--repeats", "2",
+                 "--pairs", "kernel/staged"],
+    "e2e.py": ["--tiny", "--runtime", "emulated:unified", "--lengths", "256", "--suffixes", "16", "--repeats", "1",
+               "--logits", "", "--no-storage"],
+}
+"""Small emulator runs of the scripts whose timed copies are checked afterwards."""
+
+
+def every_unit_checked(check: dict) -> bool:
+    """A ``verified`` record of a small run: every unit moved was compared, and some were."""
+    return 0 < check["checked"] == check["of"] and check["bytes"] > 0
+
+
+def test_family_transfers_and_swap_ins_are_verified(tmp_path):
+    out = tmp_path / "families.json"
+    done = run(str(BENCH / "families.py"), *VERIFIED_RUNS["families.py"], "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert {r["unit"] for r in data["rows"]} == {"slot", "page", "token"}
+    assert all(every_unit_checked(r["verified"]) and r["verified"]["unit"] == r["unit"] for r in data["rows"])
+    assert [s["verified"]["checked"] for s in data["swap_in"]] == [s["top_k"] for s in data["swap_in"]]
+
+
+def test_small_loads_are_verified(tmp_path):
+    out = tmp_path / "small.json"
+    done = run(str(BENCH / "small_loads.py"), *VERIFIED_RUNS["small_loads.py"], "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 4 and all(r["verified"]["checked"] == r["pages"] for r in rows)
+
+
+def test_cache_data_plane_is_verified_on_the_emulator(tmp_path):
+    """The load-back, and the load-back and backup of the both-ways rows: three checked copies per pair."""
+    out = tmp_path / "cache.json"
+    done = run(str(BENCH / "cache.py"), *VERIFIED_RUNS["cache.py"], "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["data"]["rows"]
+    assert [r["verified"] for r in rows] == ["12/12 pages in 3 copies"]
+
+
+def test_e2e_first_tokens_all_equal_the_device_hit(tmp_path):
+    """The CPU smoke run (no peer row: it needs CUDA) checks every timed run's first token."""
+    out = tmp_path / "e2e.json"
+    done = run(str(BENCH / "e2e.py"), *VERIFIED_RUNS["e2e.py"], "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["row"] != "gather"]
+    assert {r["row"] for r in rows} >= {"recompute", "torch device hit", "kvtier host, overlap"}
+    assert len({r["verified"]["first_token"] for r in rows}) == 1
+    assert all(r["verified"]["equals"] == "torch device hit" and r["verified"]["runs"] == 1 for r in rows)
+
+
+@pytest.mark.parametrize("script", sorted(VERIFIED_RUNS))
+def test_a_planted_wrong_copy_fails_the_run_in_one_line(script):
+    """``KVTIER_BENCH_PLANT=1`` flips one byte of one destination after the timed copies (e2e.py: one first token):
+    the check catches it, and the run ends with status 1 and one line that names the row, not a traceback."""
+    done = run(str(BENCH / script), *VERIFIED_RUNS[script], env={"KVTIER_BENCH_PLANT": "1"})
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{script}: verification failed: "), done.stderr[-2000:]
+    assert ("has 1 of" in last and "bytes unlike its source" in last) if script != "e2e.py" else \
+        "(planted)" in last, last
+
+
+def load_verify_module():
+    """bench/_verify.py, imported from its file (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_verify", BENCH / "_verify.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module             # while it runs: its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
+
+
+def test_verify_compares_every_unit_of_a_small_copy_and_a_spread_sample_of_a_large_one():
+    verify = load_verify_module()
+    small = np.arange(10)
+    assert verify.checked_positions(small, 1 << 20).tolist() == list(range(10))
+    dst = np.random.default_rng(0).permutation(4096)
+    picked = verify.checked_positions(dst, 1 << 20)               # 4 GiB: sampled
+    assert picked[0] == 0 and picked[-1] == 4095 and verify.SAMPLE <= picked.size <= verify.SAMPLE + 2
+    assert {int(dst.argmin()), int(dst.argmax())} <= set(picked.tolist())
+    assert np.diff(picked).max() <= 2 * 4096 // verify.SAMPLE     # spread over the whole copy
+
+
+def test_verify_names_the_unit_that_differs_and_how_many_bytes():
+    verify = load_verify_module()
+    memory = verify.random_bytes(8 * 64)
+    source, destination = verify.flat_host(memory, 0, 64), verify.flat_host(memory, 4 * 64, 64)
+    verify.poison(destination, [0, 1, 2, 3])
+    assert (memory[4 * 64:] == verify.POISON).all()
+    memory[4 * 64:] = memory[:4 * 64][np.r_[3 * 64:4 * 64, 0:3 * 64]]     # pieces 3, 0, 1, 2 copied to 0..3
+    check = verify.verify("row", destination, [0, 1, 2, 3], source, [3, 0, 1, 2])
+    assert check == {"unit": "piece", "checked": 4, "of": 4, "bytes": 256}
+    memory[4 * 64 + 2 * 64 + 5] ^= 1
+    with pytest.raises(verify.Mismatch) as failed:
+        verify.verify("row", destination, [0, 1, 2, 3], source, [3, 0, 1, 2])
+    assert str(failed.value).endswith("verification failed: row: host piece 2 (from host piece 1) has 1 of 64 bytes "
+                                      "unlike its source; 1 of 4 checked pieces differ, 1 bytes in all")
+    verify.poison(source, [1])
+    with pytest.raises(verify.Mismatch, match="source host piece 1 holds no data"):
+        verify.verify("row", destination, [2], source, [1])
+
+
+def test_the_planted_wrong_copy_is_caught_once(monkeypatch):
+    verify = load_verify_module()
+    memory = verify.random_bytes(2 * 64)
+    memory[64:] = memory[:64]
+    source, destination = verify.flat_host(memory, 0, 64), verify.flat_host(memory, 64, 64)
+    monkeypatch.setenv(verify.PLANT, "1")
+    with pytest.raises(verify.Mismatch, match="has 1 of 64 bytes unlike its source"):
+        verify.verify("row", destination, [0], source, [0])
+    memory[64:] = memory[:64]
+    assert verify.verify("row", destination, [0], source, [0])["checked"] == 1    # one plant a run
+
+
+def test_same_answers_names_the_row_that_differs():
+    """e2e.py's first-token check: every timed run of every row answers what the reference row answered first."""
+    verify = load_verify_module()
+    assert verify.same_answers("prefix", {"device hit": [5, 5], "host": [5, 5], "peer": [5]}, "device hit") == 5
+    with pytest.raises(verify.Mismatch, match="row 'host' answered 7 in 1 of 2 timed runs, 'device hit' answered 5"):
+        verify.same_answers("prefix", {"device hit": [5, 5], "host": [5, 7]}, "device hit")
+    with pytest.raises(verify.Mismatch, match="no answers from the reference row"):
+        verify.same_answers("prefix", {"host": [5]}, "device hit")
