@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _options import name_list  # noqa: E402
 from _radix_peers import KVTierIndex, sglang_missing, subjects  # noqa: E402
+from _verify import fail, planted  # noqa: E402
 
 from kvtier.cache import CacheSettings, KVCache, Namespace, page_keys  # noqa: E402
 from kvtier.cache.settings import IO_BACKENDS  # noqa: E402
@@ -65,10 +66,11 @@ class Rows:
     def __init__(self, names: list[str], console) -> None:
         self.names, self.console, self.rows = names, console, []
 
-    def time(self, case: str, page: int, tokens: int, subjects: list, repeats: int, setup, call) -> None:
+    def time(self, case: str, page: int, tokens: int, subjects: list, repeats: int, setup, call,
+             expect: int | None = None) -> None:
         cpu = {s.name: [] for s in subjects}
         wall = {s.name: [] for s in subjects}
-        answers: dict[str, set] = {s.name: set() for s in subjects}
+        answers: dict[str, list] = {s.name: [None] * repeats for s in subjects}
         for r in range(repeats):
             for s in subjects[r % len(subjects):] + subjects[: r % len(subjects)]:
                 state = setup(s, r)
@@ -78,16 +80,30 @@ class Rows:
                 s.settle()
                 cpu[s.name].append(c1 - c0)
                 wall[s.name].append(w1 - w0)
-                answers[s.name].add(answer)
-        if len({frozenset(a) for a in answers.values()}) > 1:
-            raise SystemExit(f"error: {case}, page {page}, {tokens} tokens: the caches disagree: {answers}")
-        row = {"case": case, "page": page, "tokens": tokens, "answer": sorted(next(iter(answers.values())))[0],
+                answers[s.name][r] = answer
+        check_answers(f"{case}, page {page}, {tokens} tokens", answers, expect)
+        row = {"case": case, "page": page, "tokens": tokens, "answers": next(iter(answers.values())),
                "cpu_ms": {n: 1e3 * statistics.median(v) for n, v in cpu.items()},
                "cpu_ms_worst": {n: 1e3 * max(v) for n, v in cpu.items()},
                "wall_ms": {n: 1e3 * statistics.median(v) for n, v in wall.items()}}
         self.rows.append(row)
         self.console.log(f"{case} page {page} {tokens}: " +
                          ", ".join(f"{n} {v:.3f}" for n, v in row["cpu_ms"].items()))
+
+
+def check_answers(what: str, answers: dict[str, list], expect: int | None) -> None:
+    """Every subject gave the same answer (matched tokens) in every repeat, and ``expect`` where the row knows it (a
+    full hit); ``KVTIER_BENCH_PLANT=1`` changes one answer to show the check failing the run."""
+    if planted():
+        last = list(answers)[-1]
+        answers[last][-1] = f"{answers[last][-1]} (planted)"
+    first, reference = next(iter(answers.items()))
+    for name, values in answers.items():
+        if values != reference:
+            r = next(i for i, (a, b) in enumerate(zip(values, reference, strict=True)) if a != b)
+            raise fail(what, f"{name!r} answered {values[r]!r} in repeat {r}, {first!r} {reference[r]!r}")
+        if expect is not None and any(v != expect for v in values):
+            raise fail(what, f"{name!r} answered {[v for v in values if v != expect][0]!r}, a full hit is {expect}")
 
 
 def build(kinds, page: int, capacity: int) -> list:
@@ -121,7 +137,7 @@ def control(kinds, page_sizes, lengths, conversations, repeats, console) -> list
                 rows.time("insert, empty index", page, length, subjects, repeats, fresh,
                           lambda s, state: s.insert(*state))
                 rows.time("match hit, one prompt", page, length, subjects, repeats,
-                          lambda s, r, prompts=prompts: s.tokens(prompts[-1]), lambda s, t: s.match(t))
+                          lambda s, r, prompts=prompts: s.tokens(prompts[-1]), lambda s, t: s.match(t), expect=length)
                 rows.time("match cold (miss)", page, length, subjects, repeats,
                           lambda s, r, misses=misses: s.tokens(misses[r]), lambda s, t: s.match(t))
         finally:
@@ -144,7 +160,7 @@ def control(kinds, page_sizes, lengths, conversations, repeats, console) -> list
                           (s.tokens(prompts[r]), s.pages(length // page), 0),
                           lambda s, state: s.insert(*state))
                 rows.time("match hit, populated", page, length, subjects, repeats,
-                          lambda s, r, prompts=prompts: s.tokens(prompts[0]), lambda s, t: s.match(t))
+                          lambda s, r, prompts=prompts: s.tokens(prompts[0]), lambda s, t: s.match(t), expect=length)
                 chunked = np.concatenate([system, rng.integers(0, VOCAB, length - 512)])
                 ends = list(range(chunk, length, chunk)) + [length]
 
@@ -156,7 +172,7 @@ def control(kinds, page_sizes, lengths, conversations, repeats, console) -> list
                 rows.time("insert, chunked (one 8k chunk)", page, length, subjects, len(ends), one_chunk,
                           lambda s, state: s.insert(*state))
                 rows.time("match hit, after chunked inserts", page, length, subjects, repeats,
-                          lambda s, r, chunked=chunked: s.tokens(chunked), lambda s, t: s.match(t))
+                          lambda s, r, chunked=chunked: s.tokens(chunked), lambda s, t: s.match(t), expect=length)
         finally:
             close_all(subjects)
 
@@ -196,6 +212,7 @@ def keys(page_sizes, repeats, with_sglang: bool, console) -> list[dict]:
             from sglang.srt.mem_cache.utils import get_hash_str
 
             ids = array("q", prompt.tolist())
+            get_hash_str(ids[:page], None, page)              # its first call builds or loads the extension
             row["ms"]["SGLang get_hash_str (native)"] = median_ms(lambda ids=ids, page=page:
                                                                   get_hash_str(ids, None, page), repeats)
         rows.append(row)
@@ -337,7 +354,7 @@ def render(console, rows, key_rows, data) -> None:
     if data:
         table = Table(title=f"data plane: {data['tokens']} tokens of Llama-3-8B ({data['bytes'] / 2**30:.2f} GiB)")
         for c in ("load", "backup", "load_ms", "queue_ms", "first_layer_ms", "load_gbps", "load_pct", "both_gbps",
-                  "both_pct"):
+                  "both_pct", "verified"):
             table.add_column(c, justify="right")
         for r in data["rows"]:
             table.add_row(*[f"{v:.1f}" if isinstance(v, float) else str(v) for v in r.values()])

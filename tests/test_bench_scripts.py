@@ -346,6 +346,45 @@ def test_a_planted_wrong_copy_fails_the_run_in_one_line(script):
         "(planted)" in last, last
 
 
+CONTROL_RUN = ["--page-sizes", "16", "--lengths", "1024", "--conversations", "8", "--repeats", "2"]
+"""A small control-plane run of bench/cache.py (every subject, every case, one page size)."""
+
+
+def sglang_radix_caches_missing() -> str | None:
+    """Why SGLang's radix caches cannot run in a bench here (None when they can), asked as the bench asks."""
+    probe = "import sys; sys.path.insert(0, 'bench'); import _radix_peers as p; print('missing:', p.sglang_missing())"
+    done = run("-c", probe)
+    said = [line for line in done.stdout.splitlines() if line.startswith("missing: ")]
+    if done.returncode or not said:
+        return f"the probe failed: {done.stderr[-500:]}"
+    return None if said[-1] == "missing: None" else said[-1].removeprefix("missing: ")
+
+
+def test_the_control_plane_runs_beside_sglangs_radix_caches_and_their_answers_agree(tmp_path):
+    missing = sglang_radix_caches_missing()
+    if missing:
+        if os.environ.get("KVTIER_REQUIRE_SGLANG"):
+            pytest.fail(f"KVTIER_REQUIRE_SGLANG is set: {missing}")
+        pytest.skip(missing)
+    out = tmp_path / "control.json"
+    done = run(str(BENCH / "cache.py"), *CONTROL_RUN, "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    names = {"kvtier KVCache", "kvtier index alone", "SGLang RadixCache (Python)", "SGLang UnifiedRadixCache (Rust)"}
+    rows = data["control"]
+    assert {r["case"] for r in rows} >= {"insert, empty index", "match hit, populated", "match cold (miss)"}
+    assert all(set(r["cpu_ms"]) == names or r["case"].startswith("evict") for r in rows)
+    assert all(set(r["answers"]) <= {1024, None} for r in rows if "hit" in r["case"])
+    assert [r["page"] for r in data["keys"]] == [16] and len(data["keys"][0]["ms"]) == 2
+
+
+def test_a_planted_wrong_answer_fails_the_control_plane_in_one_line():
+    done = run(str(BENCH / "cache.py"), *CONTROL_RUN, "--no-sglang", env={"KVTIER_BENCH_PLANT": "1"})
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("cache.py: verification failed: insert, empty index, page 16") and "(planted)" in last
+
+
 def load_verify_module():
     """bench/_verify.py, imported from its file (bench/ is not a package)."""
     spec = importlib.util.spec_from_file_location("bench_verify", BENCH / "_verify.py")
