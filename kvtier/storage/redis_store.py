@@ -17,21 +17,20 @@ expiry per page. The client does not retry on its own: the store's down/up logic
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-import socket
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
-from redis.exceptions import AskError, InvalidResponse, ResponseError, TryAgainError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import AskError, ResponseError, TryAgainError
 
 from kvtier.checks import positive_number
 from kvtier.errors import InvalidArgument
 from kvtier.keys import Namespace
 from kvtier.locks import named_lock
 from kvtier.storage.backend import Entry, StorageBackend, StorageError, scatter
-from kvtier.storage.format import HEADER_BYTES, PageFormat, PageRejected
+from kvtier.storage.format import PageRejected
+from kvtier.storage.redis_reader import Read, ReadPlan, direct_socket, read_pages
 from kvtier.storage.redis_url import parse_redis_url
 
 
@@ -126,9 +125,9 @@ class RedisStore(StorageBackend):
         return [bool(n) for n in found]
 
     def _get(self, keys: list[bytes], pages: list[list[memoryview]]) -> Iterator[PageRejected | None]:
-        """Pipelined GETs, one round trip per node. Where the connection allows it (``_direct_socket`` decides), the
-        replies are read from its socket straight into the pages (``_read_into``): no copy but the kernel's; else
-        redis-py's pipeline parses each into one ``bytes``, copied into the pages once verified. Either way the
+        """The pages' values, node by node. Where the connection allows it (``direct_socket`` decides), read from
+        its socket straight into the pages (``_read_into``): no copy but the kernel's; else redis-py's pipeline of
+        GETs (one round trip) parses each into one ``bytes``, copied into the pages once verified. Either way the
         checksums are then verified side by side on the I/O threads (xxhash and numpy drop the GIL)."""
         replies = self._each(keys, "get", lambda client, members: self._read_into(
             client, [keys[i] for i in members], [pages[i] for i in members]))
@@ -137,25 +136,22 @@ class RedisStore(StorageBackend):
                 raise reply
         return self._ordered(self._verify_into, keys, pages, replies)
 
+    @functools.cached_property
+    def _plan(self) -> ReadPlan:
+        return ReadPlan(self.stored_bytes)
+
     def _read_into(self, client: Any, keys: list[bytes], pages: list[list[memoryview]]) -> list[Any] | None:
-        """GETs of ``keys`` on one pooled connection of ``client``, whose replies are read from the socket into
-        ``pages`` (see ``_Replies``); per key ``_Read`` (the payload is in the page's pieces, its checksum not yet
-        verified), None (absent), PageRejected (a header or length that is not this namespace's page: nothing of
-        it was written to the pieces) or an error reply. None where the connection cannot be read this way."""
+        """The pages of ``keys`` read on one pooled connection of ``client`` straight into ``pages``
+        (:func:`kvtier.storage.redis_reader.read_pages`), or None where that connection cannot be read so."""
         with _pooled(client) as connection:
-            sock = _direct_socket(connection)
+            sock = direct_socket(connection)
             if sock is None:
                 return None
-            names = [self.key(k).encode() for k in keys]
-            connection.send_packed_command([b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(n), n)
-                                                     for n in names)])
-            replies = _Replies(connection, sock)
-            found = [replies.page(key, pieces, self.format) for key, pieces in zip(keys, pages, strict=True)]
-            replies.done()
-            return found
+            return read_pages(connection, sock, self._plan, self.format, [self.key(k).encode() for k in keys], keys,
+                              pages)
 
     def _verify_into(self, key: bytes, pieces: list[memoryview], blob: Any) -> PageRejected | None:
-        if isinstance(blob, _Read):                    # already in the pieces: the checksum over them, in place
+        if isinstance(blob, Read):                     # already in the pieces: the checksum over them, in place
             try:
                 self.format.check_payload(blob.header, blob.checksum, pieces)
             except PageRejected as rejected:
@@ -317,127 +313,3 @@ def _send(client: Any, chunks: list[Any], replies: int) -> None:
                 failed = failed or exc
         if failed is not None:
             raise failed
-
-
-def _direct_socket(connection: Any) -> socket.socket | None:
-    """The socket of a redis-py connection whose GET replies kvtier may read itself (``_Replies``), or None where
-    redis-py's parser must: the one place that decides. Only RESP2 (the store's clients speak it; on a RESP3
-    connection push messages may arrive between replies, and only redis-py hands them to their handlers). TCP,
-    unix and TLS sockets alike: ``SSLSocket.recv_into`` decrypts into the buffer it is given."""
-    sock = getattr(connection, "_sock", None)
-    if str(getattr(connection, "protocol", "")) != "2" or not isinstance(sock, socket.socket):
-        return None
-    return sock
-
-
-class _Read(NamedTuple):
-    """A page whose header was checked and whose payload was read into its pieces, its checksum not verified yet."""
-
-    header: bytes
-    checksum: bytes
-
-
-class _Replies:
-    """RESP2 replies to pipelined GETs read from a connection's socket into memory the caller owns: each length line
-    and page header through a small buffer, each payload with ``recv_into`` straight into the page's pieces, so a
-    page costs one copy (the kernel's) instead of redis-py's reply object and a copy out of it. Nothing is written
-    to the pieces before the header and the length say the value is a page of this namespace; a value that is not
-    is read past and dropped. A socket error, a connection closed mid-reply or a reply that is not RESP2's raises
-    (a redis-py ConnectionError, TimeoutError or InvalidResponse), and the caller disconnects the connection."""
-
-    SCRATCH = 1 << 16
-    LINE_READ = 1024
-    """Bytes asked of the socket when a line is wanted: the line, the page header and a little of the payload,
-    which is copied from here (the rest of a payload goes straight to its pieces)."""
-
-    def __init__(self, connection: Any, sock: socket.socket) -> None:
-        self.connection, self.sock = connection, sock
-        self.buffer = bytearray(self.SCRATCH)
-        self.view = memoryview(self.buffer)
-        self.start = self.end = 0                  # the bytes read from the socket but not used yet
-
-    def page(self, key: bytes, pieces: list[memoryview], format: PageFormat) -> Any:
-        """The next reply, the value of ``key``'s page: see ``RedisStore._read_into``."""
-        line = self.line()
-        if line[:1] == b"-":
-            return self.connection._parser.parse_error(line[1:].decode(errors="replace"))
-        if line[:1] != b"$":
-            raise self.invalid(f"a reply of type {line[:1]!r} to GET", line)
-        try:
-            length = int(line[1:])
-        except ValueError:
-            raise self.invalid("a bulk string length that is not a number", line) from None
-        if length == -1:
-            return None
-        if length < 0:
-            raise self.invalid("a negative bulk string length", line)
-        header = bytearray(min(length, HEADER_BYTES))
-        self.into(memoryview(header))
-        try:
-            checksum = format.check_header(header, key)
-            format.check_length(length - HEADER_BYTES)
-        except PageRejected as rejected:
-            self.skip(length - len(header))
-            self.value_end()
-            return rejected
-        for piece in pieces:
-            self.into(piece)
-        self.value_end()
-        return _Read(bytes(header), checksum)
-
-    def line(self) -> bytes:
-        while True:
-            at = self.buffer.find(b"\r\n", self.start, self.end)
-            if at >= 0:
-                line = bytes(self.view[self.start:at])
-                self.start = at + 2
-                return line
-            if self.end - self.start > self.SCRATCH - self.LINE_READ:
-                raise self.invalid("a line longer than any reply to GET", bytes(self.view[self.start:self.start + 40]))
-            if self.end + self.LINE_READ > self.SCRATCH:        # room for the next read, at the front
-                pending = self.end - self.start
-                self.buffer[:pending] = self.view[self.start:self.end]
-                self.start, self.end = 0, pending
-            self.end += self.recv(self.view[self.end:self.end + self.LINE_READ])
-
-    def into(self, target: memoryview) -> None:
-        """Fill ``target``: first with bytes already read, then from the socket."""
-        at = min(self.end - self.start, target.nbytes)
-        if at:
-            target[:at] = self.view[self.start:self.start + at]
-            self.start += at
-        while at < target.nbytes:
-            at += self.recv(target[at:])
-
-    def skip(self, count: int) -> None:
-        """Read ``count`` bytes and drop them."""
-        used = min(self.end - self.start, count)
-        self.start += used
-        count -= used
-        if count:
-            self.start = self.end = 0
-        while count:
-            count -= self.recv(self.view[:min(count, self.SCRATCH)])
-
-    def value_end(self) -> None:
-        if self.line():
-            raise self.invalid("bytes after a bulk string's length", b"")
-
-    def done(self) -> None:
-        """Every reply was read: nothing may be left over (the connection goes back to the pool)."""
-        if self.start != self.end:
-            raise self.invalid("bytes after the last reply", bytes(self.view[self.start:self.end][:40]))
-
-    def recv(self, target: memoryview) -> int:
-        try:
-            count = self.sock.recv_into(target)
-        except TimeoutError as exc:                    # socket.timeout: an OSError too, so first
-            raise RedisTimeoutError(f"Timeout reading from {self.connection!r}") from exc
-        except OSError as exc:
-            raise RedisConnectionError(f"Error while reading from {self.connection!r}: {exc}") from exc
-        if not count:
-            raise RedisConnectionError(f"{self.connection!r} was closed by the server in the middle of a reply")
-        return count
-
-    def invalid(self, what: str, line: bytes) -> Exception:
-        return InvalidResponse(f"{self.connection!r} sent {what} ({line[:40]!r}): kvtier reads RESP2 replies to GET")
