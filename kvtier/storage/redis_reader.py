@@ -138,8 +138,10 @@ class Replies:
             return self.connection._parser.parse_error(line[1:].decode(errors="replace"))
         if ranges is None:
             length = self.number(line, b"$")
-            if length < 0:
+            if length == -1:
                 return None
+            if length < 0:
+                raise self.invalid("a negative length", line)
             self.left = length
         else:
             length = self.number(line, b":")
