@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import socket
 from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -87,25 +88,28 @@ class ReadPlan:
 
 
 def read_pages(connection: Any, sock: socket.socket, plan: ReadPlan, format: PageFormat, names: list[bytes],
-               keys: list[bytes], pages: list[list[memoryview]]) -> list[Any]:
-    """Read the pages of ``keys`` (stored at ``names``) into ``pages`` over ``connection``; per page a :class:`Read`,
-    None (absent), a PageRejected (nothing of it was written to the pieces) or an error reply (a redis-py
-    exception, not raised)."""
+               keys: list[bytes], pages: list[list[memoryview]], read: Callable[[int, Any], None]) -> None:
+    """Read the pages of ``keys`` (stored at ``names``) into ``pages`` over ``connection``, calling ``read(index,
+    outcome)`` as each page's outcome is known (so its checksum can be verified while the next pages come): a
+    :class:`Read`, None (absent), a PageRejected (nothing of it was written to the pieces) or an error reply (a
+    redis-py exception, not raised)."""
     requests = [plan.commands(name) for name in names]
     connection.send_packed_command([b"".join(requests[:plan.window])])
     replies = Replies(connection, sock)
-    found: list[Any] = []
+    unsure = []
     for i, (key, pieces) in enumerate(zip(keys, pages, strict=True)):
-        found.append(replies.page(key, pieces, format, plan.ranges))
+        outcome = replies.page(key, pieces, format, plan.ranges)
         if i + plan.window < len(requests):
             connection.send_packed_command([requests[i + plan.window]], check_health=False)
-    unsure = [i for i, outcome in enumerate(found) if outcome is EMPTY]
+        if outcome is EMPTY:
+            unsure.append(i)
+        else:
+            read(i, outcome)
     if unsure:
         connection.send_packed_command([b"".join(command(b"EXISTS", names[i]) for i in unsure)], check_health=False)
         for i in unsure:
-            found[i] = replies.empty(keys[i], format)
+            read(i, replies.empty(keys[i], format))
     replies.done()
-    return found
 
 
 class Replies:

@@ -20,7 +20,8 @@ import contextlib
 import functools
 import json
 from collections.abc import Callable, Iterator
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, cast
 
 from redis.exceptions import AskError, ResponseError, TryAgainError
 
@@ -28,7 +29,7 @@ from kvtier.checks import positive_number
 from kvtier.errors import InvalidArgument
 from kvtier.keys import Namespace
 from kvtier.locks import named_lock
-from kvtier.storage.backend import Entry, StorageBackend, StorageError, scatter
+from kvtier.storage.backend import Entry, StorageBackend, StorageError, scatter, settle
 from kvtier.storage.format import PageRejected
 from kvtier.storage.redis_reader import Read, ReadPlan, direct_socket, read_pages
 from kvtier.storage.redis_url import parse_redis_url
@@ -126,29 +127,54 @@ class RedisStore(StorageBackend):
 
     def _get(self, keys: list[bytes], pages: list[list[memoryview]]) -> Iterator[PageRejected | None]:
         """The pages' values, node by node. Where the connection allows it (``direct_socket`` decides), read from
-        its socket straight into the pages (``_read_into``): no copy but the kernel's; else redis-py's pipeline of
-        GETs (one round trip) parses each into one ``bytes``, copied into the pages once verified. Either way the
-        checksums are then verified side by side on the I/O threads (xxhash and numpy drop the GIL)."""
-        replies = self._each(keys, "get", lambda client, members: self._read_into(
-            client, [keys[i] for i in members], [pages[i] for i in members]))
-        for reply in replies:
-            if isinstance(reply, Exception) and not isinstance(reply, PageRejected) and not _wrong_value(reply):
-                raise reply
-        return self._ordered(self._verify_into, keys, pages, replies)
+        its socket straight into the pages (``_read_into``): no copy but the kernel's, and each page's checksum is
+        verified on an I/O thread while the next pages come. Else redis-py's pipeline of GETs (one round trip)
+        parses each into one ``bytes``, verified and copied into the pages side by side on the I/O threads
+        (xxhash and numpy drop the GIL)."""
+        pool = self._io_pool() if self.io_threads > 1 and len(keys) > 1 else None
+        checks: list[Future[Any] | None] = [None] * len(keys)
+
+        def check(i: int, reply: Any) -> None:
+            checks[i] = (self._submit(pool, self._verify_into, keys[i], pages[i], reply) if pool is not None
+                         else _done(self._verify_into(keys[i], pages[i], reply)))
+
+        try:
+            replies = self._each(keys, "get", lambda client, members: self._read_into(
+                client, [keys[i] for i in members], [pages[i] for i in members],
+                lambda j, reply: check(members[j], reply)))
+            for reply in replies:
+                if isinstance(reply, Exception) and not isinstance(reply, PageRejected) and not _wrong_value(reply):
+                    raise reply
+            for i, reply in enumerate(replies):
+                if checks[i] is None:                  # read through redis-py
+                    check(i, reply)
+        except BaseException:
+            settle([c for c in checks if c is not None])           # no thread left in the pages
+            raise
+        return self._in_order(cast("list[Future[Any]]", checks))
 
     @functools.cached_property
     def _plan(self) -> ReadPlan:
         return ReadPlan(self.stored_bytes)
 
-    def _read_into(self, client: Any, keys: list[bytes], pages: list[list[memoryview]]) -> list[Any] | None:
+    def _read_into(self, client: Any, keys: list[bytes], pages: list[list[memoryview]],
+                   read: Callable[[int, Any], None]) -> list[Any] | None:
         """The pages of ``keys`` read on one pooled connection of ``client`` straight into ``pages``
-        (:func:`kvtier.storage.redis_reader.read_pages`), or None where that connection cannot be read so."""
+        (:func:`kvtier.storage.redis_reader.read_pages`, which calls ``read(index, reply)`` as each comes), or None
+        where that connection cannot be read so; the replies in order."""
+        replies: list[Any] = [None] * len(keys)
+
+        def arrived(i: int, reply: Any) -> None:
+            replies[i] = reply
+            read(i, reply)
+
         with _pooled(client) as connection:
             sock = direct_socket(connection)
             if sock is None:
                 return None
-            return read_pages(connection, sock, self._plan, self.format, [self.key(k).encode() for k in keys], keys,
-                              pages)
+            read_pages(connection, sock, self._plan, self.format, [self.key(k).encode() for k in keys], keys, pages,
+                       arrived)
+        return replies
 
     def _verify_into(self, key: bytes, pieces: list[memoryview], blob: Any) -> PageRejected | None:
         if isinstance(blob, Read):                     # already in the pieces: the checksum over them, in place
@@ -284,6 +310,12 @@ def _wrong_value(error: Exception) -> bool:
     connection (a failure). redis-py turns MOVED, ASK, CLUSTERDOWN, TRYAGAIN, NOPERM, READONLY into subclasses of
     ResponseError whose text drops the prefix, so the exact class is what tells."""
     return type(error) is ResponseError and str(error).startswith("WRONGTYPE")
+
+
+def _done(result: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(result)
+    return future
 
 
 @contextlib.contextmanager

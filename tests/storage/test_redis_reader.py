@@ -44,9 +44,9 @@ def direct_reads(monkeypatch) -> list[int]:
     calls: list[int] = []
     real = redis_store.read_pages
 
-    def counted(connection, sock, plan, format, names, keys, pages):
+    def counted(connection, sock, plan, format, names, keys, pages, read):
         calls.append(len(keys))
-        return real(connection, sock, plan, format, names, keys, pages)
+        return real(connection, sock, plan, format, names, keys, pages, read)
 
     monkeypatch.setattr(redis_store, "read_pages", counted)
     return calls
