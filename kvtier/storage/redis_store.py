@@ -3,8 +3,13 @@
 One key per page, ``<prefix>:<namespace id>:p:<key hex>``, whose value is the stored page (header + payload: one
 round trip reads and verifies it); the namespace's description lives at ``<prefix>:<namespace id>:namespace``,
 rewritten with every batch of writes (a restart or an eviction loses it only until the next one).
-Batches are pipelined (one round trip per batch, per cluster node). A Redis value is one buffer, so a page is copied
-once into it on ``set`` and once out of the reply on ``get``, whatever the host layout.
+Batches are pipelined, per cluster node. ``set`` writes each page's header and host pieces to the socket as they are
+(no copy into one value). ``get`` reads the replies from the socket itself (:mod:`kvtier.storage.redis_reader`): each
+page's header into a small buffer, checked, then its payload received straight into the host pieces, whatever the
+host layout, and its checksum verified there on an I/O thread while the next pages come; a few pages are asked for
+at a time, pages over 3 MiB in ``GETRANGE`` ranges (the server's side of a reply stays in its caches). Connections
+that kvtier cannot read itself (RESP3, which the store's clients do not speak) go through redis-py's parser: one
+``bytes`` per page, copied into the pieces once verified. ``direct_socket`` is the one place that decides.
 
 URLs: ``redis://[user:password@]host:port/db``, ``rediss://…`` (TLS), ``unix:///path.sock``; a cluster with
 ``redis+cluster://host:port`` (or ``rediss+cluster://``, or ``cluster=True``): any node, the others are discovered,
