@@ -454,8 +454,8 @@ class RawResp:
 
 
 def redis_benchmark(spec: str, size: int, count: int, repeats: int) -> tuple[list[dict], str]:
-    """``redis-benchmark -t set,get -P 32 -c 1 -d size -n count --csv``, ``repeats`` times: its SET and GET rows
-    (median requests/s × size), or none and why."""
+    """``redis-benchmark -t set,get -P 32 -c 1 -d size -n count --csv`` (count rounded up to whole pipelines),
+    ``repeats`` times: its SET and GET rows (median requests/s × size), or none and why."""
     tool = shutil.which("redis-benchmark") or shutil.which("valkey-benchmark")
     parts = urlsplit(spec)
     if tool is None:
@@ -470,9 +470,16 @@ def redis_benchmark(spec: str, size: int, count: int, repeats: int) -> tuple[lis
     if db:
         where += ["--dbnum", db]
     rates: dict[str, list[float]] = {"SET": [], "GET": []}
+    requests = -(-count // BATCH) * BATCH                  # whole pipelines
     for _ in range(repeats):
-        done = subprocess.run([tool, *where, "-t", "set,get", "-P", str(BATCH), "-c", "1", "-d", str(size), "-n",
-                               str(count), "--csv"], capture_output=True, text=True, timeout=600, check=True)
+        for attempt in range(2):                           # it gives up now and then ("All clients disconnected")
+            done = subprocess.run([tool, *where, "-t", "set,get", "-P", str(BATCH), "-c", "1", "-d", str(size),
+                                   "-n", str(requests), "--csv"], capture_output=True, text=True, timeout=600)
+            if not done.returncode:
+                break
+            said = (done.stderr or done.stdout).strip().splitlines()
+            if attempt:
+                return [], f"redis-benchmark failed (exit {done.returncode}: {said[-1] if said else 'nothing said'})"
         for record in csv.reader(io.StringIO(done.stdout)):
             if record and record[0] in rates:
                 rates[record[0]].append(float(record[1]))
