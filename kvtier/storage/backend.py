@@ -90,6 +90,30 @@ def settle(futures: list[Future[Any]]) -> None:
     wait(futures)
 
 
+class _InOrder:
+    """The results of some futures in order; ``close()`` (a consumer that stops early) or a failed one settles them
+    all. An iterator rather than a generator: one closed before its first item settles too."""
+
+    def __init__(self, futures: list[Future[Any]]) -> None:
+        self.futures, self.at = futures, 0
+
+    def __iter__(self) -> _InOrder:
+        return self
+
+    def __next__(self) -> Any:
+        if self.at == len(self.futures):
+            raise StopIteration
+        self.at += 1
+        try:
+            return self.futures[self.at - 1].result()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        settle(self.futures)
+
+
 @dataclass(frozen=True)
 class Entry:
     """A stored page as an operator sees it: namespace (16 hex digits), key (hex) and stored size in bytes."""
@@ -521,13 +545,10 @@ class StorageBackend(abc.ABC):
 
     @staticmethod
     def _in_order(futures: list[Future[Any]]) -> Iterator[Any]:
-        """The results of ``futures`` in order. Stopped early, it cancels those not started and waits for the
-        others, so no thread still touches a caller's buffers when the call returns."""
-        try:
-            for future in futures:
-                yield future.result()
-        finally:
-            settle(futures)
+        """The results of ``futures`` in order. Closed early (``_read_batch`` closes what ``_get`` returns), it
+        cancels those not started and waits for the others, so no thread still touches a caller's buffers when the
+        call returns."""
+        return _InOrder(futures)
 
     def register_memory(self, address: CpuAddress, nbytes: int) -> None:  # noqa: B027 (optional: most need none)
         """Host memory that pages will be read into and written from, by its CPU address: a store that moves

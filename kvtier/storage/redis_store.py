@@ -88,7 +88,7 @@ class RedisStore(StorageBackend):
                 from redis.cluster import RedisCluster
                 from redis.retry import Retry
 
-                # RESP2: pages are read from the socket by kvtier (``_Replies``), and no push message comes between
+                # RESP2: kvtier reads pages from the socket itself (redis_reader), and no push message comes between
                 # replies (redis-py 8 speaks RESP3 unless told)
                 options = {"retry": Retry(NoBackoff(), 0), "protocol": 2, **self._options}
                 self._client = (RedisCluster if self.cluster else Redis).from_url(self.url, **options)
