@@ -209,6 +209,16 @@ def redis_cluster_url() -> Iterator[str]:
     yield from _redis("KVTIER_TEST_REDIS_CLUSTER_URL", "RedisClusterServers")
 
 
+@pytest.fixture
+def own_server() -> Iterator[object]:
+    """A private standalone Redis, for tests that stop it, kill its clients or change its settings."""
+    import helpers.storage as storage_helpers
+
+    server = storage_helpers.RedisServer()
+    yield server
+    server.close()
+
+
 @pytest.fixture(scope="session")
 def mooncake_spec() -> Iterator[str]:
     """A Mooncake Store (master, metadata server, segment holder): CI's, or one started for the session."""

@@ -447,3 +447,45 @@ def test_same_answers_names_the_row_that_differs():
         verify.same_answers("prefix", {"device hit": [5, 5], "host": [5, 7]}, "device hit")
     with pytest.raises(verify.Mismatch, match="no answers from the reference row"):
         verify.same_answers("prefix", {"host": [5]}, "device hit")
+
+
+# -- bench/storage.py: every contender's bytes verified; a planted wrong copy fails the run ---------------------------
+def storage_run(tmp_path: Path, stores: str, plant: bool) -> subprocess.CompletedProcess[str]:
+    """A tiny bench/storage.py run (32 pages of 2 MiB per row, one repeat, no prefetch rows), JSON in tmp_path."""
+    return run(str(BENCH / "storage.py"), "--stores", stores, "--sizes", "llama3-8b-p16", "--mib", "1", "--repeats",
+               "1", "--prefetch-tokens", "0", "--dir", str(tmp_path / "store"),
+               "--json", str(tmp_path / "storage.json"), env={"KVTIER_BENCH_PLANT": "1" if plant else "0"})
+
+
+def test_storage_small_run_names_each_rows_ceiling_and_verifies_every_contender(tmp_path):
+    import shutil
+
+    redis = shutil.which("redis-server") is not None
+    done = storage_run(tmp_path, "file,redis" if redis else "file", plant=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no mismatch" in done.stdout
+    data = json.loads((tmp_path / "storage.json").read_text())
+    assert data["verified"] is True
+    rows = {(r["store"], r["op"], r["cache"]): r for r in data["rows"]}
+    assert set(rows) == {("file", "set", ""), ("file", "get", "warm"), ("file", "get", "cold")} | (
+        {("redis", "set", ""), ("redis", "get", "")} if redis else set())
+    for r in rows.values():
+        assert r["gbps"] > 0 and r["ceiling"] and r["ceiling_gbps"] > 0 and r["pct"] > 0
+        assert r["verified"] == "every byte, every call"
+        assert all(ref["gbps"] > 0 and ref["verified"] for ref in r["references"])
+    file_roles = {ref["role"] for ref in rows["file", "get", "warm"]["references"]}
+    assert file_roles == {"ceiling", "typical user", "medium bound"}
+    assert rows["file", "set", ""]["ceiling"].startswith("pwritev, a file per page")
+    if redis:
+        get = rows["redis", "get", ""]
+        assert get["ceiling"].startswith("raw RESP, kvtier's requests")
+        assert {"ceiling", "typical user", "previous kvtier path"} <= {ref["role"] for ref in get["references"]}
+
+
+def test_storage_run_with_a_planted_wrong_copy_fails_naming_it(tmp_path):
+    done = storage_run(tmp_path, "file", plant=True)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("storage.py: verification failed:") and "differs from the source" in last
+    assert not (tmp_path / "storage.json").exists()

@@ -83,6 +83,37 @@ def _attempt(work: Callable[..., Any], row: tuple[Any, ...]) -> BaseException | 
     return None
 
 
+def settle(futures: list[Future[Any]]) -> None:
+    """Cancel what has not started; wait for the rest."""
+    for future in futures:
+        future.cancel()
+    wait(futures)
+
+
+class _InOrder:
+    """The results of some futures in order; ``close()`` (a consumer that stops early) or a failed one settles them
+    all. An iterator rather than a generator: one closed before its first item settles too."""
+
+    def __init__(self, futures: list[Future[Any]]) -> None:
+        self.futures, self.at = futures, 0
+
+    def __iter__(self) -> _InOrder:
+        return self
+
+    def __next__(self) -> Any:
+        if self.at == len(self.futures):
+            raise StopIteration
+        self.at += 1
+        try:
+            return self.futures[self.at - 1].result()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        settle(self.futures)
+
+
 @dataclass(frozen=True)
 class Entry:
     """A stored page as an operator sees it: namespace (16 hex digits), key (hex) and stored size in bytes."""
@@ -487,25 +518,37 @@ class StorageBackend(abc.ABC):
             for row in rows:
                 yield _attempt(work, row) if catch else work(*row)
             return
+        futures: list[Future[Any]] = []
+        try:
+            pool = self._io_pool()
+            for row in rows:
+                futures.append(self._submit(pool, _attempt, work, row) if catch else self._submit(pool, work, *row))
+        except BaseException:
+            settle(futures)
+            raise
+        yield from self._in_order(futures)
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        """The store's I/O threads (``io_threads`` of them), made on first use."""
         with self._state_lock:
             self._check_open()
             if self._pool is None or self._pool_pid != os.getpid():   # a fork child has none of the threads
                 self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-{self.kind}-io")
                 self._pool_pid = os.getpid()
-            pool = self._pool
-        futures: list[Future[Any]] = []
+            return self._pool
+
+    def _submit(self, pool: ThreadPoolExecutor, work: Callable[..., Any], *row: Any) -> Future[Any]:
         try:
-            for row in rows:
-                try:
-                    futures.append(pool.submit(_attempt, work, row) if catch else pool.submit(work, *row))
-                except RuntimeError:             # the store was closed meanwhile
-                    raise StorageError(f"{self!r} was closed during the call") from None
-            for future in futures:
-                yield future.result()
-        finally:                                 # nothing may still touch the caller's buffers when we return
-            for future in futures:
-                future.cancel()
-            wait(futures)
+            return pool.submit(work, *row)
+        except RuntimeError:                     # the store was closed meanwhile
+            raise StorageError(f"{self!r} was closed during the call") from None
+
+    @staticmethod
+    def _in_order(futures: list[Future[Any]]) -> Iterator[Any]:
+        """The results of ``futures`` in order. Closed early (``_read_batch`` closes what ``_get`` returns), it
+        cancels those not started and waits for the others, so no thread still touches a caller's buffers when the
+        call returns."""
+        return _InOrder(futures)
 
     def register_memory(self, address: CpuAddress, nbytes: int) -> None:  # noqa: B027 (optional: most need none)
         """Host memory that pages will be read into and written from, by its CPU address: a store that moves

@@ -118,13 +118,18 @@ class StoredFormat:
     def check_payload(self, header: Any, checksum: bytes, payload: Sequence[Any]) -> None:
         """Raise PageRejected unless the payload (the buffers, in order) has the length and checksum the header
         names."""
-        length = sum(memoryview(p).nbytes for p in payload)
-        if length != self.payload_bytes:
-            raise PageRejected("short", f"{length} payload bytes of {self.payload_bytes}")
+        self.check_length(sum(memoryview(p).nbytes for p in payload))
         digest = self.verifier(header)
         for piece in payload:
             digest.update(piece)
         self.check_digest(digest, checksum)
+
+    def check_length(self, length: int) -> None:
+        """Raise PageRejected unless ``length`` is the payload length of this format's pages: a reader that learns
+        a stored value's size before its bytes (a Redis reply's length line) checks it before it reads the payload
+        into a page, so a value of another size never runs past the page's buffers."""
+        if length != self.payload_bytes:
+            raise PageRejected("short", f"{length} payload bytes of {self.payload_bytes}")
 
     def verifier(self, header: Any) -> Any:
         """A running checksum for reading the page of a checked ``header``: feed it the payload in order."""

@@ -3,8 +3,13 @@
 One key per page, ``<prefix>:<namespace id>:p:<key hex>``, whose value is the stored page (header + payload: one
 round trip reads and verifies it); the namespace's description lives at ``<prefix>:<namespace id>:namespace``,
 rewritten with every batch of writes (a restart or an eviction loses it only until the next one).
-Batches are pipelined (one round trip per batch, per cluster node). A Redis value is one buffer, so a page is copied
-once into it on ``set`` and once out of the reply on ``get``, whatever the host layout.
+Batches are pipelined, per cluster node. ``set`` writes each page's header and host pieces to the socket as they are
+(no copy into one value). ``get`` reads the replies from the socket itself (:mod:`kvtier.storage.redis_reader`): each
+page's header into a small buffer, checked, then its payload received straight into the host pieces, whatever the
+host layout, and its checksum verified there on an I/O thread while the next pages come; a few pages are asked for
+at a time, pages over 3 MiB in ``GETRANGE`` ranges (the server's side of a reply stays in its caches). Connections
+that kvtier cannot read itself (RESP3, which the store's clients do not speak) go through redis-py's parser: one
+``bytes`` per page, copied into the pieces once verified. ``direct_socket`` is the one place that decides.
 
 URLs: ``redis://[user:password@]host:port/db``, ``rediss://…`` (TLS), ``unix:///path.sock``; a cluster with
 ``redis+cluster://host:port`` (or ``rediss+cluster://``, or ``cluster=True``): any node, the others are discovered,
@@ -17,9 +22,11 @@ expiry per page. The client does not retry on its own: the store's down/up logic
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any, cast
 
 from redis.exceptions import AskError, ResponseError, TryAgainError
 
@@ -27,8 +34,9 @@ from kvtier.checks import positive_number
 from kvtier.errors import InvalidArgument
 from kvtier.keys import Namespace
 from kvtier.locks import named_lock
-from kvtier.storage.backend import Entry, StorageBackend, StorageError, scatter
+from kvtier.storage.backend import Entry, StorageBackend, StorageError, scatter, settle
 from kvtier.storage.format import PageRejected
+from kvtier.storage.redis_reader import Read, ReadPlan, direct_socket, read_pages
 from kvtier.storage.redis_url import parse_redis_url
 
 
@@ -80,27 +88,32 @@ class RedisStore(StorageBackend):
                 from redis.cluster import RedisCluster
                 from redis.retry import Retry
 
-                if self.cluster:
-                    self._client = RedisCluster.from_url(self.url, retry=Retry(NoBackoff(), 0), **self._options)
-                else:
-                    self._client = Redis.from_url(self.url, retry=Retry(NoBackoff(), 0), **self._options)
+                # RESP2: kvtier reads pages from the socket itself (redis_reader), and no push message comes between
+                # replies (redis-py 8 speaks RESP3 unless told)
+                options = {"retry": Retry(NoBackoff(), 0), "protocol": 2, **self._options}
+                self._client = (RedisCluster if self.cluster else Redis).from_url(self.url, **options)
             return self._client
 
     def key(self, key: bytes) -> str:
         return f"{self.prefix}:{self.namespace_id}:p:{key.hex()}"
 
-    def _each(self, keys: list[bytes], command: str) -> list[Any]:
+    def _each(self, keys: list[bytes], command: str,
+              direct: Callable[[Any, list[int]], list[Any] | None] | None = None) -> list[Any]:
         """``command`` (a pipeline method taking one key name) for every key, one pipelined round trip per node (a
         cluster is asked node by node, each with the store's timeout: no cluster-wide retry loop); results in key
-        order, error replies in place."""
+        order, error replies in place. ``direct(node client, indices)``: the node's results read another way, or
+        None where that cannot be (then the pipeline reads them)."""
         results: list[Any] = [None] * len(keys)
         names = [self.key(k) for k in keys]
         owner, groups = self._by_node(names)        # held: a reset elsewhere must not close it under us
         for client, members in groups:
-            pipe = client.pipeline(transaction=False)
-            for i in members:
-                getattr(pipe, command)(names[i])
-            for i, result in zip(members, pipe.execute(raise_on_error=False), strict=True):
+            found = direct(client, members) if direct is not None else None
+            if found is None:
+                pipe = client.pipeline(transaction=False)
+                for i in members:
+                    getattr(pipe, command)(names[i])
+                found = pipe.execute(raise_on_error=False)
+            for i, result in zip(members, found, strict=True):
                 results[i] = result
         del owner
         return results
@@ -118,13 +131,65 @@ class RedisStore(StorageBackend):
         return [bool(n) for n in found]
 
     def _get(self, keys: list[bytes], pages: list[list[memoryview]]) -> Iterator[PageRejected | None]:
-        blobs = self._each(keys, "get")
-        for blob in blobs:
-            if isinstance(blob, Exception) and not _wrong_value(blob):
-                raise blob
-        return self._ordered(self._verify_into, keys, pages, blobs)   # side by side: xxhash and numpy drop the GIL
+        """The pages' values, node by node. Where the connection allows it (``direct_socket`` decides), read from
+        its socket straight into the pages (``_read_into``): no copy but the kernel's, and each page's checksum is
+        verified on an I/O thread while the next pages come. Else redis-py's pipeline of GETs (one round trip)
+        parses each into one ``bytes``, verified and copied into the pages side by side on the I/O threads
+        (xxhash and numpy drop the GIL)."""
+        pool = self._io_pool() if self.io_threads > 1 and len(keys) > 1 else None
+        checks: list[Future[Any] | None] = [None] * len(keys)
+
+        def check(i: int, reply: Any) -> None:
+            checks[i] = (self._submit(pool, self._verify_into, keys[i], pages[i], reply) if pool is not None
+                         else _done(self._verify_into(keys[i], pages[i], reply)))
+
+        try:
+            replies = self._each(keys, "get", lambda client, members: self._read_into(
+                client, [keys[i] for i in members], [pages[i] for i in members],
+                lambda j, reply: check(members[j], reply)))
+            for reply in replies:
+                if isinstance(reply, Exception) and not isinstance(reply, PageRejected) and not _wrong_value(reply):
+                    raise reply
+            for i, reply in enumerate(replies):
+                if checks[i] is None:                  # read through redis-py
+                    check(i, reply)
+        except BaseException:
+            settle([c for c in checks if c is not None])           # no thread left in the pages
+            raise
+        return self._in_order(cast("list[Future[Any]]", checks))
+
+    @functools.cached_property
+    def _plan(self) -> ReadPlan:
+        return ReadPlan(self.stored_bytes)
+
+    def _read_into(self, client: Any, keys: list[bytes], pages: list[list[memoryview]],
+                   read: Callable[[int, Any], None]) -> list[Any] | None:
+        """The pages of ``keys`` read on one pooled connection of ``client`` straight into ``pages``
+        (:func:`kvtier.storage.redis_reader.read_pages`, which calls ``read(index, reply)`` as each comes), or None
+        where that connection cannot be read so; the replies in order."""
+        replies: list[Any] = [None] * len(keys)
+
+        def arrived(i: int, reply: Any) -> None:
+            replies[i] = reply
+            read(i, reply)
+
+        with _pooled(client) as connection:
+            sock = direct_socket(connection)
+            if sock is None:
+                return None
+            read_pages(connection, sock, self._plan, self.format, [self.key(k).encode() for k in keys], keys, pages,
+                       arrived)
+        return replies
 
     def _verify_into(self, key: bytes, pieces: list[memoryview], blob: Any) -> PageRejected | None:
+        if isinstance(blob, Read):                     # already in the pieces: the checksum over them, in place
+            try:
+                self.format.check_payload(blob.header, blob.checksum, pieces)
+            except PageRejected as rejected:
+                return rejected
+            return None
+        if isinstance(blob, PageRejected):
+            return blob
         if blob is None:
             return PageRejected("absent", self.key(key))
         if isinstance(blob, Exception):                # e.g. WRONGTYPE: something else lives at the page's key
@@ -230,7 +295,7 @@ class RedisStore(StorageBackend):
         cluster found afresh). The old one is not closed here: calls of other threads may still be using it; it
         closes when the last of them lets go. An error reply about one command (out of memory, say) changes
         nothing."""
-        from redis.exceptions import ClusterError, ResponseError
+        from redis.exceptions import ClusterError
 
         if isinstance(error, ResponseError) and not isinstance(error, (ClusterError, AskError, TryAgainError)):
             return
@@ -252,13 +317,30 @@ def _wrong_value(error: Exception) -> bool:
     return type(error) is ResponseError and str(error).startswith("WRONGTYPE")
 
 
-def _send(client: Any, chunks: list[Any], replies: int) -> None:
-    """Write packed commands on one pooled connection and read their replies; the first error reply raises."""
-    from redis.exceptions import ResponseError
+def _done(result: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(result)
+    return future
 
+
+@contextlib.contextmanager
+def _pooled(client: Any) -> Iterator[Any]:
+    """One connection of ``client``'s pool, given back afterwards; disconnected first if anything was raised (its
+    socket may hold the rest of a reply: it must never serve another call)."""
     pool = client.connection_pool
     connection = pool.get_connection()
     try:
+        yield connection
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)
+
+
+def _send(client: Any, chunks: list[Any], replies: int) -> None:
+    """Write packed commands on one pooled connection and read their replies; the first error reply raises."""
+    with _pooled(client) as connection:
         connection.send_packed_command(chunks)
         failed = None
         for _ in range(replies):
@@ -268,8 +350,3 @@ def _send(client: Any, chunks: list[Any], replies: int) -> None:
                 failed = failed or exc
         if failed is not None:
             raise failed
-    except BaseException:
-        connection.disconnect()
-        raise
-    finally:
-        pool.release(connection)

@@ -21,13 +21,6 @@ from kvtier.cli import main
 from kvtier.storage import RedisStore, open_store
 
 
-@pytest.fixture
-def own_server():
-    server = RedisServer()
-    yield server
-    server.close()
-
-
 def test_a_server_stopped_mid_run_is_misses_then_hits_again(own_server):
     ns = namespace()
     store = RedisStore(own_server.url, ns, retry_interval=0.2, timeout=1.0, connect_timeout=0.5)
