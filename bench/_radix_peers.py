@@ -90,7 +90,9 @@ class KVTierCache(Subject):
         self.cache = KVCache(self._dev, self._host, Namespace("bench", g, "bfloat16"), settings)
 
     def pages(self, count: int) -> np.ndarray:
-        return self.cache.allocate(count)
+        pages = self.cache.allocate(count)
+        self._dev.runtime.synchronize(self._dev.device)   # the emulator runs queued copies and frees on the CPU:
+        return pages                                      # on a GPU they would not be in the next timed call
 
     def insert(self, tokens: np.ndarray, slots: np.ndarray, owned: int = 0) -> None:
         self.cache.insert(tokens, slots)
