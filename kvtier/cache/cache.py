@@ -209,12 +209,7 @@ class KVCache:
             if lock:
                 self._take_lock(match, match.last_node)
             whole = len(tokens) // self.page_size * self.page_size
-            self.metrics.lookups.inc()
-            self.metrics.lookup_tokens.inc(whole)
-            for tier, count in (("device", match.device_tokens), ("host", match.host_tokens)):
-                if count:
-                    self.metrics.hits.inc(1, tier)
-                    self.metrics.hit_tokens.inc(count, tier)
+            self.metrics.lookup(whole, match.device_tokens, match.host_tokens)
             if self.settings.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
                 threshold = self.settings.write_through_threshold
                 hot = [n for n in match.last_device_node.path()

@@ -183,6 +183,17 @@ class CacheMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_Families(self.all))
 
+    def lookup(self, tokens: int, device: int, host: int) -> None:
+        """One ``match_prefix``: its tokens, and its hits per tier, counted under one lock (it runs on every match)."""
+        lookups, looked, hits, hit_tokens = self.lookups, self.lookup_tokens, self.hits, self.hit_tokens
+        with lookups._lock:                          # every metric of a cache shares the one lock
+            lookups._values[None] += 1
+            looked._values[None] += tokens
+            for tier, count in (("device", device), ("host", host)):
+                if count:
+                    hits._values[tier] += 1
+                    hit_tokens._values[tier] += count
+
     def all(self) -> list[Metric]:
         return [value for value in vars(self).values() if isinstance(value, Metric)]
 
