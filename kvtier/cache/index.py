@@ -197,7 +197,8 @@ class RadixIndex:
             matched = length
             if length > page and child.tokens[page:length].tobytes() != tokens[pos + page:pos + length].tobytes():
                 differ = np.flatnonzero(child.tokens[page:length] != tokens[pos + page:pos + length])
-                matched = page + int(differ[0]) // page * page
+                if differ.size:                        # (equal values in another dtype differ only as bytes)
+                    matched = page + int(differ[0]) // page * page
             if matched < len(child.tokens):
                 if not split:
                     path.append(child)
