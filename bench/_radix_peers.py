@@ -72,7 +72,21 @@ class Subject:
         pass
 
 
-class KVTierCache(Subject):
+class KVTierSubject(Subject):
+    """kvtier's subjects: a match is a ``Match`` (device pages and tokens)."""
+
+    def _match(self, tokens: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def match(self, tokens: np.ndarray) -> int:
+        return self._match(tokens).device_tokens
+
+    def with_prefix(self, tokens: np.ndarray, pages: int) -> tuple[np.ndarray, int]:
+        have = self._match(tokens).device_pages
+        return np.concatenate([have, self.pages(pages - len(have))]), len(have) * self.page
+
+
+class KVTierCache(KVTierSubject):
     """kvtier's ``KVCache`` on emulated pools (no bytes move in these rows): locks, page checks and metrics in."""
 
     name = "kvtier KVCache"
@@ -97,12 +111,8 @@ class KVTierCache(Subject):
     def insert(self, tokens: np.ndarray, slots: np.ndarray, owned: int = 0) -> None:
         self.cache.insert(tokens, slots)
 
-    def match(self, tokens: np.ndarray) -> int:
-        return self.cache.match_prefix(tokens).device_tokens
-
-    def with_prefix(self, tokens: np.ndarray, pages: int) -> tuple[np.ndarray, int]:
-        have = self.cache.match_prefix(tokens).device_pages
-        return np.concatenate([have, self.pages(pages - len(have))]), len(have) * self.page
+    def _match(self, tokens: np.ndarray) -> Any:
+        return self.cache.match_prefix(tokens)
 
     def evict(self, tokens: int) -> None:
         self.cache.evict(device_pages=min(tokens // self.page, self._dev.pages))
@@ -113,7 +123,7 @@ class KVTierCache(Subject):
         self._dev.close()
 
 
-class KVTierIndex(Subject):
+class KVTierIndex(KVTierSubject):
     """kvtier's ``RadixIndex`` alone: the tree walk, split and placement, without the cache around it. Its pages
     come from a counter (it keeps no free list); eviction is the cache's, so it has no evict rows."""
 
@@ -131,12 +141,8 @@ class KVTierIndex(Subject):
     def insert(self, tokens: np.ndarray, slots: np.ndarray, owned: int = 0) -> None:
         self.index.place(tokens, np.array(slots[: len(tokens) // self.page]))
 
-    def match(self, tokens: np.ndarray) -> int:
-        return self.index.match(tokens).device_tokens
-
-    def with_prefix(self, tokens: np.ndarray, pages: int) -> tuple[np.ndarray, int]:
-        have = self.index.match(tokens).device_pages
-        return np.concatenate([have, self.pages(pages - len(have))]), len(have) * self.page
+    def _match(self, tokens: np.ndarray) -> Any:
+        return self.index.match(tokens)
 
     def evict(self, tokens: int) -> None:
         if tokens < 1 << 62:
