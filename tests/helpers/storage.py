@@ -233,7 +233,7 @@ def second(runtime, storage, salt, **settings):
     return cache, model, dev, host
 
 
-def slow_cache(rt, shared, delay=0.02, **settings):
+def slow_cache(rt, shared, delay=0.02, device_pages=64, host_pages=128, **settings):
     """(cache, model, dev, host, store): a cache over a ``Hooked`` store on ``shared`` whose writes each take
     ``delay`` seconds, so writes queue up behind the backups."""
     made = {}
@@ -243,5 +243,5 @@ def slow_cache(rt, shared, delay=0.02, **settings):
         made["store"].delay = delay
         return made["store"]
 
-    cache, model, dev, host = build(rt, device_pages=64, host_pages=128, storage=storage, **settings)
+    cache, model, dev, host = build(rt, device_pages=device_pages, host_pages=host_pages, storage=storage, **settings)
     return cache, model, dev, host, made["store"]

@@ -347,15 +347,19 @@ def test_close_from_two_threads_at_once_accounts_for_every_page(rt, cancels):
 
 def test_close_without_cancel_while_another_thread_serves(rt):
     """Requests keep coming on another thread while close(cancel=False) runs: every page a request got into the
-    cache before close refused it is stored; the serving thread sees BufferClosed, nothing else."""
+    cache before close refused it is stored; the serving thread sees BufferClosed, nothing else. The pools hold every
+    prompt the server may serve (at most ``limit``): with 64 device pages a fast server outran the backups under load
+    and write_through evicted prompts not yet backed up (``skipped.evicted_without_backup``, never stored)."""
     shared = SharedPages()
-    cache, model, dev, host, store = slow_cache(rt, shared, delay=0.005)
+    limit = 200
+    cache, model, dev, host, store = slow_cache(rt, shared, delay=0.005, device_pages=2 * limit + 8,
+                                                host_pages=2 * limit + 8)
     served: list = []
     tried: list = []                                # a request may get in and then meet the close at its unlock
     stop = threading.Event()
 
     def serving():
-        while not stop.is_set():
+        while not stop.is_set() and len(tried) < limit:
             tokens = prompt(2 * P)
             tried.append(tokens)
             serve(cache, model, tokens)
@@ -372,6 +376,7 @@ def test_close_without_cancel_while_another_thread_serves(rt):
         assert outcome and outcome[0][0] == "raised" and isinstance(outcome[0][1], BufferClosed), outcome
         stats = cache.stats()
         written = stats["storage_pages.written"]
+        assert stats["skipped.evicted_without_backup"] == 0, "the pools were too small for the prompts served"
         assert written == sum(store.exists(page_keys(cache.namespace, t)) for t in tried)
         assert [store.exists(page_keys(cache.namespace, t)) for t in served] == [2] * len(served)
         assert not {k for k, v in stats.items() if k.startswith(("storage_skipped.", "skipped.")) and v}
