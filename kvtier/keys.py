@@ -28,7 +28,7 @@ from kvtier.pools.geometry import KVGeometry
 try:
     from kvtier import _chain_keys as _native
 except ImportError:                               # not built (no compiler or OpenSSL headers at install)
-    _native = None
+    _native = None  # type: ignore[assignment]
 
 KEY_FORMAT = "kvtier-page-key-v1"
 KEY_BYTES = 32

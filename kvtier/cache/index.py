@@ -174,7 +174,7 @@ class RadixIndex:
         if on_device > 1:
             device_pages = np.concatenate([n.device for n in device_nodes])
         else:
-            device_pages = device_nodes[0].device.copy() if device_nodes else EMPTY
+            device_pages = np.array(device_nodes[0].device) if device_nodes else EMPTY   # a copy
         pending = [n.loading for n in device_nodes if n.loading is not None]
         if len(pending) > 1:
             pending = list({id(op): op for op in pending}.values())

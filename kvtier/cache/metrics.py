@@ -83,7 +83,7 @@ class Metric:
         self.name, self.metric, self.doc, self.kind, self.label = name, metric, doc, kind, label
         self.labels, self._lock = labels, lock
         self._values: dict[str | None, float] = dict.fromkeys(labels if labels is not None else (None,), 0.0)
-        self._live: dict[str, Callable[[], float]] = {}
+        self._live: dict[str | None, Callable[[], float]] = {}
 
     def _check(self, label: str | None) -> None:
         if self.labels is None and label is not None:

@@ -1,0 +1,3 @@
+"""Page keys in C (kvtier/_chain_keys.c); built by the package's install where it can be."""
+
+def chain(parent: bytes, data: bytes, width: int) -> list[bytes]: ...
