@@ -62,3 +62,35 @@ def test_a_live_gauge_reads_its_source_at_every_read_and_nothing_keeps_it_up_to_
     assert metrics.registry.get_sample_value("kvtier_cache_free_pages", {"tier": "device"}) == 3
     with pytest.raises(KeyError, match="not a documented label of free_pages"):
         metrics.free_pages.live("disk", lambda: 0)
+
+
+def test_a_scrape_beside_serving_and_close_reads_every_family_and_ends_at_empty_tiers(rt):
+    """Prometheus scrapes from its own thread whenever it likes: while requests are served, and while the cache closes
+    (which gives the tiers a fresh index). Every scrape must see every family, and the last one the empty tiers."""
+    import threading
+
+    from helpers.cache import P, build, joined, prompt, serve, spawn
+    from prometheus_client import generate_latest
+
+    cache, model, dev, host = build(rt, device_pages=16, host_pages=32)
+    stop = threading.Event()
+    scrapes: list[bytes] = []
+
+    def scraping():
+        while not stop.is_set():
+            scrapes.append(generate_latest(cache.metrics.registry))
+
+    scraper, outcome = spawn("scraper", scraping)
+    try:
+        for _ in range(20):
+            serve(cache, model, prompt(2 * P))
+        cache.close()
+    finally:
+        stop.set()
+        joined(scraper)
+        host.close()
+        dev.close()
+    assert outcome == [("ok", None)] and scrapes
+    assert all(b"kvtier_cache_lookups_total" in s and b'kvtier_cache_free_pages{tier="host"}' in s for s in scrapes)
+    final = generate_latest(cache.metrics.registry).decode()
+    assert 'kvtier_cache_tokens{tier="device"} 0.0' in final and "kvtier_cache_lookups_total 20.0" in final
