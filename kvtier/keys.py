@@ -35,11 +35,12 @@ KEY_BYTES = 32
 TOKEN_LIMIT = 1 << 32
 
 
-def token_array(tokens: Any, what: str = "tokens") -> np.ndarray:
+def token_array(tokens: Any, what: str = "tokens", *, copy: bool = True) -> np.ndarray:
     """Token ids as a fresh contiguous uint32 array (the cache keeps views of it); a 1-D list, numpy array or torch
-    tensor of non-negative ids < 2**32."""
+    tensor of non-negative ids < 2**32. ``copy=False`` for a lookup that keeps nothing: a uint32 array comes back as
+    it is."""
     if type(tokens) is np.ndarray and tokens.dtype == np.uint32 and tokens.ndim == 1:
-        return tokens.copy()                      # already what the cache keeps: nothing to check
+        return tokens.copy() if copy else tokens  # already what the cache keeps: nothing to check
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):
         tokens = tokens.detach().cpu().numpy()
     array = np.asarray(tokens)

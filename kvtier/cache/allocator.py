@@ -15,6 +15,11 @@ import numpy as np
 from kvtier.checks import index_array, integer
 from kvtier.errors import InvalidArgument
 
+try:
+    from kvtier import _page_checks as _native
+except ImportError:                               # not built (no C compiler at install)
+    _native = None  # type: ignore[assignment]
+
 
 class PageAllocator:
     def __init__(self, pages: int, *, name: str = "pages", contiguous: bool = False) -> None:
@@ -130,3 +135,13 @@ def distinct(pages: np.ndarray) -> bool:
         return True
     ordered = np.sort(pages)
     return bool((ordered[1:] != ordered[:-1]).all())
+
+
+def take_pages(pages: np.ndarray, states: np.ndarray, want: int, to: int) -> bool:
+    """In one C pass (``kvtier._page_checks``): when every page indexes ``states``, is in state ``want`` and is
+    named once, move each to state ``to`` and say True. False changes nothing: some page is not so, or the pass
+    could not run (not built, or not a contiguous int64 array); the caller then runs the numpy checks, which name
+    the page and the fault."""
+    if _native is None or pages.dtype != np.int64 or not pages.flags.c_contiguous:
+        return False
+    return _native.take(pages, states, want, to)

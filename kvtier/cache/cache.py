@@ -32,7 +32,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from kvtier.cache.allocator import PageAllocator, distinct
+from kvtier.cache.allocator import PageAllocator, distinct, take_pages
 from kvtier.cache.controller import Controller
 from kvtier.cache.index import Match, Node, RadixIndex
 from kvtier.cache.metrics import CacheMetrics
@@ -47,6 +47,7 @@ from kvtier.checks import index_array, integer, positive_number
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.keys import Namespace, token_array
 from kvtier.locks import named_lock
+from kvtier.memory import closings
 from kvtier.pools import DevicePool, HostPool, payload_order
 from kvtier.pools.state import StateDevicePool, StateHostPool
 from kvtier.storage import StorageBackend
@@ -121,6 +122,7 @@ class KVCache:
         self.load_backend, self.backup_backend = self._choose_backends()
         self._lock = named_lock("cache", reentrant=True)
         self._closing = self._closed = False
+        self._open_at = -1
         self._done = threading.Event()
         self.metrics = CacheMetrics()
         self._engines: dict[str, TransferEngine] = {}
@@ -197,7 +199,8 @@ class KVCache:
 
         Hybrid caches: the deepest prefix with its KV *and* a state snapshot at its end (``match.device_state`` or
         ``match.host_state``), shorter than the KV alone when the snapshot there is gone."""
-        tokens = token_array(tokens)
+        if type(tokens) is not np.ndarray or tokens.dtype != np.uint32 or tokens.ndim != 1:
+            tokens = token_array(tokens, copy=False)
         with self._lock:
             self._check_open()
             usable: Callable[[Node], bool] | None
@@ -212,10 +215,12 @@ class KVCache:
             self.metrics.lookup(whole, match.device_tokens, match.host_tokens)
             if self.settings.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
                 threshold = self.settings.write_through_threshold
-                hot = [n for n in match.last_device_node.path()
-                       if (n.host is None or Tiers.state_unsaved(n)) and n.hits >= threshold]
-                if hot:
-                    self._controller.request_backup([hot[0]], self._markers(CURRENT))
+                node = match.last_device_node            # the deepest node hit often enough that lacks a backup
+                while node.parent is not None:
+                    if node.hits >= threshold and (node.host is None or Tiers.state_unsaved(node)):
+                        self._controller.request_backup([node], self._markers(CURRENT))
+                        break
+                    node = node.parent
             return match
 
     @staticmethod
@@ -328,9 +333,8 @@ class KVCache:
         pages = index_array(pages, "pages")
         with self._lock:
             self._check_open()
-            self._check_caller_pages(pages, "free")
-            self.tiers.fence(self._markers(after))
-            self.tiers.page_state[pages] = FREE
+            self._take_caller_pages(pages, "free", FREE)
+            self.tiers.fence(self._markers_or_give_back(after, pages))
             self.device.release(pages.copy())
 
     def allocate_state(self) -> int:
@@ -421,21 +425,21 @@ class KVCache:
                                       f"pages were given")
             pages = np.array(pages[:count])
             walked = self.index.walk(whole)
-            self._check_insert(walked, pages)
-            written = self._markers(after)
+            taken = self._take_insert_pages(walked, pages)
+            written = self._markers_or_give_back(after, taken)
             placed = self.index.place(whole, pages, walked)
             for node in placed.revived + ([placed.new_node] if placed.new_node else []):
-                self.tiers.page_state[node.device] = TREE
                 node.written = written
-            if placed.duplicates.size:
-                self.tiers.page_state[placed.duplicates] = FREE
-                self.device.release(placed.duplicates.copy())
+            freed = placed.duplicates
+            if freed.size:
+                self.tiers.page_state[freed] = FREE
+                self.device.release(freed.copy())
                 self.tiers.fence(written)            # the caller may still be writing them
+                freed = freed.copy()
             kept = state is not None and self._adopt_state(placed.last_node, state, written)
             if (placed.new_node is not None or kept) and self.settings.write_policy is WritePolicy.WRITE_THROUGH:
                 self._controller.request_backup([placed.last_node], None)
-            return Inserted(placed.existing_tokens, len(whole) - placed.existing_tokens, placed.duplicates.copy(),
-                            placed.last_node, kept)
+            return Inserted(placed.existing_tokens, len(whole) - placed.existing_tokens, freed, placed.last_node, kept)
 
     def _adopt_state(self, node: Node, slot: int, written: list[Any] | None) -> bool:
         """The caller's snapshot becomes ``node``'s device snapshot, unless it has one (then the slot is freed, and
@@ -799,13 +803,18 @@ class KVCache:
 
     def _check_open(self) -> None:
         """Every call that could hand out or read a page checks both pools too: a cache over a pool its caller
-        closed would otherwise keep handing out page numbers in freed memory."""
+        closed would otherwise keep handing out page numbers in freed memory. The pools are asked only when
+        something in the process closed since they last answered (``kvtier.memory.closings``)."""
         if self._closing:
             raise BufferClosed("this KVCache is closed")
+        seen = closings.count()
+        if seen == self._open_at:
+            return
         for i, pool in enumerate(self._pools):
             if pool.closed:
                 what = ("device", "host", "device state", "host state")[i]
                 raise BufferClosed(f"the cache's {what} pool {pool!r} was closed: close the cache before its pools")
+        self._open_at = seen
 
     def _own(self, match: Match | Node) -> Node:
         """The node of ``match``, checked to be a live node of this cache's tree."""
@@ -819,8 +828,10 @@ class KVCache:
     def _caller_pages(self) -> int:
         return int(np.count_nonzero(self.tiers.page_state == CALLER))
 
-    def _check_caller_pages(self, pages: np.ndarray, what: str) -> None:
-        if not pages.size:
+    def _take_caller_pages(self, pages: np.ndarray, what: str, to: int) -> None:
+        """Every page must be the caller's (from ``allocate``, in range, named once): each then moves to state
+        ``to``. A bad page raises, naming it, with nothing changed."""
+        if not pages.size or take_pages(pages, self.tiers.page_state, CALLER, to):
             return
         if int(pages.min()) < 0 or int(pages.max()) >= self.device.pages:
             bad = pages[(pages < 0) | (pages >= self.device.pages)]
@@ -832,16 +843,27 @@ class KVCache:
             first = int(pages[state != CALLER][0])
             whose = "the cache's own" if self.tiers.page_state[first] == TREE else "not allocated"
             raise InvalidArgument(f"{what}: device page {first} is {whose}, not a page from allocate()")
+        self.tiers.page_state[pages] = to
 
-    def _check_insert(self, walked: tuple[list[Node], int], pages: np.ndarray) -> None:
-        """Pages where the tree has device pages may be the tree's own; every other page must be the caller's."""
-        tree = self.index.device_pages_along(walked)
-        covered = pages[: len(tree)]
-        own = covered == tree
-        if own.all():                        # the usual call: the match's pages, then new ones
-            self._check_caller_pages(pages[len(tree):], "insert")
-        else:
-            self._check_caller_pages(np.concatenate([covered[~own], pages[len(tree):]]), "insert")
+    def _take_insert_pages(self, walked: tuple[list[Node], int], pages: np.ndarray) -> np.ndarray:
+        """Pages where the tree has device pages may be the tree's own; every other page must be the caller's, and
+        becomes the tree's (a duplicate of the tree's own is freed once placed). Returns the pages taken."""
+        if walked[0]:
+            tree = self.index.device_pages_along(walked)
+            covered = pages[: len(tree)]
+            own = covered == tree
+            pages = pages[len(tree):] if own.all() else np.concatenate([covered[~own], pages[len(tree):]])
+        self._take_caller_pages(pages, "insert", TREE)
+        return pages
+
+    def _markers_or_give_back(self, after: Any, taken: np.ndarray) -> list[Any] | None:
+        """``_markers(after)`` for a call that took the caller's ``taken`` pages: a bad ``after`` gives them back, so
+        the refused call changed nothing."""
+        try:
+            return self._markers(after)
+        except BaseException:
+            self.tiers.page_state[taken] = CALLER
+            raise
 
     def _set_depth(self, queue: str, depth: int) -> None:
         self.metrics.queue.set(depth, queue)

@@ -32,6 +32,8 @@ from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.keys import chain_keys
 
 EMPTY = np.zeros(0, dtype=np.int64)
+_CHILDREN = {"device": "device_children", "host": "host_children"}
+_LEAVES = {"device": "device_leaves", "host": "host_leaves"}
 NO_TOKENS = np.zeros(0, dtype=np.uint32)
 
 
@@ -165,19 +167,18 @@ class RadixIndex:
             for node in path:
                 node.last_access = clock
                 node.hits += 1
-        on_device = 0                                  # the device tier holds a prefix of the path
+        on_device, pending = 0, []                     # the device tier holds a prefix of the path
         for node in path:
             if node.device is None:
                 break
             on_device += 1
+            if node.loading is not None and node.loading not in pending:
+                pending.append(node.loading)
         device_nodes, host_nodes = path[:on_device], path[on_device:]
         if on_device > 1:
             device_pages = np.concatenate([n.device for n in device_nodes])
         else:
             device_pages = np.array(device_nodes[0].device) if device_nodes else EMPTY   # a copy
-        pending = [n.loading for n in device_nodes if n.loading is not None]
-        if len(pending) > 1:
-            pending = list({id(op): op for op in pending}.values())
         last = path[-1] if path else None
         return Match(len(tokens), len(device_pages) * self.page_size,
                      sum(len(n.tokens) for n in host_nodes) if host_nodes else 0, device_pages,
@@ -301,7 +302,7 @@ class RadixIndex:
         if before == after:
             return
         delta = len(node.tokens) if after else -len(node.tokens)
-        counter, leaves = f"{tier}_children", getattr(self, f"{tier}_leaves")
+        counter, leaves = _CHILDREN[tier], getattr(self, _LEAVES[tier])
         if tier == "device":
             self.device_tokens += delta
         else:

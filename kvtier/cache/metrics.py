@@ -180,19 +180,23 @@ class CacheMetrics:
         self.queue = gauge("queue", "kvtier_cache_queue_depth", "work waiting or in flight", "queue")
         self.tokens = gauge("tokens", "kvtier_cache_tokens", "tokens held per tier", "tier")
         self.free_pages = gauge("free_pages", "kvtier_cache_free_pages", "free pages per tier", "tier")
+        self._lookup_values = (self.lookups._values, self.lookup_tokens._values, self.hits._values,
+                               self.hit_tokens._values)
         self.registry = CollectorRegistry()
         self.registry.register(_Families(self.all))
 
     def lookup(self, tokens: int, device: int, host: int) -> None:
         """One ``match_prefix``: its tokens, and its hits per tier, counted under one lock (it runs on every match)."""
-        lookups, looked, hits, hit_tokens = self.lookups, self.lookup_tokens, self.hits, self.hit_tokens
-        with lookups._lock:                          # every metric of a cache shares the one lock
-            lookups._values[None] += 1
-            looked._values[None] += tokens
-            for tier, count in (("device", device), ("host", host)):
-                if count:
-                    hits._values[tier] += 1
-                    hit_tokens._values[tier] += count
+        lookups, looked, hits, hit_tokens = self._lookup_values
+        with self.lookups._lock:                     # every metric of a cache shares the one lock
+            lookups[None] += 1
+            looked[None] += tokens
+            if device:
+                hits["device"] += 1
+                hit_tokens["device"] += device
+            if host:
+                hits["host"] += 1
+                hit_tokens["host"] += host
 
     def all(self) -> list[Metric]:
         return [value for value in vars(self).values() if isinstance(value, Metric)]

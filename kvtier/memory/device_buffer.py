@@ -10,6 +10,7 @@ import numpy as np
 from kvtier.address import CpuAddress, DeviceAddress
 from kvtier.checks import integer
 from kvtier.errors import BufferClosed, InvalidArgument
+from kvtier.memory import closings
 from kvtier.memory.lifetime import Drainable, Users
 from kvtier.runtime import Runtime
 from kvtier.runtime import get as get_runtime
@@ -83,6 +84,7 @@ class DeviceBuffer:
         if self.closed or self._closing:
             return
         self._closing = True
+        closings.counted()
         try:
             self._users.drain()
         finally:

@@ -23,7 +23,7 @@ from kvtier.address import CpuAddress
 from kvtier.checks import integer
 from kvtier.errors import BufferClosed, BufferInUse, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.locks import named_lock
-from kvtier.memory import host_memory
+from kvtier.memory import closings, host_memory
 from kvtier.memory.budget import check_host_budget
 from kvtier.memory.collector import COLLECTOR
 from kvtier.memory.lifetime import Drainable, Users
@@ -63,6 +63,7 @@ class _Resources:
         if self.released:
             return
         self.released = True
+        closings.counted()
         if os.getpid() != self.creator_pid:
             return
         if keep_mapping:

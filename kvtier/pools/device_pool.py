@@ -15,7 +15,7 @@ import numpy as np
 
 from kvtier.checks import integer
 from kvtier.errors import BufferClosed, InvalidArgument, MisalignedAddress
-from kvtier.memory import DeviceAddress, DeviceBuffer, DeviceRegion, get_device_accessible_ptr
+from kvtier.memory import DeviceAddress, DeviceBuffer, DeviceRegion, closings, get_device_accessible_ptr
 from kvtier.memory.lifetime import Drainable, Users
 from kvtier.pools.geometry import KVGeometry
 from kvtier.runtime import Runtime
@@ -63,6 +63,7 @@ class DevicePoolLifetime:
         if self._closed:
             return
         self._closed = True     # new work over the pool is refused from here on
+        closings.counted()
         self._users.close(self._free, self._reopen)
 
     def _reopen(self) -> None:

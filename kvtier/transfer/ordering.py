@@ -25,7 +25,12 @@ def after_events(runtime: Runtime, device: int, after: Any, *, skip: Stream | No
     if isinstance(after, str):
         if after != CURRENT:
             raise InvalidArgument(f"after={after!r}: use {CURRENT!r}, a Transfer, an event, a stream, a list or None")
-        after = runtime.current_stream(device)
+        current = runtime.current_stream(device)       # the default, on every insert: one event, no list walk
+        if current is skip:
+            return []
+        marker = runtime.create_event(device)
+        marker.record(current)
+        return [marker]
     theirs, sources = [], []
     for item in after if isinstance(after, (list, tuple)) else [after]:   # every item checked before any is used
         if isinstance(item, Transfer):

@@ -56,3 +56,19 @@ def test_a_pool_closed_between_calls_of_one_request_stops_the_request(rt):
         cache.unlock(match)
     cache.close()
     dev.close()
+
+
+def test_a_host_buffer_closed_under_its_pool_after_calls_that_found_it_open_stops_the_next_call(rt):
+    """The cache asks its pools again only when something in the process closed since they last answered: a buffer
+    closed under a pool (not the pool) between two calls is such a closing."""
+    cache, model, dev, host = build(rt, device_pages=8, host_pages=16)
+    tokens = prompt(4 * P)
+    serve(cache, model, tokens)
+    cache.drain()
+    for _ in range(3):
+        cache.match_prefix(tokens)
+    host.buffer.close()
+    with pytest.raises(BufferClosed, match="host pool"):
+        cache.match_prefix(tokens)
+    cache.close()
+    dev.close()
