@@ -430,12 +430,11 @@ class KVCache:
             placed = self.index.place(whole, pages, walked)
             for node in placed.revived + ([placed.new_node] if placed.new_node else []):
                 node.written = written
-            freed = placed.duplicates
+            freed = placed.duplicates.copy()             # the caller's to keep (and change)
             if freed.size:
                 self.tiers.page_state[freed] = FREE
                 self.device.release(freed.copy())
                 self.tiers.fence(written)            # the caller may still be writing them
-                freed = freed.copy()
             kept = state is not None and self._adopt_state(placed.last_node, state, written)
             if (placed.new_node is not None or kept) and self.settings.write_policy is WritePolicy.WRITE_THROUGH:
                 self._controller.request_backup([placed.last_node], None)
@@ -851,7 +850,7 @@ class KVCache:
         if walked[0]:
             tree = self.index.device_pages_along(walked)
             covered = pages[: len(tree)]
-            own = covered == tree
+            own = (covered == tree) & (tree >= 0)    # -1: a host-only node's position, never the tree's own
             pages = pages[len(tree):] if own.all() else np.concatenate([covered[~own], pages[len(tree):]])
         self._take_caller_pages(pages, "insert", TREE)
         return pages

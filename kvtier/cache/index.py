@@ -178,7 +178,7 @@ class RadixIndex:
         if on_device > 1:
             device_pages = np.concatenate([n.device for n in device_nodes])
         else:
-            device_pages = np.array(device_nodes[0].device) if device_nodes else EMPTY   # a copy
+            device_pages = np.array(device_nodes[0].device if device_nodes else EMPTY)   # a copy: the caller's
         last = path[-1] if path else None
         return Match(len(tokens), len(device_pages) * self.page_size,
                      sum(len(n.tokens) for n in host_nodes) if host_nodes else 0, device_pages,

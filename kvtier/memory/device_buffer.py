@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,13 @@ from kvtier.memory import closings
 from kvtier.memory.lifetime import Drainable, Users
 from kvtier.runtime import Runtime
 from kvtier.runtime import get as get_runtime
+
+
+def _free_counted(free: Callable[[DeviceAddress], None], value: DeviceAddress) -> None:
+    """A buffer's finalizer: a close, or the collector or interpreter exit dropping it unclosed. Either way its
+    ``closed`` now holds (the finalizer is dead), so it counts as a closing before the memory goes."""
+    closings.counted()
+    free(value)
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,7 @@ class DeviceBuffer:
         self.runtime = runtime or get_runtime()
         self.device, self.nbytes = self.runtime.check_device(device), nbytes
         self._value = self.runtime.device_alloc(nbytes, self.device)
-        self._finalizer = weakref.finalize(self, self.runtime.device_free, self._value)
+        self._finalizer = weakref.finalize(self, _free_counted, self.runtime.device_free, self._value)
         self._users = Users()
         self._closing = False
 

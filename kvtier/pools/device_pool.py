@@ -88,7 +88,10 @@ class DevicePoolLifetime:
 class DevicePool(DevicePoolLifetime):
     def __init__(self, geometry: KVGeometry, pages: int, device: int, runtime: Runtime, layers: list[list[Any]],
                  owned: Sequence[DeviceBuffer] = ()) -> None:
-        """``layers[t][layer]``: an operand the resolver understands (a DeviceBuffer, a region, a CUDA tensor)."""
+        """``layers[t][layer]``: an operand the resolver understands (a DeviceBuffer, a region, a CUDA tensor). A
+        buffer or region under the pool closed by someone else closes the pool (a cache over it refuses its next
+        call); a bare ``DeviceAddress`` carries no lifetime, so memory given that way is the caller's to keep alive
+        until the pool (and any cache over it) is closed."""
         self.geometry, self.pages, self.device, self.runtime = geometry, pages, device, runtime
         self.layers = layers
         self._addresses = [[get_device_accessible_ptr(op, device, runtime=runtime) for op in row] for row in layers]

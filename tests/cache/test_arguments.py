@@ -104,3 +104,24 @@ def test_a_refused_evict_evicts_nothing():
             cache.evict(device_pages=4, host_pages=bad)
     assert cache.index.device_tokens == 4 * P
     close_all(cache, dev, host)
+
+
+def test_the_freed_pages_an_insert_returns_are_the_callers_own_array(rt):
+    """An insert's ``freed`` and a miss's ``device_pages`` are arrays of the caller's own, even when empty: one
+    shared empty array, retyped by a caller, changed every cache's root pages and refused the next insert.
+    (Found adversarially.)"""
+    cache, model, dev, host = build(rt, device_pages=16)
+    tokens = prompt(4 * P)
+    mine = cache.allocate(4)
+    model.write(tokens, mine)
+    freed = cache.insert(tokens, mine).freed
+    assert freed.size == 0
+    freed.dtype = np.float64                          # the caller's array: theirs to change
+    try:
+        assert cache.match_prefix(prompt(4 * P)).device_pages.dtype == np.int64
+        serve(cache, model, prompt(4 * P))
+    finally:
+        freed.dtype = np.int64
+    cache.close()
+    host.close()
+    dev.close()

@@ -3,6 +3,12 @@ number in freed device memory, nor reports a host hit in a freed buffer."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 from helpers.cache import P, build, prompt, serve
@@ -72,3 +78,50 @@ def test_a_host_buffer_closed_under_its_pool_after_calls_that_found_it_open_stop
         cache.match_prefix(tokens)
     cache.close()
     dev.close()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+AT_EXIT = textwrap.dedent("""
+    import weakref
+    import numpy as np
+    from kvtier.cache import CacheSettings, KVCache, Namespace
+    from kvtier.errors import BufferClosed
+    from kvtier.pools import DevicePool, HostPool
+    from kvtier.pools.geometry import KVGeometry
+    from kvtier.runtime import create
+
+    g = KVGeometry.mha(layers=2, kv_heads=1, head_dim=32, itemsize=2, page_size=4)
+    rt = create("emulated:split")
+    host = HostPool.allocate(g, "page_first", pages=16, kind="pinned", runtime=rt)
+
+    class Engine:          # an engine whose cleanup (or a daemon thread) still asks the cache for a page at exit
+        pass
+
+    engine = Engine()
+
+    def last_request():
+        print("device pool closed:", dev.closed, flush=True)
+        try:
+            print("HANDED OUT", cache.allocate(1).tolist(), flush=True)
+        except BufferClosed:
+            print("REFUSED", flush=True)
+
+    weakref.finalize(engine, last_request)
+    dev = DevicePool.allocate(g, 8, 0, runtime=rt)
+    cache = KVCache(dev, host, Namespace("exit", g, "bfloat16"),
+                    CacheSettings(calibrate=False, io_backend="direct", load_back_min_tokens=0))
+    tokens = np.arange(16, dtype=np.uint32)
+    cache.match_prefix(tokens)
+    cache.match_prefix(tokens)
+""")
+
+
+def test_device_buffers_freed_by_their_finalizers_at_exit_stop_the_next_call():
+    """At interpreter exit weakref.finalize frees every DeviceBuffer without DeviceBuffer.close(): that counts as a
+    closing too, so a last call from a finalizer or a daemon thread is refused rather than handed a page of freed
+    device memory. (Found adversarially: the count first missed it.)"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", AT_EXIT], env=env, capture_output=True, text=True, timeout=120)
+    assert "device pool closed: True" in done.stdout, done.stdout + done.stderr
+    assert "REFUSED" in done.stdout, done.stdout + done.stderr

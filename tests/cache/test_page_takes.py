@@ -8,7 +8,7 @@ import sysconfig
 
 import numpy as np
 import pytest
-from helpers.cache import P, build, prompt
+from helpers.cache import P, build, prompt, serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -88,6 +88,25 @@ def test_refused_inserts_and_frees_leave_every_page_the_callers(native, monkeypa
             assert (cache.tiers.page_state[mine] == cache.tiers.page_state[mine[0]]).all()
     cache.insert(tokens, mine)
     assert cache.match_prefix(tokens).device_tokens == 4 * P
+    cache.close()
+    host.close()
+    dev.close()
+
+
+def test_insert_of_minus_one_pages_over_a_host_only_prefix_is_refused(rt):
+    """A host-only node's positions are -1 along the tree, and a caller page -1 there was taken for the tree's own:
+    the node was revived on device page -1 (the pool's last page) and matches handed it out. Refused now.
+    (Found adversarially.)"""
+    cache, model, dev, host = build(rt, device_pages=16)
+    tokens = prompt(4 * P)
+    serve(cache, model, tokens)
+    cache.drain()
+    cache.evict(device_pages=16)
+    assert cache.match_prefix(tokens).host_tokens == 4 * P
+    with pytest.raises(InvalidArgument):
+        cache.insert(tokens, np.array([-1, -1, -1, -1]))
+    cache.check()
+    assert cache.match_prefix(tokens).device_tokens == 0
     cache.close()
     host.close()
     dev.close()
