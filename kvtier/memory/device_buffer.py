@@ -17,7 +17,7 @@ from kvtier.runtime import Runtime
 from kvtier.runtime import get as get_runtime
 
 
-def _free_counted(free: Callable[[DeviceAddress], None], value: DeviceAddress) -> None:
+def _free_counted(free: Callable[[int], None], value: int) -> None:
     """A buffer's finalizer: a close, or the collector or interpreter exit dropping it unclosed. Either way its
     ``closed`` now holds (the finalizer is dead), so it counts as a closing before the memory goes."""
     closings.counted()
