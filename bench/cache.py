@@ -116,37 +116,35 @@ def close_all(subjects) -> None:
     gc.collect()                  # the next rows' timings should not pay for collecting these trees' cycles
 
 
-def warm_up(kinds, page: int, length: int, rounds: int = 12) -> None:
-    """Untimed rounds of inserts and matches through every subject, before any row: the first calls of a process pay
-    once for what no scheduler step pays in steady state (code and data first touched, allocators growing, the
-    core's clock); measured, the first row's first repeats ran 2-4x their steady cost for every subject, and with a
-    median of 7 that moved the row by up to 1.7x."""
+def warm_up(subjects, page: int, length: int, rounds: int = 12) -> None:
+    """Untimed rounds of inserts and matches through every subject, which it leaves empty, before their first row:
+    first calls pay once for what no scheduler step pays in steady state (code and data first touched, allocators
+    growing, the core's clock); measured, a run's first row's first repeats ran 2-4x their steady cost for every
+    subject, and with a median of 7 that moved the row by up to 1.7x."""
     rng = np.random.default_rng(1)
-    subjects = build(kinds, page, 2 * length + 8 * page)
-    try:
-        for _ in range(rounds):
-            prompt = rng.integers(0, VOCAB, length)
-            for s in subjects:
-                s.evict_all()
-                tokens = s.tokens(prompt)
-                s.insert(tokens, s.pages(length // page))
-                s.settle()
-                s.match(tokens)
-    finally:
-        close_all(subjects)
+    for _ in range(rounds):
+        prompt = rng.integers(0, VOCAB, length)
+        for s in subjects:
+            s.evict_all()
+            tokens = s.tokens(prompt)
+            s.insert(tokens, s.pages(length // page))
+            s.settle()
+            s.match(tokens)
+    for s in subjects:
+        s.evict_all()
 
 
 def control(kinds, page_sizes, lengths, conversations, repeats, console) -> list[dict]:
     """The rows of SGLang's radix-cache measurements, through every subject (bench/_radix_peers.py)."""
     rng = np.random.default_rng(0)
     rows = Rows([k.name for k in kinds], console)
-    warm_up(kinds, page_sizes[0], min(lengths))
     longest = max(lengths)
     evictors = [k for k in kinds if k is not KVTierIndex]
     for page in page_sizes:
         # empty index: insert a prompt into it, match that prompt (a full hit) and a fresh one (cold: a miss)
         subjects = build(kinds, page, 2 * longest + 8 * page)
         try:
+            warm_up(subjects, page, min(lengths))
             for length in lengths:
                 prompts = [rng.integers(0, VOCAB, length) for _ in range(repeats)]
                 misses = [rng.integers(0, VOCAB, length) for _ in range(repeats)]
