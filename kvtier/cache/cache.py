@@ -32,6 +32,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
+from kvtier import closings
 from kvtier.cache.allocator import PageAllocator, distinct, take_pages
 from kvtier.cache.controller import Controller
 from kvtier.cache.index import Match, Node, RadixIndex
@@ -47,7 +48,6 @@ from kvtier.checks import index_array, integer, positive_number
 from kvtier.errors import BufferClosed, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.keys import Namespace, token_array
 from kvtier.locks import named_lock
-from kvtier.memory import closings
 from kvtier.pools import DevicePool, HostPool, payload_order
 from kvtier.pools.state import StateDevicePool, StateHostPool
 from kvtier.storage import StorageBackend
@@ -803,7 +803,7 @@ class KVCache:
     def _check_open(self) -> None:
         """Every call that could hand out or read a page checks both pools too: a cache over a pool its caller
         closed would otherwise keep handing out page numbers in freed memory. The pools are asked only when
-        something in the process closed since they last answered (``kvtier.memory.closings``)."""
+        something in the process closed since they last answered (``kvtier.closings``)."""
         if self._closing:
             raise BufferClosed("this KVCache is closed")
         seen = closings.count()

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier import closings
 from kvtier.address import CpuAddress, DeviceAddress
 from kvtier.checks import integer
 from kvtier.errors import BufferClosed, InvalidArgument
-from kvtier.memory import closings
 from kvtier.memory.lifetime import Drainable, Users
 from kvtier.runtime import Runtime
 from kvtier.runtime import get as get_runtime

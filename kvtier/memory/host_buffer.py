@@ -18,12 +18,12 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier import osmem
+from kvtier import closings, osmem
 from kvtier.address import CpuAddress
 from kvtier.checks import integer
 from kvtier.errors import BufferClosed, BufferInUse, InvalidArgument, KvtierError, OutOfMemory
 from kvtier.locks import named_lock
-from kvtier.memory import closings, host_memory
+from kvtier.memory import host_memory
 from kvtier.memory.budget import check_host_budget
 from kvtier.memory.collector import COLLECTOR
 from kvtier.memory.lifetime import Drainable, Users

@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from kvtier import closings
 from kvtier.checks import integer
 from kvtier.errors import BufferClosed, InvalidArgument, MisalignedAddress
-from kvtier.memory import DeviceAddress, DeviceBuffer, DeviceRegion, closings, get_device_accessible_ptr
+from kvtier.memory import DeviceAddress, DeviceBuffer, DeviceRegion, get_device_accessible_ptr
 from kvtier.memory.lifetime import Drainable, Users
 from kvtier.pools.geometry import KVGeometry
 from kvtier.runtime import Runtime

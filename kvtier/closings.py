@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvtier.locks import named_lock
 
-_lock = named_lock("memory.closings", fork_safe=True)
+_lock = named_lock("closings", fork_safe=True)
 _count = 0
 
 
