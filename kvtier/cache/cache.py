@@ -199,8 +199,7 @@ class KVCache:
 
         Hybrid caches: the deepest prefix with its KV *and* a state snapshot at its end (``match.device_state`` or
         ``match.host_state``), shorter than the KV alone when the snapshot there is gone."""
-        if type(tokens) is not np.ndarray or tokens.dtype != np.uint32 or tokens.ndim != 1:
-            tokens = token_array(tokens, copy=False)
+        tokens = token_array(tokens, copy=False)
         with self._lock:
             self._check_open()
             usable: Callable[[Node], bool] | None
