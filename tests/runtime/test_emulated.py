@@ -141,25 +141,17 @@ def test_elapsed_ms_of_events_not_yet_complete_raises_not_ready_as_cuda_does():
     assert start.elapsed_ms(end) >= 0.0
     stream.close()
 
+
 def test_an_event_recorded_on_an_idle_stream_is_complete_at_once_as_on_a_gpu():
     """A GPU completes an event recorded on a stream with nothing queued without running anything; the emulator
     does too (the cache records one on every insert, and on a lazy schedule they used to wait for a synchronize).
-    One recorded behind queued work still waits for it."""
+    One recorded behind queued work still waits for it (the test above)."""
     runtime = EmulatedRuntime("split", schedule="lazy", seed=0)
     stream = runtime.create_stream(0)
     start, end = runtime.create_event(0, timing=True), runtime.create_event(0, timing=True)
     start.record(stream)
     end.record(stream)
     assert start.elapsed_ms(end) >= 0.0
-    runtime.busy(stream, 50)
-    behind = runtime.create_event(0, timing=True)
-    behind.record(stream)
-    try:
-        with pytest.raises(RuntimeCallError, match="cudaErrorNotReady"):
-            start.elapsed_ms(behind)
-    finally:
-        stream.synchronize()
-    assert start.elapsed_ms(behind) >= 0.0
     stream.close()
 
 
