@@ -743,6 +743,8 @@ class KVCache:
         caller's own events are snapshotted into one of the cache's (it keeps them as fences after the call returns,
         and the caller may close or re-record theirs)."""
         runtime, device = self.device_pool.runtime, self.device_pool.device
+        if after is None or isinstance(after, str):   # "current", every default insert: no caller event to snapshot
+            return after_events(runtime, device, after)
         with self._fence_lock:
             if self._fence_stream is None:
                 self._fence_stream = runtime.create_stream(device)
