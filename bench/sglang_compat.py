@@ -13,6 +13,11 @@ compared with kvtier's own head-major layout, which orders a head's tokens and l
 Each repeat gives the compat calls new index tensors (same values), as each SGLang request brings its own;
 ``--same-indices`` reuses one set.
 
+Where SGLang is installed and a CUDA GPU is present, a third side runs SGLang 0.5.23's own HiCache JIT kernels (what
+its host pool calls for ``layer_first`` and ``page_first`` on CUDA, built from the sources in the ``sglang`` wheel;
+bench/_sglang_kernels.py) on the same memory and indices: once at ``--blocks`` and once at SGLang's default block
+quota. Every side's destination is poisoned before its last repeat and checked after it.
+
 Run on a GPU machine: ``python bench/sglang_compat.py [--json out.json]``; ``--runtime emulated:split`` is a smoke test
 on the CPU emulator (the numbers are not speeds).
 """
@@ -31,6 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _sglang_kernels  # noqa: E402
 from _verify import described, kv_device, kv_host, merged, poison, verify  # noqa: E402
 from _verify import fill as fill_units  # noqa: E402
 from transfer import GEOMETRIES, bench_runtime, fill  # noqa: E402
@@ -42,8 +48,9 @@ from kvtier.pools.geometry import Strides  # noqa: E402
 from kvtier.transfer import TransferEngine  # noqa: E402
 
 EMULATED_NOTE = "note: {name} runs Python reference kernels on the CPU, so these numbers are not speeds"
-SIDES = ("engine", "compat", "engine, a launch (call) per layer")
-"""The sides of a row, in the order ``measure`` times them (the third for per-layer functions only)."""
+ENGINE, COMPAT, LAYERED, SGLANG, SGLANG_DEFAULT = ("engine", "compat", "engine, a launch (call) per layer",
+                                                  "SGLang's kernel", "SGLang's kernel at its default quota")
+"""The sides of a row (the third for per-layer functions only, the SGLang ones where its kernels load)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--same-indices", action="store_true",
                         help="give every repeat the same index tensors (default: new ones each repeat, as each "
                              "SGLang request brings its own)")
+    parser.add_argument("--no-sglang", action="store_true", help="leave out SGLang's own kernels")
     parser.add_argument("--profile", metavar="FUNCTION", action="append", default=[],
                         help="also print where the host time of this compat function goes (cProfile); repeatable")
     args = parser.parse_args(argv)
@@ -216,8 +224,8 @@ class Indices:
 
 def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_host, pages_dev, pages_host, blocks,
                  engine: TransferEngine):
-    """((name, direction, call) of the compat functions that move these pages on this host layout, and the function
-    that gives those calls new index tensors). Each call has the block shape of ``engine`` (the kernel engine it is
+    """((name, direction, call) of the compat functions that move these pages on this host layout, and their index
+    tensors (``fresh()`` makes new ones)). Each call has the block shape of ``engine`` (the kernel engine it is
     compared with): SGLang's default of 32 warps a block against the engine's 512-thread backup blocks would measure
     the block shape, not the compat layer."""
     from kvtier.compat.sglang import kvcacheio
@@ -283,7 +291,28 @@ def compat_cases(mem: Memory, host: HostPool, layout: str, tokens_dev, tokens_ho
             kvcacheio.transfer_kv_per_layer_direct_pf_lf(hd, [row[layer] for row in mem.layers], ix.hi_cpu, ix.dd_cpu,
                                                          layer, ps)
             for layer in range(L)]))
-    return cases, ix.fresh
+    return cases, ix
+
+
+def sglang_sides(hicache, mem: Memory, host: HostPool, layout: str, ix: Indices, blocks: int) -> dict:
+    """{compat function: [(side name, SGLang's call, its kernel)]}: SGLang's own kernel for the same move at
+    ``blocks`` and at SGLang's default quota (when that differs), on ``mem``'s stream."""
+    if isinstance(hicache, str):
+        return {}
+    g = mem.g
+    shape = (host.pages * g.page_size, g.layers, g.row_bytes) if layout == "page_first" else \
+        (g.layers, host.pages * g.page_size, g.row_bytes)
+    hosts = host_views(host, g.tensors, shape)
+    sides: dict[str, list] = {}
+    kernels = {name: _sglang_kernels.kernel_name(hicache, g.row_bytes, quota, g.page_size)
+               for name, quota in ((SGLANG, blocks), (SGLANG_DEFAULT, None))}
+    for name, quota in ((SGLANG, blocks), (SGLANG_DEFAULT, None)):
+        if name == SGLANG_DEFAULT and kernels[name] == kernels[SGLANG]:
+            continue   # SGLang's default quota is --blocks: one side says it
+        kernel = kernels[name]
+        for function, call in _sglang_kernels.cases(hicache, mem, layout, hosts, ix, quota).items():
+            sides.setdefault(function, []).append((name, mem.on_stream(call), kernel))
+    return sides
 
 
 def checked_copy(pool: DevicePool, host: HostPool, side: str, op: str, pages_dev, pages_host) -> tuple:
@@ -292,7 +321,7 @@ def checked_copy(pool: DevicePool, host: HostPool, side: str, op: str, pages_dev
     head, layer, token): their host pages are read that way."""
     g = pool.geometry
     strides = None
-    if side == "compat" and host.layout.value == "page_head":
+    if side == COMPAT and host.layout.value == "page_head":
         head_bytes = g.head_bytes
         strides = Strides(layer=head_bytes, page=g.heads * g.page_size * g.layers * head_bytes,
                           slot=g.layers * head_bytes, head=g.page_size * g.layers * head_bytes)
@@ -302,33 +331,43 @@ def checked_copy(pool: DevicePool, host: HostPool, side: str, op: str, pages_dev
     return device_pages, pages_dev, host_pages, pages_host
 
 
-def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceiling, args, console) -> list[dict]:
-    """Both sides of every compat function of this layout (in a function of its own, so the host views the calls
+def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceiling, args, console,
+            hicache) -> list[dict]:
+    """Every side of every compat function of this layout (in a function of its own, so the host views the calls
     hold are gone before the host pool closes)."""
     rows = []
     g, name = mem.g, mem.name
-    cases, fresh = compat_cases(mem, host, layout, *tokens, pages_dev, pages_host, args.blocks, engines["kernel"])
+    cases, ix = compat_cases(mem, host, layout, *tokens, pages_dev, pages_host, args.blocks, engines["kernel"])
+    theirs = sglang_sides(hicache, mem, host, layout, ix, args.blocks)
+    fresh = () if args.same_indices else (ix.fresh,)
     for function, op, call in cases:
         backend, engine_op = ops[op]
         engine = engines[backend]
-        compat = (mem.on_stream(call), mem.done) + (() if args.same_indices else (fresh,))
-        sides = [(lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize), compat]
+        sides = {ENGINE: (lambda e=engine, f=engine_op: f(e).wait(), engine.synchronize),
+                 COMPAT: (mem.on_stream(call), mem.done, *fresh)}
         per_layer = function.startswith("transfer_kv_per_layer")
         if per_layer and backend == "kernel":   # SGLang's per-layer API is a launch per layer; the engine's is one
             layered = engines["kernel-layers"]
-            sides.append((lambda e=layered, f=engine_op: f(e).wait(), layered.synchronize))
+            sides[LAYERED] = (lambda e=layered, f=engine_op: f(e).wait(), layered.synchronize)
         elif per_layer:   # a DMA load as SGLang asks for it: one engine call per layer
-            sides.append((lambda e=engine: [e.load(pages_host, pages_dev, layers=[layer])
-                                            for layer in range(g.layers)][-1].wait(), engine.synchronize))
-        copies = [checked_copy(mem.pool, host, SIDES[side], op, pages_dev, pages_host) for side in range(len(sides))]
+            sides[LAYERED] = (lambda e=engine: [e.load(pages_host, pages_dev, layers=[layer])
+                                                for layer in range(g.layers)][-1].wait(), engine.synchronize)
+        kernels = {}
+        for side, their_call, kernel in theirs.get(function, []):
+            sides[side] = (their_call, mem.done, *fresh)
+            kernels[side] = kernel
+        names = list(sides)
+        copies = [checked_copy(mem.pool, host, side, op, pages_dev, pages_host) for side in names]
         what = f"{name} {layout} {function}"
         guard = (lambda copy=copies[0]: poison(copy[0], copy[1]),
-                 lambda side, copies=copies, what=what: verify(f"{what}, {SIDES[side]} side", *copies[side]))
-        timings, checks = interleaved(sides, args.repeats, guard)
-        (q_engine, t_engine), (q_compat, t_compat) = timings[:2]
+                 lambda side, copies=copies, what=what, names=names: verify(f"{what}, {names[side]} side",
+                                                                             *copies[side]))
+        timing_list, checks = interleaved(list(sides.values()), args.repeats, guard)
+        timings = dict(zip(names, timing_list, strict=True))
+        (q_engine, t_engine), (q_compat, t_compat) = timings[ENGINE], timings[COMPAT]
         calls = g.layers if function.startswith("transfer_kv_per_layer") else 1
         if function in args.profile:
-            profile(function, *compat[:2], calls, console, *compat[2:])
+            profile(function, *sides[COMPAT][:2], calls, console, *sides[COMPAT][2:])
         key = "d2h_gbps" if op.startswith("backup") else "h2d_gbps"
         nbytes = len(pages_dev) * g.bytes_per_page
         threads = engine.backup_threads if op == "backup" else engine.threads
@@ -341,8 +380,14 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
         row["compat_pct"] = 100 * row["compat_gbps"] / ceiling[key]
         row["compat_vs_engine_pct"] = 100 * t_engine / t_compat
         if per_layer:
-            row["engine_layer_launches_gbps"] = nbytes / timings[2][1] / 1e9
-            row["compat_vs_layer_launches_pct"] = 100 * timings[2][1] / t_compat
+            row["engine_layer_launches_gbps"] = nbytes / timings[LAYERED][1] / 1e9
+            row["compat_vs_layer_launches_pct"] = 100 * timings[LAYERED][1] / t_compat
+        for side, field in ((SGLANG, "sglang"), (SGLANG_DEFAULT, "sglang_default")):
+            if side in timings:
+                row[f"{field}_kernel"] = kernels[side]
+                row[f"{field}_gbps"] = nbytes / timings[side][1] / 1e9
+                row[f"{field}_pct"] = 100 * row[f"{field}_gbps"] / ceiling[key]
+                row[f"{field}_vs_engine_pct"] = 100 * t_engine / timings[side][1]
         rows.append(row)
         console.log(f"{name} {layout} {function}: compat {row['compat_gbps']:.1f} GB/s "
                     f"({row['compat_pct']:.0f}%), engine {row['engine_gbps']:.1f} ({row['engine_pct']:.0f}%), "
@@ -359,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
     console.log(f"ceiling: H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f} GB/s")
     seed = HostBuffer.allocate(min(256 << 20, max(1 << 20, size)), HostKind.PINNED, runtime=runtime)
     seed.as_tensor().numpy()[:] = np.random.default_rng().integers(0, 256, seed.nbytes, dtype=np.uint8)
+    hicache = "left out (--no-sglang)" if args.no_sglang else _sglang_kernels.load()
+    theirs = hicache if isinstance(hicache, str) else "sglang.kernels.ops.kvcache.hicache"
+    console.log(f"SGLang's own kernels: {theirs}")
     rows = []
     rng = np.random.default_rng(0)
     for name in args.geometry or ["llama3-8b-p16", "dsv3-mla-p16"]:
@@ -381,7 +429,8 @@ def main(argv: list[str] | None = None) -> None:
                    "load": ("kernel", lambda e, d=pages_dev, h=pages_host: e.load(h, d)),
                    "backup-dma": ("dma", lambda e, d=pages_dev, h=pages_host: e.backup(d, h)),
                    "load-dma": ("dma", lambda e, d=pages_dev, h=pages_host: e.load(h, d))}
-            rows += measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceiling, args, console)
+            rows += measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceiling, args, console,
+                            hicache)
             for engine in engines.values():
                 engine.close()
             host.close()
@@ -392,7 +441,8 @@ def main(argv: list[str] | None = None) -> None:
                         f"ceiling H2D {ceiling['h2d_gbps']:.1f}, D2H {ceiling['d2h_gbps']:.1f} GB/s)")
     for column in ("geometry", "host layout", "compat function", "engine call", "compat GB/s (%)",
                    "engine GB/s (%)", "compat / engine %", "engine, a launch (call) per layer: GB/s", "compat / it %",
-                   "queued ms: compat", "engine", "µs / compat call", "verified"):
+                   "queued ms: compat", "engine", "µs / compat call", "SGLang's kernel GB/s (%)",
+                   "at its default quota", "verified"):
         table.add_column(column)
     for r in rows:
         table.add_row(r["geometry"], r["layout"], r["function"], f"{r['engine']} {r['direction'].split('-')[0]}",
@@ -401,12 +451,16 @@ def main(argv: list[str] | None = None) -> None:
                       f"{r['engine_layer_launches_gbps']:.1f}" if "engine_layer_launches_gbps" in r else "",
                       f"{r['compat_vs_layer_launches_pct']:.0f}" if "compat_vs_layer_launches_pct" in r else "",
                       f"{r['compat_queued_ms']:.2f}", f"{r['engine_queued_ms']:.2f}", f"{r['compat_call_us']:.0f}",
+                      *(f"{r[f + '_gbps']:.1f} ({r[f + '_pct']:.0f}%) {r[f + '_kernel']}" if f + "_gbps" in r else ""
+                        for f in ("sglang", "sglang_default")),
                       described(r["verified"]))
     console.print(table)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"runtime": runtime.name, "ceiling": ceiling, "blocks": args.blocks, "stream": args.stream,
-                       "same_indices": args.same_indices, "rows": rows}, out, indent=1)
+                       "same_indices": args.same_indices,
+                       "sglang_kernels": theirs,
+                       "rows": rows}, out, indent=1)
     if emulated:
         console.print(EMULATED_NOTE.format(name=runtime.name))
 

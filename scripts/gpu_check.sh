@@ -17,14 +17,15 @@ want() { [[ " $PHASES " == *" $1 "* ]]; }
 # Dependencies the machine's image lacks (redis-py, seen 2026-12-05), from wheels carried in .wheels
 # (scripts/device_wheels.sh); already installed ones are kept.
 if [ -d .wheels ]; then
-    python3 -m pip install -q --no-index --find-links .wheels redis hiredis xxhash prometheus-client rich         > "$OUT/wheels.txt" 2>&1 || status=1
+    python3 -m pip install -q --no-index --find-links .wheels redis hiredis xxhash prometheus-client rich pytest-xdist \
+        > "$OUT/wheels.txt" 2>&1 || status=1
 fi
-# Mooncake (the mooncake phase): its CPU wheel and Debian's RDMA/NUMA libraries it links, carried in .wheels
+# Mooncake (the mooncake phase): its CPU wheel and Debian's RDMA/NUMA libraries it links, carried in .wheels-mooncake
 # (scripts/device_wheels.sh --mooncake), unpacked beside the system's rather than over it.
-if want mooncake && [ -d .wheels ]; then
-    python3 -m pip install -q --no-index --find-links .wheels mooncake-transfer-engine-non-cuda >> "$OUT/wheels.txt" 2>&1 \
-        || status=1
-    for deb in .wheels/debs/*.deb; do [ -e "$deb" ] && dpkg -x "$deb" /tmp/kvtier-debs; done
+if want mooncake && [ -d .wheels-mooncake ]; then
+    python3 -m pip install -q --no-index --find-links .wheels-mooncake mooncake-transfer-engine-non-cuda \
+        >> "$OUT/wheels.txt" 2>&1 || status=1
+    for deb in .wheels-mooncake/debs/*.deb; do [ -e "$deb" ] && dpkg -x "$deb" /tmp/kvtier-debs; done
     export LD_LIBRARY_PATH="/tmp/kvtier-debs/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 # Reserve 1 GiB of huge pages on the throwaway VM (host setting, not the card's) so hugetlb is tested, not skipped.
@@ -80,11 +81,20 @@ if want gemm; then
         || status=1
 fi
 if want sglang; then
+    # SGLang's own HiCache kernels as a third side: its wheel, tvm-ffi and ninja (they build the kernels with nvcc)
+    # and the small packages its kernel module imports, carried in .wheels-sglang (scripts/device_wheels.sh
+    # --sglang), installed apart so that only this phase sees them.
+    sglang_env=()
+    if [ -d .wheels-sglang ]; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/kvtier-sglang .wheels-sglang/*.whl \
+            >> "$OUT/wheels.txt" 2>&1 || status=1
+        sglang_env=(env "PYTHONPATH=$PYTHONPATH:/tmp/kvtier-sglang" "PATH=/tmp/kvtier-sglang/bin:$PATH")
+    fi
     # torch's default stream, then a side stream of the compat calls' own (SGLang's HiCache uses side streams)
-    python3 bench/sglang_compat.py ${SGLANG_ARGS:-} --json "$OUT/sglang_compat.json" 2>&1 \
+    "${sglang_env[@]}" python3 bench/sglang_compat.py ${SGLANG_ARGS:-} --json "$OUT/sglang_compat.json" 2>&1 \
         | tee "$OUT/sglang_compat.txt" || status=1
-    python3 bench/sglang_compat.py ${SGLANG_ARGS:-} --stream side --json "$OUT/sglang_compat_side.json" 2>&1 \
-        | tee "$OUT/sglang_compat_side.txt" || status=1
+    "${sglang_env[@]}" python3 bench/sglang_compat.py ${SGLANG_ARGS:-} --stream side \
+        --json "$OUT/sglang_compat_side.json" 2>&1 | tee "$OUT/sglang_compat_side.txt" || status=1
 fi
 if want sglang_kernel_tests; then
     # SGLang's own kvcacheio test against kvtier.compat.sglang.kvcacheio, through the sgl_kernel shim

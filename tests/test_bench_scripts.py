@@ -489,3 +489,13 @@ def test_storage_run_with_a_planted_wrong_copy_fails_naming_it(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("storage.py: verification failed:") and "differs from the source" in last
     assert not (tmp_path / "storage.json").exists()
+
+
+def test_sglang_kernels_side_says_why_it_is_absent_without_cuda():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _sglang_kernels
+    finally:
+        sys.path.remove(str(BENCH))
+    reason = _sglang_kernels.load()
+    assert isinstance(reason, str) and "CUDA" in reason
