@@ -4,7 +4,7 @@
 # probe. Logs land under $OUT (the device tool brings them back; it takes 8 files at most, so pick PHASES to fit).
 # PHASES picks a subset, e.g. PHASES="build tests" bash scripts/gpu_check.sh; BENCH_ARGS goes to bench/transfer.py,
 # TESTS narrows the AOT suite (default: tests), ENQUEUE_ARGS to bench/enqueue.py, DEMO_ARGS to kvtier demo, CACHE_ARGS to bench/cache.py (data plane),
-# STORAGE_ARGS to bench/storage.py (MOONCAKE_STORAGE_ARGS in the mooncake phase, DISAGG_ARGS to bench/disagg.py), FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, BOTH_ARGS to bench/bidirectional.py, GEMM_ARGS to bench/gemm_beside.py, SGLANG_ARGS to bench/sglang_compat.py (phase dmaq: bench/dma_queue.py), E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark), VLLM_ARGS to bench/vllm_connector.py --worker (the vLLM connector's worker path). The storage phase
+# STORAGE_ARGS to bench/storage.py (MOONCAKE_STORAGE_ARGS in the mooncake phase, DISAGG_ARGS to bench/disagg.py), FAMILY_ARGS to bench/families.py (model-family pools, HiSparse), SMALL_ARGS to bench/small_loads.py, BOTH_ARGS to bench/bidirectional.py, GEMM_ARGS to bench/gemm_beside.py, SGLANG_ARGS to bench/sglang_compat.py (phase dmaq: bench/dma_queue.py), E2E_ARGS to bench/e2e.py (the transformers TTFT benchmark), OVERLAP_ARGS to bench/overlap_probe.py (phase overlap), VLLM_ARGS to bench/vllm_connector.py --worker (the vLLM connector's worker path). The storage phase
 # needs redis-server on PATH and redis-py importable.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu}
@@ -142,6 +142,10 @@ if want storage; then
     } 2>&1 | tee "$OUT/demo-storage.txt" || status=1
     rm -rf "$store"
     python3 bench/storage.py --runtime cuda ${STORAGE_ARGS:-} --json "$OUT/storage.json" 2>&1 | tee "$OUT/storage.txt" \
+        || status=1
+fi
+if want overlap; then
+    python3 bench/overlap_probe.py ${OVERLAP_ARGS:-} --json "$OUT/overlap_probe.json" 2>&1 | tee "$OUT/overlap_probe.txt" \
         || status=1
 fi
 if want e2e; then
