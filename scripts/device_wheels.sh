@@ -24,7 +24,8 @@ for option in "$@"; do
         (cd .wheels-mooncake/debs && apt-get download libibverbs1 librdmacm1 libnuma1) ;;
     --sglang)
         download .wheels-sglang sglang==0.5.23 apache-tvm-ffi ninja msgspec orjson psutil pybase64 starlette anyio \
-            sniffio pyzmq pydantic pydantic-core annotated-types typing-inspection pillow ;;
+            sniffio pyzmq pydantic pydantic-core annotated-types typing-inspection pillow requests urllib3 idna certifi \
+            charset-normalizer packaging ;;
     *) echo "unknown option $option (--mooncake, --sglang)" >&2; exit 2 ;;
     esac
 done
