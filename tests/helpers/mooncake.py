@@ -52,15 +52,37 @@ def need_mooncake() -> None:
         pytest.skip(missing)
 
 
-def _wait_port(port: int, what: str, seconds: float = 20) -> None:
+START_ATTEMPTS = 3
+"""Starts on fresh ports before giving up: a port found free can be taken by another test process before the
+server binds it, and the server then exits."""
+
+
+class ServerExited(RuntimeError):
+    """A server exited while starting (its port taken, most often): worth another try on other ports."""
+
+
+def _wait_port(port: int, what: str, process: subprocess.Popen[bytes], log: str, seconds: float = 30) -> None:
+    """Until ``port`` accepts; fails at once, with the tail of the server's ``log``, when ``process`` exits."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return
         except OSError:
+            if process.poll() is not None:
+                raise ServerExited(f"{what} exited with status {process.returncode} before it listened on port "
+                                   f"{port}; the end of its log: {_tail(log)}") from None
             time.sleep(0.05)
-    raise RuntimeError(f"{what} did not start on port {port}")
+    raise RuntimeError(f"{what} did not start on port {port} in {seconds:.0f} s; the end of its log: {_tail(log)}")
+
+
+def _tail(path: str, nbytes: int = 600) -> str:
+    try:
+        with open(path, "rb") as log:
+            log.seek(max(0, os.path.getsize(path) - nbytes))
+            return log.read().decode(errors="replace").strip() or "(empty)"
+    except OSError:
+        return "(no log)"
 
 
 class MooncakeServers:
@@ -69,13 +91,23 @@ class MooncakeServers:
 
     def __init__(self, segment: str = SEGMENT) -> None:
         need_mooncake()
-        self.dir = tempfile.mkdtemp(prefix="kvtier-mooncake-")
-        self.rpc_port, self.http_port, self.admin_port, self.client_port = (free_port() for _ in range(4))
         self.segment = segment
         self.master: subprocess.Popen[bytes] | None = None
         self.holder: subprocess.Popen[bytes] | None = None
-        self.start_master()
-        self.start_holder()
+        for attempt in range(START_ATTEMPTS):
+            self.dir = tempfile.mkdtemp(prefix="kvtier-mooncake-")
+            self.rpc_port, self.http_port, self.admin_port, self.client_port = (free_port() for _ in range(4))
+            try:
+                self.start_master()
+                self.start_holder()
+                return
+            except ServerExited:
+                self.close()
+                if attempt == START_ATTEMPTS - 1:
+                    raise
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def master_address(self) -> str:
@@ -100,24 +132,25 @@ class MooncakeServers:
         binary = mooncake_binary("mooncake_master")
         assert binary is not None
         with self._log("master.log") as log:
-            self.master = subprocess.Popen(
+            self.master = master = subprocess.Popen(
                 [binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
                  f"--http_metadata_server_port={self.http_port}", "--http_metadata_server_host=127.0.0.1",
                  f"--metrics_port={self.admin_port}", "--metrics_host=127.0.0.1", "--client_ttl=5"],
                 stdout=log, stderr=log, cwd=self.dir)
         for port, what in ((self.rpc_port, "mooncake_master"), (self.http_port, "its metadata server"),
                            (self.admin_port, "its admin server")):
-            _wait_port(port, what)
+            _wait_port(port, what, master, os.path.join(self.dir, "master.log"))
 
     def start_holder(self) -> None:
         binary = mooncake_binary("mooncake_client")
         assert binary is not None
         with self._log("holder.log") as log:
-            self.holder = subprocess.Popen(
+            self.holder = holder = subprocess.Popen(
                 [binary, f"--master_server_address={self.master_address}", f"--metadata_server={self.metadata}",
                  f"--global_segment_size={self.segment}", "--host=127.0.0.1", f"--port={self.client_port}",
                  "--protocol=tcp"], stdout=log, stderr=log, cwd=self.dir)
-        _wait_port(self.client_port, "mooncake_client (the segment holder)")
+        _wait_port(self.client_port, "mooncake_client (the segment holder)", holder,
+                   os.path.join(self.dir, "holder.log"))
         self.wait_segment()
 
     def wait_segment(self, seconds: float = 30) -> None:

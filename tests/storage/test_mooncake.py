@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -419,3 +421,29 @@ def test_a_metadata_server_that_is_not_there_is_named_and_costs_no_stall(mooncak
         assert store.set(keys, [[p] for p in random_pages(2)]) == 0
         assert "metadata server does not answer: http://127.0.0.1:1/metadata" in store.last_error
     assert time.monotonic() - started < 5
+
+
+def test_a_private_store_starts_on_other_ports_when_its_first_are_taken(monkeypatch):
+    """A port found free can be bound by another process before the master binds it: the master exits, and the
+    helper starts again on fresh ports instead of waiting out its timeout (and leaves nothing behind)."""
+    import helpers.mooncake as mooncake_helpers
+    from helpers.storage import free_port
+
+    need_mooncake()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", free_port()))     # bound, not listening: a connect is refused, a bind fails
+    ports = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(mooncake_helpers, "free_port", lambda: next(ports, None) or free_port())
+    made: list[str] = []
+    mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
+    try:
+        servers = MooncakeServers(segment="16 MB")
+    finally:
+        taken.close()
+    try:
+        assert len(made) == 2 and not os.path.exists(made[0])   # the first try's folder is gone
+        assert servers.master is not None and servers.master.poll() is None
+    finally:
+        servers.close()
+    assert not os.path.exists(made[1])
