@@ -389,9 +389,11 @@ def measure(mem, host, layout, tokens, pages_dev, pages_host, engines, ops, ceil
                 row[f"{field}_pct"] = 100 * row[f"{field}_gbps"] / ceiling[key]
                 row[f"{field}_vs_engine_pct"] = 100 * t_engine / timings[side][1]
         rows.append(row)
+        theirs_text = "".join(f", SGLang's kernel {row[f + '_kernel']} {row[f + '_gbps']:.1f} ({row[f + '_pct']:.0f}%)"
+                              for f in ("sglang", "sglang_default") if f + "_gbps" in row)
         console.log(f"{name} {layout} {function}: compat {row['compat_gbps']:.1f} GB/s "
-                    f"({row['compat_pct']:.0f}%), engine {row['engine_gbps']:.1f} ({row['engine_pct']:.0f}%), "
-                    f"verified {described(row['verified'])}")
+                    f"({row['compat_pct']:.0f}%), engine {row['engine_gbps']:.1f} ({row['engine_pct']:.0f}%)"
+                    f"{theirs_text}, verified {described(row['verified'])}")
     return rows
 
 

@@ -86,7 +86,7 @@ if want sglang; then
     # --sglang), installed apart so that only this phase sees them.
     sglang_env=()
     if [ -d .wheels-sglang ]; then
-        python3 -m pip install -q --no-index --no-deps --target /tmp/kvtier-sglang .wheels-sglang/*.whl \
+        python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/kvtier-sglang .wheels-sglang/*.whl \
             >> "$OUT/wheels.txt" 2>&1 || status=1
         sglang_env=(env "PYTHONPATH=$PYTHONPATH:/tmp/kvtier-sglang" "PATH=/tmp/kvtier-sglang/bin:$PATH")
     fi
